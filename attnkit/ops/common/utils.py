@@ -1,0 +1,65 @@
+"""Small helpers shared by the PyTorch implementations."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
+    """float64 when any input is float64 (the reference precision of the tests), float32 otherwise."""
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def segment_bounds(cu_seqlens: torch.Tensor | None, seq_len: int) -> list[tuple[int, int]]:
+    """``[(bos, eos), ...]`` of the packed sequences; one segment covering ``[0, T)`` without ``cu_seqlens``."""
+    if cu_seqlens is None:
+        return [(0, seq_len)]
+    values = cu_seqlens.tolist()
+    return list(zip(values[:-1], values[1:]))
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, T, H, D] -> [B, T, H * groups, D]``: query head ``h`` reads key/value head ``h // groups``."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def check_state(
+    name: str, state: object, shapes: tuple[tuple[int, ...], ...], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """A recurrent state: a tuple of float32/float64 tensors of exactly ``shapes`` on ``device``.
+
+    With one shape the state is a bare tensor and messages name ``name``; otherwise it is a tuple and
+    messages name ``name[i]``. Returns the state as a tuple.
+    """
+    if len(shapes) == 1:
+        items, names = (state,), (name,)
+    else:
+        if not isinstance(state, (tuple, list)) or len(state) != len(shapes):
+            raise ValueError(f"{name}: expected a tuple of {len(shapes)} tensors, got {type(state).__name__}")
+        items, names = tuple(state), tuple(f"{name}[{i}]" for i in range(len(shapes)))
+    for item_name, x, shape in zip(names, items, shapes, strict=True):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{item_name}: expected a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{item_name}: expected shape {list(shape)}, got {list(x.shape)}")
+        if x.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{item_name}: expected dtype float32 or float64, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{item_name}: expected device {device} (that of q), got {x.device}")
+    return items
+
+
+def run_segments(fn, tensors: tuple[torch.Tensor, ...], cu_seqlens: torch.Tensor, initial_state):
+    """Apply a dense recurrent op to each packed sequence of ``[1, T, ...]`` tensors independently.
+
+    ``fn(*segment_tensors, segment_state) -> (o [1, L, ...], state tuple with leading dim 1)``, where
+    ``segment_state`` is ``None`` or the ``i``-th row of every tensor of ``initial_state`` (a tuple).
+    Returns ``o`` concatenated along T and the states concatenated along N.
+    """
+    outputs, states = [], []
+    for i, (bos, eos) in enumerate(segment_bounds(cu_seqlens, tensors[0].shape[1])):
+        state = None if initial_state is None else tuple(s[i : i + 1] for s in initial_state)
+        o, state = fn(*(x[:, bos:eos] for x in tensors), state)
+        outputs.append(o)
+        states.append(state)
+    return torch.cat(outputs, 1), tuple(torch.cat(parts, 0) for parts in zip(*states, strict=True))

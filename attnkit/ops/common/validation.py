@@ -1,0 +1,109 @@
+"""Input checks shared by every public op.
+
+Validation happens once, at the public boundary; the implementations behind it trust their inputs.
+Every failure is a ``ValueError`` whose message starts with the name of the offending argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
+    """``x`` is a floating tensor of rank ``ndim``."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
+    return x
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_heads: bool = False) -> None:
+    """``q [B,T,HQ,K]``, ``k [B,T,H,K]``, ``v [B,T,H,V]`` on one device with one dtype; ``HQ % H == 0``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, 4)
+    B, T, HQ, K = q.shape
+    if k.shape[:2] != (B, T) or k.shape[3] != K:
+        raise ValueError(f"k: expected shape [B={B}, T={T}, H, K={K}], got {tuple(k.shape)}")
+    H = k.shape[2]
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v: expected shape [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
+    if H == 0 or HQ % H != 0:
+        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
+    if same_heads and HQ != H:
+        raise ValueError(f"q: expected as many heads as k ({H}), got {HQ}")
+    if K == 0 or v.shape[3] == 0:
+        raise ValueError("k: head dimensions must be non-empty")
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (that of q), got {x.device}")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (that of q), got {x.dtype}")
+
+
+def check_like(name: str, x: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A per-token side input (``w``, ``beta``, ``g``, ``u``): floating, of exactly ``shape``, on ``device``."""
+    x = check_tensor(name, x, len(shape))
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of q), got {x.device}")
+    return x
+
+
+def check_cu_seqlens(cu_seqlens: object, batch: int, seq_len: int, device: torch.device) -> None:
+    """FlashAttention's convention: int ``[N+1]``, ``0 = c_0 <= c_1 <= ... <= c_N = T``, with ``B == 1``."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 1, got {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: requires batch size 1 (sequences packed along T), got B={batch}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens: expected device {device} (that of q), got {cu_seqlens.device}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != seq_len:
+        raise ValueError(f"cu_seqlens: must start at 0 and end at T={seq_len}, got {values[0]} ... {values[-1]}")
+    if any(b < a for a, b in zip(values[:-1], values[1:])):
+        raise ValueError("cu_seqlens: must be non-decreasing")
+
+
+def check_scalar(
+    name: str, value: object, *, low: float | None = None, high: float | None = None, strict: bool = True
+) -> float:
+    """A finite real number, optionally within ``(low, high)`` (``[low, high]`` when ``strict=False``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value}")
+    if low is not None and (value <= low if strict else value < low):
+        raise ValueError(f"{name}: expected a value {'>' if strict else '>='} {low}, got {value}")
+    if high is not None and (value >= high if strict else value > high):
+        raise ValueError(f"{name}: expected a value {'<' if strict else '<='} {high}, got {value}")
+    return value
+
+
+def check_backend(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def resolve_backend(backend: object, op: str, device: torch.device, *, has_triton: bool = False) -> str:
+    """``"auto"`` picks the Triton kernel for CUDA tensors when ``op`` has one, the PyTorch backend otherwise."""
+    backend = check_backend(backend)
+    if backend == "auto":
+        return "triton" if has_triton and device.type == "cuda" else "torch"
+    if backend == "triton" and not has_triton:
+        raise NotImplementedError(f"{op}: the Triton backend is not implemented yet; use backend='torch'")
+    return backend

@@ -1,0 +1,69 @@
+"""PaTH and PaTH-FoX attention (arXiv 2505.16381): position encoding by data-dependent Householder-like
+transitions. The mathematics and the chunked algorithm are in ``README.md`` beside this file."""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.utils import segment_bounds
+from ..common.validation import check_cu_seqlens, check_like, check_qkv, check_scalar, resolve_backend
+from .decoding import path_carry_keys, path_decode_step
+from .torch_impl import chunk_path_fwd
+
+__all__ = ["path_attention", "path_carry_keys", "path_decode_step"]
+
+
+def path_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal PaTH attention; PaTH-FoX when a log forget gate ``g`` is given.
+
+    Logit for ``j <= i``: ``scale · k_jᵀ (H_{j+1} ··· H_i) q_i + G_i − G_j`` with ``H_s = I − beta_s w_s w_sᵀ``
+    and ``G = cumsum(g)`` (not multiplied by ``scale``: FLA's PaTH-FoX with ``g·scale`` is the same function).
+
+    Args:
+        q: ``[B, T, HQ, K]`` queries.
+        k: ``[B, T, H, K]`` keys, ``HQ % H == 0`` (GQA: query head ``h`` reads key head ``h // (HQ // H)``).
+        v: ``[B, T, H, V]`` values.
+        w: ``[B, T, H, K]`` transition directions (layers pass unit vectors), any float dtype.
+        beta: ``[B, T, H]`` transition strengths (layers pass values in ``(0, 2)``), any float dtype.
+        g: ``[B, T, HQ]`` log forget gates (``<= 0``), or None for PaTH without a gate.
+        scale: multiplies the dot-product part of the logit; ``K ** -0.5`` by default.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (requires ``B == 1``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``[B, T, HQ, V]`` in the dtype of ``v``.
+    """
+    check_qkv(q, k, v)
+    B, T, HQ, K = q.shape
+    H = k.shape[2]
+    check_like("w", w, (B, T, H, K), q.device)
+    check_like("beta", beta, (B, T, H), q.device)
+    if g is not None:
+        check_like("g", g, (B, T, HQ), q.device)
+    scale = K**-0.5 if scale is None else check_scalar("scale", scale)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T, q.device)
+    resolve_backend(backend, "path_attention", q.device)
+
+    if T == 0:
+        return v.new_zeros(B, 0, HQ, v.shape[-1])
+    if cu_seqlens is None:
+        return chunk_path_fwd(q, k, v, w, beta, g, scale)
+    outs = []
+    for bos, eos in segment_bounds(cu_seqlens, T):
+        if eos > bos:
+            sl = slice(bos, eos)
+            gs = None if g is None else g[:, sl]
+            outs.append(chunk_path_fwd(q[:, sl], k[:, sl], v[:, sl], w[:, sl], beta[:, sl], gs, scale))
+    return torch.cat(outs, dim=1) if outs else v.new_zeros(B, T, HQ, v.shape[-1])

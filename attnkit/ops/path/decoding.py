@@ -1,0 +1,88 @@
+"""PaTH decoding: a cache of keys already carried to the newest position.
+
+Because every ``H_s`` is symmetric, ``k_jᵀ (H_{j+1} ··· H_i) q_i = (H_i ··· H_{j+1} k_j)ᵀ q_i``: once each
+cached key has been multiplied by all transitions after it, a decode step is ordinary (gated) softmax
+decoding. Step ``t`` first applies ``H_t`` to every cached key (a rank-one update), then appends ``k_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.utils import compute_dtype, segment_bounds
+from ..common.validation import check_cu_seqlens, check_like, check_scalar, check_tensor
+from .torch_impl import chunk_path_carry_keys
+
+
+def path_carry_keys(
+    k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The prefill state of the decoding cache: ``H_T ··· H_{j+1} k_j`` for every key ``j`` of a sequence.
+
+    k, w ``[B, T, H, K]``, beta ``[B, T, H]`` -> ``[B, T, H, K]`` in the dtype of ``k``. Linear in ``T``.
+    With ``cu_seqlens`` every packed sequence is carried to its own end.
+    """
+    check_tensor("k", k, 4)
+    B, T, H, K = k.shape
+    check_like("w", w, (B, T, H, K), k.device)
+    check_like("beta", beta, (B, T, H), k.device)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T, k.device)
+    parts = [
+        chunk_path_carry_keys(k[:, bos:eos], w[:, bos:eos], beta[:, bos:eos])
+        for bos, eos in segment_bounds(cu_seqlens, T)
+        if eos > bos
+    ]
+    return torch.cat(parts, dim=1) if parts else k.clone()
+
+
+def path_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: torch.Tensor | None = None,
+    g_cache: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One decoding step of PaTH(-FoX) for a dense batch.
+
+    Args:
+        q: ``[B, 1, HQ, K]``; k, w: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]``.
+        k_cache: ``[B, t, H, K]`` keys carried to position ``t − 1`` (``path_carry_keys`` after a prefill).
+        v_cache: ``[B, t, H, V]``.
+        g: ``[B, 1, HQ]`` log forget gate of this step, with ``g_cache [B, t, HQ]`` the cumulative gates
+            ``G_j`` of the cached positions; both None for PaTH without a gate.
+
+    Returns:
+        ``(o [B, 1, HQ, V], k_cache [B, t+1, H, K], v_cache [B, t+1, H, V], g_cache [B, t+1, HQ] or None)``.
+    """
+    B, _, HQ, K = q.shape
+    H = k.shape[2]
+    check_like("k_cache", k_cache, (B, k_cache.shape[1], H, K), q.device)
+    t = k_cache.shape[1]
+    check_like("v_cache", v_cache, (B, t, H, v.shape[-1]), q.device)
+    if (g is None) != (g_cache is None):
+        raise ValueError("g_cache: pass both g and g_cache, or neither")
+    scale = K**-0.5 if scale is None else check_scalar("scale", scale)
+    dtype = k_cache.dtype
+    wt, bt = w[:, 0].to(dtype), beta[:, 0].to(dtype)  # [B, H, K], [B, H]
+    # k_j <- H_t k_j = k_j − beta_t (w_t · k_j) w_t for every cached key
+    k_cache = k_cache - (bt[:, None] * (k_cache * wt[:, None]).sum(-1))[..., None] * wt[:, None]
+    k_cache = torch.cat([k_cache, k.to(dtype)], dim=1)
+    v_cache = torch.cat([v_cache, v.to(v_cache.dtype)], dim=1)
+    groups = HQ // H
+    cd = compute_dtype(q, k_cache)
+    kq = k_cache.repeat_interleave(groups, dim=2).to(cd)
+    s = torch.einsum("bhk,bjhk->bhj", q[:, 0].to(cd), kq) * scale  # [B, HQ, t+1]
+    if g is not None:
+        G_t = g[:, 0].to(g_cache.dtype) + (g_cache[:, -1] if t else 0)
+        g_cache = torch.cat([g_cache, G_t[:, None]], dim=1)
+        s = s + (G_t[:, None] - g_cache).transpose(1, 2).to(cd)
+    p = torch.softmax(s, dim=-1)
+    o = torch.einsum("bhj,bjhv->bhv", p, v_cache.repeat_interleave(groups, dim=2).to(cd))
+    return o[:, None].to(v.dtype), k_cache, v_cache, g_cache
