@@ -1,5 +1,15 @@
 """Functional attention ops (no parameters): PaTH, TAPA, VLA and the baselines of SPEC §5."""
 
+from .baselines import delta_rule, linear_attention, softmax_attention
 from .path import path_attention
+from .tapa import tapa_attention
+from .vla import vla_attention
 
-__all__ = ["path_attention"]
+__all__ = [
+    "delta_rule",
+    "linear_attention",
+    "path_attention",
+    "softmax_attention",
+    "tapa_attention",
+    "vla_attention",
+]

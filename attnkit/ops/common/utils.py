@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -23,33 +25,12 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=2)
 
 
-def check_state(
-    name: str, state: object, shapes: tuple[tuple[int, ...], ...], device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """A recurrent state: a tuple of float32/float64 tensors of exactly ``shapes`` on ``device``.
-
-    With one shape the state is a bare tensor and messages name ``name``; otherwise it is a tuple and
-    messages name ``name[i]``. Returns the state as a tuple.
-    """
-    if len(shapes) == 1:
-        items, names = (state,), (name,)
-    else:
-        if not isinstance(state, (tuple, list)) or len(state) != len(shapes):
-            raise ValueError(f"{name}: expected a tuple of {len(shapes)} tensors, got {type(state).__name__}")
-        items, names = tuple(state), tuple(f"{name}[{i}]" for i in range(len(shapes)))
-    for item_name, x, shape in zip(names, items, shapes, strict=True):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{item_name}: expected a torch.Tensor, got {type(x).__name__}")
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"{item_name}: expected shape {list(shape)}, got {list(x.shape)}")
-        if x.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"{item_name}: expected dtype float32 or float64, got {x.dtype}")
-        if x.device != device:
-            raise ValueError(f"{item_name}: expected device {device} (that of q), got {x.device}")
-    return items
-
-
-def run_segments(fn, tensors: tuple[torch.Tensor, ...], cu_seqlens: torch.Tensor, initial_state):
+def run_segments(
+    fn: Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, ...]]],
+    tensors: tuple[torch.Tensor, ...],
+    cu_seqlens: torch.Tensor,
+    initial_state: tuple[torch.Tensor, ...] | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Apply a dense recurrent op to each packed sequence of ``[1, T, ...]`` tensors independently.
 
     ``fn(*segment_tensors, segment_state) -> (o [1, L, ...], state tuple with leading dim 1)``, where

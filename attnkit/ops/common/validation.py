@@ -58,8 +58,10 @@ def check_like(name: str, x: object, shape: tuple[int, ...], device: torch.devic
     return x
 
 
-def check_cu_seqlens(cu_seqlens: object, batch: int, seq_len: int, device: torch.device) -> None:
-    """FlashAttention's convention: int ``[N+1]``, ``0 = c_0 <= c_1 <= ... <= c_N = T``, with ``B == 1``."""
+def check_cu_seqlens(cu_seqlens: object, batch: int, seq_len: int, device: torch.device) -> int:
+    """FlashAttention's convention: int ``[N+1]``, ``0 = c_0 <= c_1 <= ... <= c_N = T``, with ``B == 1``.
+
+    Returns the number of sequences ``N``."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -75,6 +77,7 @@ def check_cu_seqlens(cu_seqlens: object, batch: int, seq_len: int, device: torch
         raise ValueError(f"cu_seqlens: must start at 0 and end at T={seq_len}, got {values[0]} ... {values[-1]}")
     if any(b < a for a, b in zip(values[:-1], values[1:])):
         raise ValueError("cu_seqlens: must be non-decreasing")
+    return len(values) - 1
 
 
 def check_scalar(
@@ -107,3 +110,29 @@ def resolve_backend(backend: object, op: str, device: torch.device, *, has_trito
     if backend == "triton" and not has_triton:
         raise NotImplementedError(f"{op}: the Triton backend is not implemented yet; use backend='torch'")
     return backend
+
+
+def check_state(
+    name: str, state: object, shapes: tuple[tuple[int, ...], ...], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """A recurrent state: a tuple of float32/float64 tensors of exactly ``shapes`` on ``device``.
+
+    With one shape the state is a bare tensor and messages name ``name``; otherwise it is a tuple and
+    messages name ``name[i]``. Returns the state as a tuple.
+    """
+    if len(shapes) == 1:
+        items, names = (state,), (name,)
+    else:
+        if not isinstance(state, (tuple, list)) or len(state) != len(shapes):
+            raise ValueError(f"{name}: expected a tuple of {len(shapes)} tensors, got {type(state).__name__}")
+        items, names = tuple(state), tuple(f"{name}[{i}]" for i in range(len(shapes)))
+    for item_name, x, shape in zip(names, items, shapes, strict=True):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{item_name}: expected a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{item_name}: expected shape {list(shape)}, got {list(x.shape)}")
+        if x.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{item_name}: expected dtype float32 or float64, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{item_name}: expected device {device} (that of q), got {x.device}")
+    return items

@@ -1,0 +1,80 @@
+"""DeltaNet (Yang et al. 2024), chunk-parallel PyTorch through the shared generalised delta rule."""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.ops.common.delta import chunk_generalized_delta_rule
+from attnkit.ops.common.utils import compute_dtype, run_segments
+from attnkit.ops.common.validation import check_cu_seqlens, check_like, check_qkv, check_scalar, check_state
+
+CHUNK_SIZE = 64
+
+__all__ = ["delta_rule"]
+
+
+def delta_rule_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: tuple[torch.Tensor] | None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+    """Dense DeltaNet (inputs trusted, see ``delta_rule``): ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
+    ``beta [B, T, H]``, ``initial_state = (S [B, H, V, K],)`` or ``None``. Returns ``o [B, T, H, V]`` in
+    ``v.dtype`` and ``(S,)`` in float32 (float64 for float64 inputs)."""
+    dtype = compute_dtype(q, k, v, beta, *(initial_state or ()))
+    out_dtype = v.dtype
+    q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
+    beta = beta.to(dtype).transpose(1, 2).unsqueeze(-1)
+    S0 = None if initial_state is None else initial_state[0].to(dtype)
+    o, S = chunk_generalized_delta_rule(q * scale, k, v, beta * k, S0, chunk_size)
+    return o.transpose(1, 2).to(out_dtype), (S,)
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DeltaNet: ``S_t = S_{t-1} + β_t (v_t - S_{t-1} k_t) k_tᵀ``, ``o_t = S_t (scale · q_t)``
+    (FLA's ``chunk_delta_rule`` convention: keys are used as given, the caller normalises them).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; one dtype.
+        beta: ``[B, T, H]``, any float dtype; ``(0, 2)`` keeps the transition ``I - β k kᵀ`` non-expansive
+            for unit keys.
+        scale: query scale, ``> 0``; defaults to ``K ** -0.5``.
+        initial_state: ``S [N, H, V, K]`` in float32 or float64, or ``None`` (zeros).
+        output_final_state: return ``S`` after the last token of every sequence.
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``).
+
+    Returns:
+        ``o [B, T, H, V]`` in ``v.dtype`` and ``S [N, H, V, K]`` in float32 (float64 for float64 inputs)
+        or ``None``.
+    """
+    check_qkv(q, k, v, same_heads=True)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    check_like("beta", beta, (B, T, H), q.device)
+    scale = K**-0.5 if scale is None else check_scalar("scale", scale, low=0.0)
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if initial_state is not None:
+        initial_state = check_state("initial_state", initial_state, ((N, H, V, K),), q.device)
+
+    def dense(q, k, v, beta, state):
+        return delta_rule_chunk(q, k, v, beta, scale, state)
+
+    if cu_seqlens is None:
+        o, (S,) = dense(q, k, v, beta, initial_state)
+    else:
+        o, (S,) = run_segments(dense, (q, k, v, beta), cu_seqlens, initial_state)
+    return o, (S if output_final_state else None)

@@ -1,0 +1,58 @@
+"""TAPA: token-aware phase attention (arXiv 2509.12635), SPEC §3."""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.ops.common.utils import segment_bounds
+from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, resolve_backend
+from attnkit.ops.tapa.torch_impl import tapa_split, tapa_torch
+
+__all__ = ["tapa_attention"]
+
+
+def tapa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    theta: float = 0.5,
+    alpha: float = 0.1,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal token-aware phase attention.
+
+    For query position ``m`` and key position ``n <= m`` of the same sequence the logit is
+    ``l_mn = (q_A·k_A)/sqrt(dA) · cos(2π · (m−n)^alpha · (q_P·k_P)/sqrt(dP))`` with ``0^alpha = 0`` (also
+    for ``alpha = 0``), where the first ``dA = round(theta·D)`` channels of a head (Python's ``round``,
+    which rounds halves to even) are the amplitude part and the other ``dP = D − dA`` the phase part.
+    ``o_m = Σ_n softmax_n(l_mn) v_n``.
+
+    Args:
+        q: ``[B, T, HQ, D]``, float32 / float16 / bfloat16 (float64 is accepted for tests).
+        k: ``[B, T, H, D]`` with ``HQ % H == 0``; query head ``h`` reads key head ``h // (HQ // H)``.
+        v: ``[B, T, H, V]``.
+        theta: fraction of each head used for the amplitude; both parts must be non-empty.
+        alpha: exponent of the distance, finite and ``>= 0``.
+        cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); positions restart at 0
+            in each sequence.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``; only the PyTorch backend exists so far.
+
+    Returns:
+        ``o [B, T, HQ, V]`` in ``v.dtype``; computed in float32 (float64 for float64 inputs).
+    """
+    check_qkv(q, k, v)
+    B, T, _, D = q.shape
+    theta = check_scalar("theta", theta, low=0.0, high=1.0)
+    amp_dim, phase_dim = tapa_split(theta, D)
+    if amp_dim < 1 or phase_dim < 1:
+        raise ValueError(
+            f"theta: round(theta * D) = {amp_dim} amplitude and {phase_dim} phase channels for D={D}; "
+            "both must be at least 1"
+        )
+    alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T, q.device)
+    resolve_backend(backend, "tapa_attention", q.device)
+    return tapa_torch(q, k, v, amp_dim, alpha, segment_bounds(cu_seqlens, T))
