@@ -131,6 +131,41 @@ def test_decoding_identity(gate, prefill):
     assert_close("k_cache", k_cache, path_carry_keys(k, w, beta), 1e-10)
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["path", "fox"])
+def test_decoding_with_left_padded_cache(gate):
+    """cache_mask keeps padding slots out: sequence 1 is the tail of a shorter prompt behind junk slots."""
+    T, P, pad = 30, 12, 5
+    q, k, v, w, beta, g = make_inputs(2, T, 4, 2, 16, 8, gate=gate)
+    full = path_attention(q, k, v, w, beta, g)
+    short = path_attention(*(None if x is None else x[1:, pad:] for x in (q, k, v, w, beta, g)))
+    # row 0 holds its first P tokens; row 1 junk in pad slots, then its tokens pad..P-1 (a sequence from pad)
+    row1 = path_carry_keys(k[1:, pad:P], w[1:, pad:P], beta[1:, pad:P])
+    row1 = torch.cat([torch.randn(1, pad, 2, 16, dtype=k.dtype), row1], dim=1)
+    k_cache = torch.cat([path_carry_keys(k[:1, :P], w[:1, :P], beta[:1, :P]), row1])
+    v_cache = v[:, :P].clone()
+    v_cache[1, :pad] = torch.randn(pad, 2, 8, dtype=v.dtype)
+    g_cache = None
+    if g is not None:
+        g_cache = g[:, :P].clone()
+        g_cache[0] = g[0, :P].cumsum(0)
+        g_cache[1, :pad] = torch.randn(pad, 4, dtype=g.dtype)
+        g_cache[1, pad:] = g[1, pad:P].cumsum(0)
+    mask = torch.ones(2, P, dtype=torch.bool)
+    mask[1, :pad] = False
+    outs = []
+    for t in range(P, T):
+        mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+        step = [x[:, t : t + 1] for x in (q, k, v, w, beta)]
+        gt = None if g is None else g[:, t : t + 1]
+        o, k_cache, v_cache, g_cache = path_decode_step(*step, k_cache, v_cache, gt, g_cache, cache_mask=mask)
+        outs.append(o)
+    out = torch.cat(outs, dim=1)
+    assert_close("row0", out[:1], full[:1, P:], 1e-10)
+    assert_close("row1", out[1:], short[:, P - pad :], 1e-10)
+    with pytest.raises(ValueError, match="^cache_mask"):  # the mask must also cover the new token
+        path_decode_step(*step, k_cache, v_cache, gt, g_cache, cache_mask=mask)
+
+
 def test_carry_keys_matches_definition_and_cu_seqlens():
     _, k, _, w, beta, _ = make_inputs(1, 90, 2, 2, 8, 8, gate=False)
     carried = path_carry_keys(k, w, beta)

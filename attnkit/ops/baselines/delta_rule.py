@@ -78,3 +78,20 @@ def delta_rule(
     else:
         o, (S,) = run_segments(dense, (q, k, v, beta), cu_seqlens, initial_state)
     return o, (S if output_final_state else None)
+
+
+def delta_rule_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of DeltaNet (inputs trusted): ``S ← S + β (v − S k) kᵀ``, ``o = S (scale · q)``.
+
+    q, k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, beta ``[B, 1, H]``, ``S [B, H, V, K]`` (its dtype is the
+    compute dtype) -> ``(o [B, 1, H, V] in v.dtype, S)``. ``S`` is read once: ``S_new q = S q + Δ (kᵀq)``.
+    """
+    dtype, out_dtype = S.dtype, v.dtype
+    q, k, v = (x[:, 0].to(dtype) for x in (q, k, v))
+    Sk, Sq = (S @ torch.stack([k, q], -1)).unbind(-1)
+    delta = beta[:, 0, :, None].to(dtype) * (v - Sk)
+    S = S + delta[..., :, None] * k[..., None, :]
+    o = (Sq + delta * (k * q).sum(-1, keepdim=True)) * scale
+    return o[:, None].to(out_dtype), S

@@ -104,3 +104,22 @@ def linear_attention(
     else:
         o, state = run_segments(dense, (q, k, v), cu_seqlens, initial_state)
     return o, (state if output_final_state else None)
+
+
+def linear_attention_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, n: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token of normalised linear attention (inputs trusted).
+
+    q ``[B, 1, HQ, K]``, k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, ``S [B, H, V, K]``, ``n [B, H, K]`` (the
+    state's dtype is the compute dtype) -> ``(o [B, 1, HQ, V] in v.dtype, S, n)``.
+    """
+    B, _, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    dtype, out_dtype = S.dtype, v.dtype
+    q = q[:, 0].to(dtype).view(B, H, HQ // H, K)
+    k, v = k[:, 0].to(dtype), v[:, 0].to(dtype)
+    S = S + v[..., :, None] * k[..., None, :]
+    n = n + k
+    o = (q @ S.transpose(-1, -2)) / (q * n[:, :, None]).sum(-1, keepdim=True).clamp_min(eps)
+    return o.reshape(B, 1, HQ, V).to(out_dtype), S, n

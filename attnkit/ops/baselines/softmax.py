@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.ops.common.utils import compute_dtype, repeat_kv, segment_bounds
-from attnkit.ops.common.validation import check_cu_seqlens, check_like, check_qkv, check_scalar
+from attnkit.ops.common.validation import (
+    check_cache_mask,
+    check_cu_seqlens,
+    check_like,
+    check_qkv,
+    check_scalar,
+    check_tensor,
+)
 
 
 def _softmax_dense(
@@ -105,3 +112,68 @@ def softmax_naive(
     if T == 0:
         return v.new_zeros(B, 0, HQ, v.shape[-1], dtype=out_dtype)
     return torch.stack(outputs, dim=1).to(out_dtype)
+
+
+def softmax_decode_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_mask: torch.Tensor | None,
+    g_cache: torch.Tensor | None = None,
+    g_t: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One decoding step of softmax / FoX attention over a (left-padded) cache that holds the new token.
+
+    Logit of cache slot ``j``: ``scale · qᵀ k_j + (g_t − G_j)``; slots with ``cache_mask`` False get −inf.
+
+    Args:
+        q: ``[B, 1, HQ, K]`` the query of the new token.
+        k_cache: ``[B, L, H, K]`` keys (RoPE already applied), the new token's included; ``HQ % H == 0``.
+        v_cache: ``[B, L, H, V]``.
+        cache_mask: ``[B, L]`` bool, True for real slots (every row needs one), or None when all are real.
+        g_cache: ``[B, L, HQ]`` cumulative log forget gates ``G_j`` of the slots, or None (no gate).
+        g_t: ``[B, HQ]`` the cumulative gate of the query position (``G`` of the new token); with ``g_cache``.
+        scale: defaults to ``K ** -0.5``.
+
+    Returns:
+        ``o [B, 1, HQ, V]`` in ``v_cache.dtype``; computed in float32 (float64 for float64 inputs).
+    """
+    check_tensor("q", q, 4)
+    B, _, HQ, K = q.shape
+    if q.shape[1] != 1:
+        raise ValueError(f"q: expected one token per sequence [B, 1, HQ, K], got {list(q.shape)}")
+    check_tensor("k_cache", k_cache, 4)
+    L, H = k_cache.shape[1], k_cache.shape[2]
+    check_like("k_cache", k_cache, (B, L, H, K), q.device)
+    check_tensor("v_cache", v_cache, 4)
+    check_like("v_cache", v_cache, (B, L, H, v_cache.shape[3]), q.device)
+    if H == 0 or HQ % H != 0:
+        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
+    if cache_mask is not None:
+        check_cache_mask(cache_mask, (B, L), q.device)
+    if (g_cache is None) != (g_t is None):
+        raise ValueError("g_cache: pass both g_cache and g_t, or neither")
+    if g_cache is not None:
+        check_like("g_cache", g_cache, (B, L, HQ), q.device)
+        check_like("g_t", g_t, (B, HQ), q.device)
+    scale = K**-0.5 if scale is None else check_scalar("scale", scale, low=0.0)
+
+    dtype = compute_dtype(q, k_cache, v_cache)
+    bias = None
+    if g_cache is not None:
+        bias = (g_t.to(dtype)[:, :, None] - g_cache.to(dtype).transpose(1, 2))[:, :, None, :]  # [B, HQ, 1, L]
+    if cache_mask is not None:
+        keep = cache_mask[:, None, None, :]
+        bias = keep if bias is None else bias.masked_fill(~keep, -math.inf)
+    # SDPA reads the cache in place (GQA without copies); about 4x faster than einsums at one query
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2).to(dtype),
+        k_cache.transpose(1, 2).to(dtype),
+        v_cache.transpose(1, 2).to(dtype),
+        attn_mask=bias,
+        scale=scale,
+        enable_gqa=HQ != H,
+    )
+    return o.transpose(1, 2).to(v_cache.dtype)

@@ -136,3 +136,14 @@ def check_state(
         if x.device != device:
             raise ValueError(f"{item_name}: expected device {device} (that of q), got {x.device}")
     return items
+
+
+def check_cache_mask(cache_mask: object, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """A decoding cache's ``[B, L]`` bool mask (True for real slots) on ``device``."""
+    if not isinstance(cache_mask, torch.Tensor) or cache_mask.dtype != torch.bool:
+        raise ValueError(f"cache_mask: expected a bool tensor, got {getattr(cache_mask, 'dtype', type(cache_mask))}")
+    if tuple(cache_mask.shape) != tuple(shape):
+        raise ValueError(f"cache_mask: expected shape {list(shape)}, got {list(cache_mask.shape)}")
+    if cache_mask.device != device:
+        raise ValueError(f"cache_mask: expected device {device} (that of q), got {cache_mask.device}")
+    return cache_mask

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..common.utils import compute_dtype, segment_bounds
-from ..common.validation import check_cu_seqlens, check_like, check_scalar, check_tensor
+from ..baselines.softmax import softmax_decode_step
+from ..common.utils import segment_bounds
+from ..common.validation import check_cache_mask, check_cu_seqlens, check_like, check_scalar, check_tensor
 from .torch_impl import chunk_path_carry_keys
 
 
@@ -48,15 +49,19 @@ def path_decode_step(
     g_cache: torch.Tensor | None = None,
     *,
     scale: float | None = None,
+    cache_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One decoding step of PaTH(-FoX) for a dense batch.
+    """One decoding step of PaTH(-FoX) for a batch of (possibly left-padded) caches.
 
     Args:
         q: ``[B, 1, HQ, K]``; k, w: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]``.
         k_cache: ``[B, t, H, K]`` keys carried to position ``t − 1`` (``path_carry_keys`` after a prefill).
         v_cache: ``[B, t, H, V]``.
         g: ``[B, 1, HQ]`` log forget gate of this step, with ``g_cache [B, t, HQ]`` the cumulative gates
-            ``G_j`` of the cached positions; both None for PaTH without a gate.
+            ``G_j`` of the cached positions; both None for PaTH without a gate. With left padding the last
+            slot must be the newest real token (or a zero slot when the sequence has none yet).
+        cache_mask: ``[B, t+1]`` bool, True for real slots (the new token's, last, included); padding slots
+            get a logit of −inf. None: every slot is real.
 
     Returns:
         ``(o [B, 1, HQ, V], k_cache [B, t+1, H, K], v_cache [B, t+1, H, V], g_cache [B, t+1, HQ] or None)``.
@@ -68,21 +73,18 @@ def path_decode_step(
     check_like("v_cache", v_cache, (B, t, H, v.shape[-1]), q.device)
     if (g is None) != (g_cache is None):
         raise ValueError("g_cache: pass both g and g_cache, or neither")
+    if cache_mask is not None:
+        check_cache_mask(cache_mask, (B, t + 1), q.device)
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
     dtype = k_cache.dtype
     wt, bt = w[:, 0].to(dtype), beta[:, 0].to(dtype)  # [B, H, K], [B, H]
-    # k_j <- H_t k_j = k_j − beta_t (w_t · k_j) w_t for every cached key
+    # k_j <- H_t k_j = k_j − beta_t (w_t · k_j) w_t for every cached key (padding slots are zero and stay so)
     k_cache = k_cache - (bt[:, None] * (k_cache * wt[:, None]).sum(-1))[..., None] * wt[:, None]
     k_cache = torch.cat([k_cache, k.to(dtype)], dim=1)
     v_cache = torch.cat([v_cache, v.to(v_cache.dtype)], dim=1)
-    groups = HQ // H
-    cd = compute_dtype(q, k_cache)
-    kq = k_cache.repeat_interleave(groups, dim=2).to(cd)
-    s = torch.einsum("bhk,bjhk->bhj", q[:, 0].to(cd), kq) * scale  # [B, HQ, t+1]
+    G_t = None
     if g is not None:
         G_t = g[:, 0].to(g_cache.dtype) + (g_cache[:, -1] if t else 0)
         g_cache = torch.cat([g_cache, G_t[:, None]], dim=1)
-        s = s + (G_t[:, None] - g_cache).transpose(1, 2).to(cd)
-    p = torch.softmax(s, dim=-1)
-    o = torch.einsum("bhj,bjhv->bhv", p, v_cache.repeat_interleave(groups, dim=2).to(cd))
-    return o[:, None].to(v.dtype), k_cache, v_cache, g_cache
+    o = softmax_decode_step(q, k_cache, v_cache, cache_mask, g_cache, G_t, scale=scale)
+    return o.to(v.dtype), k_cache, v_cache, g_cache

@@ -6,9 +6,10 @@ import torch
 
 from attnkit.ops.common.utils import segment_bounds
 from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, resolve_backend
+from attnkit.ops.tapa.decoding import tapa_decode_step
 from attnkit.ops.tapa.torch_impl import tapa_split, tapa_torch
 
-__all__ = ["tapa_attention"]
+__all__ = ["tapa_attention", "tapa_decode_step"]
 
 
 def tapa_attention(

@@ -13,11 +13,10 @@ from attnkit.ops.common.validation import (
     check_state,
     resolve_backend,
 )
+from attnkit.ops.vla.decoding import VLAState, vla_decode_step
 from attnkit.ops.vla.torch_impl import vla_chunk
 
-VLAState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-__all__ = ["vla_attention", "VLAState"]
+__all__ = ["vla_attention", "vla_decode_step", "VLAState"]
 
 
 def vla_attention(

@@ -1,0 +1,135 @@
+"""PaTH and PaTH-FoX attention layers (arXiv 2505.16381), SPEC §2 and §6.
+
+Per token: ``w`` = L2-normalised ``silu(conv(W_up W_down x))`` per key/value head, where ``conv`` is a short
+causal depthwise convolution over the ``H*K`` output of the low-rank projection (the placement of FLA's
+``PaTHAttention``, so every channel of ``w`` mixes a few neighbouring tokens); ``beta = 2·sigmoid(linear(x))``
+in float32, optionally capped at ``beta_max``; for PaTH-FoX ``g = logsigmoid(linear(x))`` per query head.
+
+The decoding cache holds per token the keys carried to the newest position (``path_carry_keys``), the values
+and, for PaTH-FoX, the cumulative gate ``G`` (float32); per sequence it holds the last ``conv_size − 1``
+inputs of the convolution (zero before the start of the sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnkit.ops.common.validation import check_scalar
+from attnkit.ops.path import path_attention, path_carry_keys, path_decode_step
+
+from .base import State, TokenMixer, check_int, positions_in_segments, segment_cumsum
+
+# FLA's PaTHAttention uses a rank-32 factorisation of the w projection; the paper's ablations do not tune it.
+DEFAULT_W_RANK = 32
+
+
+class PaTHAttention(TokenMixer):
+    """PaTH attention; PaTH-FoX with ``use_forget_gate=True``.
+
+    Args:
+        hidden_size, num_heads, num_kv_heads, head_dim: ``q: hidden -> HQ*D``, ``k, v: hidden -> H*D``,
+            ``o: HQ*D -> hidden``, bias-free; ``H`` defaults to ``HQ`` and ``D`` to ``hidden_size // HQ``.
+        use_forget_gate: add the FoX gate ``g = logsigmoid(linear(x))`` (with bias) per query head.
+        w_rank: inner dimension of the low-rank ``w`` projection ``hidden -> w_rank -> H*D``;
+            ``min(32, H*D)`` by default (FLA's choice).
+        conv_size: taps of the causal depthwise convolution on ``w`` (1 disables the mixing of tokens).
+        beta_max: None, or a cap on ``beta`` in ``(0, 2]`` (``2 − 1e-3`` is the paper's remedy for the bf16
+            instability of long products of near-reflections).
+        layer_idx: index of the layer in a model (for the model's cache), or None.
+        backend: ``"auto" | "torch" | "triton"``, passed to :func:`attnkit.ops.path_attention`.
+    """
+
+    cache_keys = ("k", "v", "conv")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        use_forget_gate: bool = False,
+        w_rank: int | None = None,
+        conv_size: int = 3,
+        beta_max: float | None = None,
+        layer_idx: int | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, layer_idx, backend)
+        HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
+        self.use_forget_gate = bool(use_forget_gate)
+        self.w_rank = min(DEFAULT_W_RANK, H * D) if w_rank is None else check_int("w_rank", w_rank)
+        self.conv_size = check_int("conv_size", conv_size)
+        self.beta_max = beta_max
+        if beta_max is not None:
+            self.beta_max = check_scalar("beta_max", beta_max, low=0.0, high=2.0, strict=False)
+            if self.beta_max == 0.0:
+                raise ValueError("beta_max: expected a value in (0, 2], got 0.0")
+
+        self.init_qkvo()
+        self.w_down = nn.Linear(hidden_size, self.w_rank, bias=False)
+        self.w_up = nn.Linear(self.w_rank, H * D, bias=False)
+        # Only the [C, 1, conv_size] weight and its initialisation are used: the convolution itself is written
+        # out so that it restarts at every packed sequence.
+        self.w_conv = nn.Conv1d(H * D, H * D, self.conv_size, groups=H * D, bias=False)
+        self.beta_proj = nn.Linear(hidden_size, H, bias=True)
+        self.g_proj = nn.Linear(hidden_size, HQ, bias=True) if self.use_forget_gate else None
+
+    @staticmethod
+    def _linear_fp32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        return F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``beta [B,T,H]`` and ``g [B,T,HQ]`` (or None), float32."""
+        beta = 2 * torch.sigmoid(self._linear_fp32(x, self.beta_proj))
+        if self.beta_max is not None:
+            beta = beta.clamp_max(self.beta_max)
+        g = None if self.g_proj is None else F.logsigmoid(self._linear_fp32(x, self.g_proj))
+        return beta, g
+
+    def _direction(self, conv_out: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H*D]`` convolution output -> unit ``w [B, T, H, D]`` (float32)."""
+        B, T, _ = conv_out.shape
+        return F.normalize(F.silu(conv_out.float()).view(B, T, self.num_kv_heads, self.head_dim), dim=-1)
+
+    def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
+        total = x.shape[1]
+        q, k, v = self.qkv(x)
+        u = self.w_up(self.w_down(x))  # [1, total, H*D]
+        # causal conv restarted per sequence: tap i reads the token i back, if that is in the same sequence
+        positions = positions_in_segments(cu_seqlens, total)
+        weight = self.w_conv.weight[:, 0]  # [C, W]; column W-1 multiplies the current token
+        conv = u * weight[:, -1]
+        for i in range(1, self.conv_size):
+            shifted = F.pad(u, (0, 0, i, 0))[:, :total]
+            conv = conv + shifted * weight[:, -1 - i] * (positions >= i)[None, :, None]
+        w = self._direction(conv)
+        beta, g = self._gates(x)
+        o = path_attention(q, k, v, w, beta, g, cu_seqlens=cu_seqlens, backend=self.backend)
+
+        out = self.o_proj(o.reshape(1, total, -1))
+        if not use_cache:
+            return out, {}, {}
+        token_state = {"k": path_carry_keys(k, w, beta, cu_seqlens=cu_seqlens), "v": v}
+        if g is not None:
+            token_state["g"] = segment_cumsum(g, cu_seqlens)
+        # the last conv_size - 1 inputs of every sequence, zero where the sequence is shorter
+        bos, eos = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+        index = eos[:, None] - (self.conv_size - 1) + torch.arange(self.conv_size - 1, device=x.device)
+        tail = u[0, index.clamp_min(0)] * (index >= bos[:, None])[..., None]
+        return out, token_state, {"conv": tail}
+
+    def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
+        B = x.shape[0]
+        q, k, v = self.qkv(x)
+        window = torch.cat([state["conv"], self.w_up(self.w_down(x))], dim=1)  # [B, conv_size, C]
+        w = self._direction((window * self.w_conv.weight[:, 0].t()).sum(1, keepdim=True))
+        beta, g = self._gates(x)
+        o, k_cache, v_cache, g_cache = path_decode_step(
+            q, k, v, w, beta, state["k"], state["v"], g, state.get("g"), cache_mask=state["mask"]
+        )
+        state = {**state, "k": k_cache, "v": v_cache, "conv": window[:, 1:]}
+        if g_cache is not None:
+            state["g"] = g_cache
+        return self.o_proj(o.reshape(B, 1, -1)), state

@@ -1,0 +1,80 @@
+"""The VLA layer (SPEC §6): variational linear attention around ``attnkit.ops.vla``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnkit.ops.common.validation import check_scalar
+from attnkit.ops.vla import vla_attention, vla_decode_step
+
+from .base import State, TokenMixer
+
+__all__ = ["VLAAttention"]
+
+
+class VLAAttention(TokenMixer):
+    """Variational linear attention (arXiv 2605.11196).
+
+    ``q`` and ``k`` go through ``elu + 1``; the penalty directions ``u`` come from their own projection,
+    unit-normalised per head and divided by ``sqrt(K)`` (so ``Σ u uᵀ`` grows like ``t / K`` in trace);
+    the heads' outputs are concatenated and LayerNorm-ed before the output projection, because the
+    normalised read ``S q / nᵀq`` has no fixed scale.
+
+    Cache: ``S [N, H, V, K]``, ``A [N, H, K, K]``, ``n [N, H, K]`` in float32 (the ops' state).
+    """
+
+    cache_keys = ("S", "A", "n")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        lam0: float = 0.1,
+        eps: float = 1e-4,
+        layer_idx: int | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, layer_idx, backend, same_heads=True)
+        self.lam0 = check_scalar("lam0", lam0, low=0.0)
+        self.eps = check_scalar("eps", eps, low=0.0)
+        width = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, width, bias=False)
+        self.k_proj = nn.Linear(self.hidden_size, width, bias=False)
+        self.v_proj = nn.Linear(self.hidden_size, width, bias=False)
+        self.u_proj = nn.Linear(self.hidden_size, width, bias=False)
+        self.o_norm = nn.LayerNorm(width)
+        self.o_proj = nn.Linear(width, self.hidden_size, bias=False)
+
+    def _qkvu(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q = F.elu(self.q_proj(x).view(B, T, H, D)) + 1
+        k = F.elu(self.k_proj(x).view(B, T, H, D)) + 1
+        v = self.v_proj(x).view(B, T, H, D)
+        acc = torch.promote_types(v.dtype, torch.float32)  # float32 at least, float64 for the reference tests
+        u = F.normalize(self.u_proj(x).view(B, T, H, D).to(acc), dim=-1) * D**-0.5
+        return q, k, v, u
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.o_norm(o.flatten(2)))
+
+    def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
+        o, (S, A, n) = vla_attention(
+            *self._qkvu(x),
+            lam0=self.lam0,
+            eps=self.eps,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+            backend=self.backend,
+        )
+        return self._out(o), {}, {"S": S, "A": A, "n": n}
+
+    def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
+        o, (S, A, n) = vla_decode_step(
+            *self._qkvu(x), (state["S"], state["A"], state["n"]), lam0=self.lam0, eps=self.eps
+        )
+        return self._out(o), {**state, "S": S, "A": A, "n": n}

@@ -1,0 +1,107 @@
+"""``AttnKitConfig``: one Hugging Face config for every mixer and for hybrid stacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+MIXERS = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+class AttnKitConfig(PretrainedConfig):
+    """A decoder-only language model whose token mixer is chosen per layer.
+
+    Args:
+        vocab_size, hidden_size, num_hidden_layers: the usual sizes.
+        num_heads: query heads per layer; ``num_kv_heads`` key/value heads (GQA, defaults to ``num_heads``;
+            VLA and DeltaNet layers use ``num_heads`` for both); ``head_dim`` defaults to
+            ``hidden_size // num_heads``.
+        mixer: one of ``"path"``, ``"path_fox"``, ``"tapa"``, ``"vla"``, ``"rope"``, ``"nope"``, ``"fox"``,
+            ``"linear"``, ``"deltanet"``, or a list with one name per layer (hybrid stacks).
+        mixer_kwargs: extra constructor arguments per mixer name, e.g.
+            ``{"rope": {"rope_theta": 500000.0}, "tapa": {"alpha": 0.2}, "path": {"beta_max": 1.999}}``.
+        intermediate_size: width of the gated MLP (defaults to ``8/3 · hidden_size`` rounded up to 32).
+        rms_norm_eps, initializer_range, tie_word_embeddings: as in Llama.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``, passed to every op.
+    """
+
+    model_type = "attnkit"
+    keys_to_ignore_at_inference = ["cache"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 256,
+        num_hidden_layers: int = 4,
+        num_heads: int = 4,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mixer: str | list[str] = "path",
+        mixer_kwargs: dict[str, dict[str, Any]] | None = None,
+        intermediate_size: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        max_position_embeddings: int = 2048,
+        backend: str = "auto",
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = _positive_int("vocab_size", vocab_size)
+        self.hidden_size = _positive_int("hidden_size", hidden_size)
+        self.num_hidden_layers = _positive_int("num_hidden_layers", num_hidden_layers)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"num_heads: {num_heads} does not divide hidden_size={hidden_size}; set head_dim")
+            head_dim = hidden_size // num_heads
+        self.head_dim = _positive_int("head_dim", head_dim)
+        layers = [mixer] * num_hidden_layers if isinstance(mixer, str) else list(mixer)
+        if len(layers) != num_hidden_layers:
+            raise ValueError(f"mixer: expected {num_hidden_layers} names (one per layer), got {len(layers)}")
+        unknown = [m for m in layers if m not in MIXERS]
+        if unknown:
+            raise ValueError(f"mixer: unknown mixer {unknown[0]!r}; expected one of {MIXERS}")
+        self.mixer = mixer if isinstance(mixer, str) else layers
+        mixer_kwargs = dict(mixer_kwargs or {})
+        for name, extra in mixer_kwargs.items():
+            if name not in MIXERS or not isinstance(extra, dict):
+                raise ValueError(f"mixer_kwargs: expected {{mixer name: dict}}, got {name!r}: {extra!r}")
+        self.mixer_kwargs = mixer_kwargs
+        if intermediate_size is None:
+            intermediate_size = -(-8 * hidden_size // 3 // 32) * 32
+        self.intermediate_size = _positive_int("intermediate_size", intermediate_size)
+        if not rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps: expected a positive number, got {rms_norm_eps!r}")
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.max_position_embeddings = max_position_embeddings
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+        self.backend = backend
+        self.use_cache = use_cache
+        super().__init__(
+            tie_word_embeddings=tie_word_embeddings,
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            **kwargs,
+        )
+
+    @property
+    def layer_mixers(self) -> list[str]:
+        """The mixer of every layer."""
+        return [self.mixer] * self.num_hidden_layers if isinstance(self.mixer, str) else list(self.mixer)
