@@ -1,12 +1,14 @@
 """The contract every token mixer follows, and the packing, padding and cache plumbing they share.
 
-A mixer maps hidden states ``[B, T, hidden]`` to ``[B, T, hidden]``. Every batch is run packed: left
-padding (``attention_mask``) and dense batches become one ``[1, total, hidden]`` sequence with
-``cu_seqlens``, so a subclass writes two methods only:
+A mixer maps hidden states ``[B, T, hidden]`` to ``[B, T, hidden]``. A dense batch runs as it is; a
+left-padded batch (``attention_mask``) is packed into one ``[1, total, hidden]`` sequence with
+``cu_seqlens``, as is a batch the caller packed. A subclass writes two methods only:
 
-- ``prefill(x [1, total, hidden], cu_seqlens [N+1]) -> (o, token_state, seq_state)``: the whole of each
-  packed sequence from an empty cache. ``token_state`` holds one row per token (``[1, total, ...]``: keys,
-  values, positions ...), ``seq_state`` one row per sequence (``[N, ...]``: recurrent states, conv tails).
+- ``prefill(x, cu_seqlens, use_cache) -> (o, token_state, seq_state)``: the whole of each sequence from an
+  empty cache, for ``x [B, T, hidden]`` with ``cu_seqlens=None`` (B sequences of T tokens) or
+  ``x [1, total, hidden]`` with ``cu_seqlens [N+1]``. ``token_state`` holds one row per token (shaped like
+  ``x``: keys, values, positions ...), ``seq_state`` one row per sequence (``[N, ...]``: recurrent states,
+  conv tails). :func:`token_positions` and :func:`segment_cumsum` serve both layouts.
 - ``step(x [B, 1, hidden], state, position [B]) -> (o [B, 1, hidden], state)``: one new token per
   sequence. ``state`` is the cache dict: token entries laid out ``[B, L, ...]`` and left-padded, with
   ``state["mask"] [B, L]`` (True for real tokens, already extended by the new token); ``step`` appends
@@ -72,6 +74,20 @@ def positions_in_segments(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu_seqlens.device) - torch.repeat_interleave(starts, lengths)
 
 
+def token_positions(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``[B, T]`` position of every token of ``x [B, T, ...]`` within its own sequence."""
+    if cu_seqlens is None:
+        return torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+    return positions_in_segments(cu_seqlens, x.shape[1])[None]
+
+
+def sequence_lengths(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``[N]`` length of every sequence of ``x`` (``B`` rows of ``T`` without ``cu_seqlens``)."""
+    if cu_seqlens is None:
+        return torch.full((x.shape[0],), x.shape[1], dtype=torch.long, device=x.device)
+    return cu_seqlens.diff().long()
+
+
 def left_pad_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each packed token goes in a left-padded ``[N, L]`` layout (``L`` the longest sequence):
     ``(flat indices [total], mask [N, L])``."""
@@ -82,11 +98,14 @@ def left_pad_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return mask.flatten().nonzero().squeeze(1), mask
 
 
-def segment_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``G = cumsum(g)`` along dim 1 of ``[1, total, ...]``, restarting at every packed sequence.
+def segment_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``G = cumsum(g)`` along dim 1, restarting at every packed sequence of ``[1, total, ...]`` (or per row of
+    a dense ``[B, T, ...]`` when ``cu_seqlens`` is None).
 
     One cumsum per sequence rather than one global cumsum minus offsets: the difference of two large
     running sums would lose the small gates of a late sequence."""
+    if cu_seqlens is None:
+        return g.cumsum(1)
     parts = [g[:, bos:eos].cumsum(1) for bos, eos in segment_bounds(cu_seqlens, g.shape[1]) if eos > bos]
     return torch.cat(parts, dim=1) if parts else g.clone()
 
@@ -192,23 +211,27 @@ class TokenMixer(nn.Module):
             self._check_state(past_state, B)
             return self._decode(hidden_states, past_state, use_cache)
 
+        if cu_seqlens is None and attention_mask is None:
+            # a dense batch runs as it is: the ops batch over B (packing would make B sequences of one batch)
+            o, token_state, state = self.prefill(hidden_states, None, use_cache)
+            if not use_cache:
+                return o, None
+            state.update(token_state)
+            state["mask"] = torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
+            state["seen"] = sequence_lengths(hidden_states, None)
+            return o, state
         if cu_seqlens is None:
             # the cache keeps the columns of the batch as given, so its length counts padding like the mask
-            if attention_mask is None:
-                key_mask = torch.ones(B, T, dtype=torch.bool, device=hidden_states.device)
-                x, indices = hidden_states.reshape(1, B * T, -1), None
-            else:
-                key_mask = check_attention_mask(attention_mask, B, T)
-                indices = key_mask.flatten().nonzero().squeeze(1)
-                x = hidden_states.reshape(B * T, -1)[indices][None]
+            key_mask = check_attention_mask(attention_mask, B, T)
+            layout = key_mask.flatten().nonzero().squeeze(1)
+            x = hidden_states.reshape(B * T, -1)[layout][None]
             lengths = key_mask.sum(1)
             cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-            layout = torch.arange(B * T, device=x.device) if indices is None else indices
+            o, token_state, seq_state = self.prefill(x, cu_seqlens, use_cache)
+            o = scatter_tokens(o, layout, B, T)
         else:
-            x, indices = hidden_states, None
             layout, key_mask = left_pad_layout(cu_seqlens)
-        o, token_state, seq_state = self.prefill(x, cu_seqlens, use_cache)
-        o = o.view(B, T, -1) if indices is None else scatter_tokens(o, indices, B, T)
+            o, token_state, seq_state = self.prefill(hidden_states, cu_seqlens, use_cache)
         if not use_cache:
             return o, None
         N, L = key_mask.shape

@@ -19,7 +19,7 @@ from torch import nn
 from attnkit.ops.common.validation import check_scalar
 from attnkit.ops.path import path_attention, path_carry_keys, path_decode_step
 
-from .base import State, TokenMixer, check_int, positions_in_segments, segment_cumsum
+from .base import State, TokenMixer, check_int, segment_cumsum, sequence_lengths, token_positions
 
 # FLA's PaTHAttention uses a rank-32 factorisation of the w projection; the paper's ablations do not tune it.
 DEFAULT_W_RANK = 32
@@ -94,30 +94,31 @@ class PaTHAttention(TokenMixer):
         return F.normalize(F.silu(conv_out.float()).view(B, T, self.num_kv_heads, self.head_dim), dim=-1)
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        total = x.shape[1]
+        B, T, _ = x.shape
         q, k, v = self.qkv(x)
-        u = self.w_up(self.w_down(x))  # [1, total, H*D]
+        u = self.w_up(self.w_down(x))  # [B, T, H*D]
         # causal conv restarted per sequence: tap i reads the token i back, if that is in the same sequence
-        positions = positions_in_segments(cu_seqlens, total)
+        positions = token_positions(x, cu_seqlens)
         weight = self.w_conv.weight[:, 0]  # [C, W]; column W-1 multiplies the current token
         conv = u * weight[:, -1]
         for i in range(1, self.conv_size):
-            shifted = F.pad(u, (0, 0, i, 0))[:, :total]
-            conv = conv + shifted * weight[:, -1 - i] * (positions >= i)[None, :, None]
+            shifted = F.pad(u, (0, 0, i, 0))[:, :T]
+            conv = conv + shifted * weight[:, -1 - i] * (positions >= i)[..., None]
         w = self._direction(conv)
         beta, g = self._gates(x)
         o = path_attention(q, k, v, w, beta, g, cu_seqlens=cu_seqlens, backend=self.backend)
 
-        out = self.o_proj(o.reshape(1, total, -1))
+        out = self.o_proj(o.reshape(B, T, -1))
         if not use_cache:
             return out, {}, {}
         token_state = {"k": path_carry_keys(k, w, beta, cu_seqlens=cu_seqlens), "v": v}
         if g is not None:
             token_state["g"] = segment_cumsum(g, cu_seqlens)
         # the last conv_size - 1 inputs of every sequence, zero where the sequence is shorter
-        bos, eos = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+        lengths = sequence_lengths(x, cu_seqlens)
+        eos = lengths.cumsum(0)
         index = eos[:, None] - (self.conv_size - 1) + torch.arange(self.conv_size - 1, device=x.device)
-        tail = u[0, index.clamp_min(0)] * (index >= bos[:, None])[..., None]
+        tail = u.reshape(B * T, -1)[index.clamp_min(0)] * (index >= (eos - lengths)[:, None])[..., None]
         return out, token_state, {"conv": tail}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:

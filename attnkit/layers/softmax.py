@@ -17,7 +17,7 @@ from attnkit.ops.baselines.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from attnkit.ops.baselines.softmax import softmax_attention, softmax_decode_step
 from attnkit.ops.common.validation import check_scalar
 
-from .base import State, TokenMixer, positions_in_segments, segment_cumsum
+from .base import State, TokenMixer, segment_cumsum, sequence_lengths, token_positions
 
 
 class SoftmaxAttention(TokenMixer):
@@ -106,17 +106,21 @@ class SoftmaxAttention(TokenMixer):
         return q, k, v, g
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        total = x.shape[1]
+        B, T, _ = x.shape
         q, k, v, g = self._project(x)
         if self.use_rope:
-            positions = positions_in_segments(cu_seqlens, total)[None]
-            lengths = torch.repeat_interleave(cu_seqlens.diff().long(), cu_seqlens.diff().long())[None]
+            positions = token_positions(x, cu_seqlens)
+            seq_lengths = sequence_lengths(x, cu_seqlens)
+            if cu_seqlens is None:
+                lengths = seq_lengths[:, None].expand(B, T)
+            else:
+                lengths = torch.repeat_interleave(seq_lengths, seq_lengths)[None]
             q, k = self._rotate(q, k, positions, lengths)
         o = softmax_attention(q, k, v, g, cu_seqlens=cu_seqlens)
         token_state = {"k": k, "v": v}
         if g is not None:
             token_state["g"] = segment_cumsum(g, cu_seqlens)
-        return self.o_proj(o.reshape(1, total, -1)), token_state, {}
+        return self.o_proj(o.reshape(B, T, -1)), token_state, {}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
         B = x.shape[0]

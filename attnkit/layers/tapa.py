@@ -12,7 +12,7 @@ from attnkit.ops.common.validation import check_scalar
 from attnkit.ops.tapa import tapa_attention, tapa_decode_step
 from attnkit.ops.tapa.torch_impl import tapa_split
 
-from .base import State, TokenMixer, positions_in_segments
+from .base import State, TokenMixer, token_positions
 
 
 class TAPAAttention(TokenMixer):
@@ -54,11 +54,11 @@ class TAPAAttention(TokenMixer):
         self.init_qkvo()
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        total = x.shape[1]
+        B, T, _ = x.shape
         q, k, v = self.qkv(x)
         o = tapa_attention(q, k, v, theta=self.theta, alpha=self.alpha, cu_seqlens=cu_seqlens, backend=self.backend)
-        token_state = {"k": k, "v": v, "pos": positions_in_segments(cu_seqlens, total)[None]}
-        return self.o_proj(o.reshape(1, total, -1)), token_state, {}
+        token_state = {"k": k, "v": v, "pos": token_positions(x, cu_seqlens)}
+        return self.o_proj(o.reshape(B, T, -1)), token_state, {}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
         B = x.shape[0]
