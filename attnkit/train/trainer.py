@@ -1,0 +1,356 @@
+"""The trainer: one loop a reader can follow top to bottom (nanoGPT style).
+
+Data: step ``s`` draws its global batch from a generator seeded by ``(seed, s)``, so a resumed run, or a run on
+any number of ranks, sees exactly the same batches; rank ``r`` keeps rows ``[r·b, (r+1)·b)`` of it. The loss is
+the sum over a rank's scored tokens divided by the scored tokens of the *global* batch (times the world size,
+which DDP's gradient averaging divides back out), so N ranks compute the same gradient as one process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..tasks import IGNORE_INDEX, get_task, make_generator
+from .checkpoint import load_checkpoint, save_atomic
+from .distributed import setup_distributed
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run, with its default. ``attnkit train --help`` lists the same names."""
+
+    task: str = "flipflop"
+    task_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"seq_len": 128}
+    mixer: str | list[str] = "path"  # one name, or one per layer
+    hidden_size: int = 64
+    num_layers: int = 1
+    num_heads: int = 2
+    model_options: dict[str, Any] = field(default_factory=dict)  # extra AttnKitConfig keywords
+    steps: int = 1000
+    batch_size: int = 32  # global batch, split over ranks
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0  # 0: no clipping
+    seed: int = 0
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    bf16: bool = True  # bf16 autocast, on GPU only
+    distributed: str = "ddp"  # "ddp" or "fsdp" when launched by torchrun
+    eval_every: int = 0  # 0: evaluate at the end only
+    eval_batch_size: int = 64
+    log_every: int = 50
+    checkpoint_every: int = 0  # 0: checkpoint at the end only
+    out: str | None = None  # run folder: metrics.jsonl, final.json, checkpoint.pt
+    resume: bool = False  # continue from <out>/checkpoint.pt when it exists
+    stop_at: int = 0  # stop after this step (the schedule still spans `steps`); 0: run to `steps`
+    profile: bool = False  # time forward+backward against the rest of the step
+    quiet: bool = False  # no progress lines on stderr
+
+
+@dataclass
+class TrainResult:
+    step: int
+    loss: float  # training loss of the last step
+    metrics: dict[str, dict[str, float]]  # the task's test-set metrics at the end
+    wall_time_s: float
+    tokens_per_s: float
+    profile: dict[str, float] | None
+    model: torch.nn.Module | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN or inf; the last good checkpoint was left as it was."""
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Multiplier of ``config.lr`` at ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(config.steps - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps) / span, 1.0)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def batch_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step ``step``'s global batch: the same in every process and after a resume."""
+    return make_generator(seed * 1_000_003 + step)
+
+
+def build_model(config: TrainConfig, vocab_size: int, max_len: int) -> torch.nn.Module:
+    from ..models import AttnKitConfig, AttnKitForCausalLM
+
+    options = {"max_position_embeddings": max(max_len, 2048), **config.model_options}
+    model_config = AttnKitConfig(
+        vocab_size=vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_heads=config.num_heads,
+        mixer=config.mixer,
+        use_cache=False,
+        **options,
+    )
+    torch.manual_seed(config.seed)
+    return AttnKitForCausalLM(model_config)
+
+
+def _model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> tuple[dict, dict]:
+    if not fsdp:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _load_model_state(model, optimizer, ckpt: dict, fsdp: bool) -> None:
+    if not fsdp:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=ckpt["model"],
+        optim_state_dict=ckpt["optimizer"],
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False),
+    )
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train ``config.mixer`` on ``config.task``; see ``TrainConfig`` for every option.
+
+    Writes ``<out>/metrics.jsonl`` (one JSON object per log or eval event), ``<out>/final.json`` and
+    ``<out>/checkpoint.pt`` (atomic). Raises ``NonFiniteLossError`` naming the step when the loss or the gradient
+    norm turns NaN/inf; the checkpoint on disk then is the last good one.
+    """
+    # --- set-up: processes, device, task, model, optimizer -------------------------------------------------
+    owns_group = not dist.is_initialized()
+    info = setup_distributed(config.device)
+    device, world, rank = info.device, info.world_size, info.rank
+    if config.batch_size % world:
+        raise ValueError(f"batch_size: {config.batch_size} is not divisible by the {world} ranks")
+    if config.distributed not in ("ddp", "fsdp"):
+        raise ValueError(f"distributed: expected 'ddp' or 'fsdp', got {config.distributed!r}")
+    local_batch = config.batch_size // world
+    task = get_task(config.task, seed=config.seed, **config.task_options)
+    raw_model = build_model(config, task.vocab_size, task.seq_len).to(device)
+    fsdp = info.enabled and config.distributed == "fsdp"
+    model: torch.nn.Module = raw_model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in raw_model.model.layers:
+            fully_shard(block)
+        fully_shard(raw_model)
+    elif info.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(raw_model, device_ids=[info.local_rank] if device.type == "cuda" else None)
+    decay = [p for p in raw_model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in raw_model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and device.type == "cuda")
+
+    out = config.out
+    ckpt_path = os.path.join(out, CHECKPOINT_NAME) if out else None
+    if out and info.is_main:
+        os.makedirs(out, exist_ok=True)
+    start_step = 0
+    if config.resume and ckpt_path and os.path.exists(ckpt_path):
+        ckpt = load_checkpoint(ckpt_path)
+        _load_model_state(raw_model, optimizer, ckpt, fsdp)
+        scheduler.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and "cuda" in ckpt["rng"]:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        start_step = int(ckpt["step"])
+    last_good = start_step if start_step else None
+    if out and info.is_main:
+        # a fresh run starts a fresh log; a resumed one drops what was logged after its checkpoint
+        metrics_path = os.path.join(out, "metrics.jsonl")
+        kept = []
+        if start_step and os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        with open(metrics_path, "w") as f:
+            f.writelines(kept)
+
+    def log(event: dict[str, Any]) -> None:
+        if out and info.is_main:
+            with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    def evaluate() -> dict[str, dict[str, float]]:
+        raw_model.eval()
+
+        def logits_fn(x: torch.Tensor) -> torch.Tensor:
+            with autocast:
+                return raw_model(input_ids=x.to(device)).logits
+
+        metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size)
+        raw_model.train()
+        return metrics
+
+    def save(step: int) -> None:
+        nonlocal last_good
+        # Never replace a good checkpoint with a bad state.
+        for name, p in raw_model.named_parameters():
+            if not torch.isfinite(p.detach().full_tensor() if hasattr(p, "full_tensor") else p).all():
+                raise NonFiniteLossError(
+                    f"step {step}: parameter {name} is not finite; kept the last good checkpoint "
+                    f"({'step ' + str(last_good) if last_good is not None else 'none written'}) at {ckpt_path}"
+                )
+        model_state, optim_state = _model_state(raw_model, optimizer, fsdp)
+        if info.is_main:
+            rng = {"torch": torch.get_rng_state()}
+            if device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state()
+            state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
+            state.update(step=step, rng=rng, config=asdict(config))
+            save_atomic(state, ckpt_path)
+        last_good = step
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # --- the loop ----------------------------------------------------------------------------------------------
+    end = min(config.stop_at, config.steps) if config.stop_at else config.steps
+    timings = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "log_checkpoint": 0.0, "eval": 0.0}
+    tokens_since, t_log = 0, time.perf_counter()
+    t_start = time.perf_counter()
+    loss_value = float("nan")
+    metrics: dict[str, dict[str, float]] = {}
+    raw_model.train()
+    for step in range(start_step, end):
+        t0 = time.perf_counter()
+        input_ids, labels = task.sample(config.batch_size, batch_generator(config.seed, step))
+        n_scored = int((labels != IGNORE_INDEX).sum())
+        rows = slice(rank * local_batch, (rank + 1) * local_batch)
+        x, y = input_ids[rows].to(device, non_blocking=True), labels[rows].to(device, non_blocking=True)
+        if config.profile:
+            sync()
+        t1 = time.perf_counter()
+
+        with autocast:
+            logits = model(input_ids=x).logits
+        flat = logits.float().flatten(0, 1)
+        loss_sum = F.cross_entropy(flat, y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss_sum * (world / max(n_scored, 1))
+        loss.backward()
+        if config.profile:
+            sync()
+        t2 = time.perf_counter()
+
+        clip = config.grad_clip if config.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        step_loss = loss.detach() / world
+        if info.enabled:
+            dist.all_reduce(step_loss)
+        loss_value, norm_value = step_loss.item(), float(grad_norm)
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            kept = f"step {last_good} at {ckpt_path}" if last_good is not None else "none written yet"
+            what = "loss" if not math.isfinite(loss_value) else "gradient norm"
+            raise NonFiniteLossError(
+                f"step {step + 1}: non-finite {what} (loss={loss_value}, grad_norm={norm_value}); "
+                f"stopped without saving. Last good checkpoint: {kept}"
+            )
+        lr_now = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if config.profile:
+            sync()
+        t3 = time.perf_counter()
+
+        done = step + 1
+        tokens_since += int(input_ids.numel())
+        if done % config.log_every == 0 or done == end:
+            now = time.perf_counter()
+            tps = tokens_since / max(now - t_log, 1e-9)
+            tokens_since, t_log = 0, now
+            log(
+                {
+                    "event": "train",
+                    "step": done,
+                    "loss": loss_value,
+                    "lr": lr_now,
+                    "grad_norm": norm_value,
+                    "tokens_per_s": tps,
+                }
+            )
+            if info.is_main and not config.quiet:
+                print(
+                    f"step {done:>6}/{config.steps} loss {loss_value:.4f} lr {lr_now:.2e} tok/s {tps:,.0f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if ckpt_path and config.checkpoint_every and done % config.checkpoint_every == 0:
+            save(done)
+        t4 = time.perf_counter()
+        if config.eval_every and done % config.eval_every == 0 and done != end:
+            metrics = evaluate()
+            log({"event": "eval", "step": done, **{k: v for k, v in metrics.items()}})
+        t5 = time.perf_counter()
+        timings["data"] += t1 - t0
+        timings["forward_backward"] += t2 - t1
+        timings["optimizer"] += t3 - t2
+        timings["log_checkpoint"] += t4 - t3
+        timings["eval"] += t5 - t4
+
+    wall = time.perf_counter() - t_start
+    # --- the end: final checkpoint, evaluation, summary ----------------------------------------------------------
+    done = max(end, start_step)
+    if ckpt_path and done > start_step:
+        save(done)
+    t_eval = time.perf_counter()
+    metrics = evaluate()
+    timings["eval"] += time.perf_counter() - t_eval
+    log({"event": "eval", "step": done, **metrics})
+    steps_run = max(end - start_step, 0)
+    tokens_per_s = steps_run * config.batch_size * task.seq_len / max(wall, 1e-9)
+    profile = None
+    if config.profile:
+        step_time = sum(v for k, v in timings.items() if k != "eval")
+        profile = {k + "_s": v for k, v in timings.items()}
+        profile["outside_forward_backward"] = 1 - timings["forward_backward"] / max(step_time, 1e-9)
+        profile["data_log_checkpoint"] = (timings["data"] + timings["log_checkpoint"]) / max(step_time, 1e-9)
+        if info.is_main:
+            print(
+                f"profile: {steps_run} steps, {100 * profile['outside_forward_backward']:.1f}% of step time outside "
+                f"forward+backward (data+log+checkpoint {100 * profile['data_log_checkpoint']:.1f}%, optimizer "
+                f"{100 * timings['optimizer'] / max(step_time, 1e-9):.1f}%); eval {timings['eval']:.2f}s not counted",
+                file=sys.stderr,
+                flush=True,
+            )
+    result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model)
+    if out and info.is_main:
+        with open(os.path.join(out, "final.json"), "w") as f:
+            json.dump({"config": asdict(config), **result.to_json()}, f, indent=2)
+    if owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    return result

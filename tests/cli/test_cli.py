@@ -1,0 +1,89 @@
+"""The command line at tiny sizes: train, compare, demo, help."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from attnkit.cli import build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = [
+    "--seq-len",
+    "16",
+    "--hidden-size",
+    "16",
+    "--num-heads",
+    "2",
+    "--num-layers",
+    "1",
+    "--steps",
+    "3",
+    "--batch-size",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--log-every",
+    "1",
+    "--device",
+    "cpu",
+    "--quiet",
+    "--task-option",
+    'test_sizes={"in_distribution": 8, "sparse": 8, "dense": 8}',
+]
+
+
+def test_help_documents_defaults():
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices
+    assert {"train", "compare", "demo", "table"} <= set(sub)
+    text = sub["train"].format_help()
+    for option in ("--task", "--mixer", "--steps", "--out", "--lr", "--batch-size", "--seq-len", "--profile"):
+        assert option in text
+    assert "(default: 1000)" in text
+
+
+def test_python_m_attnkit_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "attnkit", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert out.returncode == 0 and "compare" in out.stdout
+
+
+def test_train(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--mixer", "path", "--out", str(out), "--profile", *TINY]) == 0
+    final = json.load(open(out / "final.json"))
+    assert final["step"] == 3 and "in_distribution" in final["metrics"]
+    assert 0 <= final["profile"]["outside_forward_backward"] <= 1
+    events = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert {e["event"] for e in events} == {"train", "eval"}
+    assert os.path.exists(out / "checkpoint.pt")
+    assert "profile:" in capsys.readouterr().err
+
+
+def test_compare(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--mixers", "path", "rope", "--lrs", "1e-3", "3e-3", "--out", str(out), *TINY]) == 0
+    rows = json.load(open(out / "compare.json"))["rows"]
+    assert [(r["mixer"], r["lr"]) for r in rows] == [("path", 1e-3), ("path", 3e-3), ("rope", 1e-3), ("rope", 3e-3)]
+    assert "in_distribution/read_error" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    assert os.path.exists(out / "compare.png")
+
+
+def test_demo_tiny(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--tiny", "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "T=16" in text and "(6.9)" in text and "path" in text and "rope" in text
+    assert len(json.load(open(out / "demo.json"))["rows"]) == 2

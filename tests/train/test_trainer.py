@@ -1,0 +1,149 @@
+"""The trainer: bit-exact resume, the NaN guard, atomic checkpoints, DDP against one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import attnkit.train.trainer as trainer
+from attnkit.train import NonFiniteLossError, TrainConfig, load_checkpoint, lr_at, save_atomic, train
+
+
+def tiny(tmp_path, name: str, **overrides) -> TrainConfig:
+    options = dict(
+        task="flipflop",
+        task_options={"seq_len": 16, "test_sizes": {"in_distribution": 8, "sparse": 8, "dense": 8}},
+        mixer="path",
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        steps=6,
+        batch_size=4,
+        lr=1e-2,
+        warmup_steps=2,
+        log_every=1,
+        device="cpu",
+        out=str(tmp_path / name),
+        quiet=True,
+    )
+    options.update(overrides)
+    return TrainConfig(**options)
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_lr_schedule():
+    config = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, config) == pytest.approx(0.1)
+    assert lr_at(9, config) == pytest.approx(1.0)
+    assert lr_at(100, config) == pytest.approx(0.1)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    straight = train(tiny(tmp_path, "straight"))
+    first = train(tiny(tmp_path, "resumed", stop_at=3))
+    assert first.step == 3
+    resumed = train(tiny(tmp_path, "resumed", resume=True))
+    assert resumed.step == 6
+    assert resumed.loss == straight.loss
+    a, b = params(straight.model), params(resumed.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    events = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert json.load(open(tmp_path / "resumed" / "final.json"))["step"] == 6
+
+
+def test_fresh_run_starts_a_fresh_log(tmp_path):
+    train(tiny(tmp_path, "again", steps=4))
+    train(tiny(tmp_path, "again", steps=4))
+    events = [json.loads(line) for line in open(tmp_path / "again" / "metrics.jsonl")]
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3, 4]
+
+
+def test_nan_guard_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    build = trainer.build_model
+
+    def poisoned_build(*args, **kwargs):
+        model = build(*args, **kwargs)
+        calls = {"n": 0}
+
+        def hook(module, inputs, output):
+            calls["n"] += 1
+            return output * float("nan") if calls["n"] >= 5 else output
+
+        model.lm_head.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(trainer, "build_model", poisoned_build)
+    config = tiny(tmp_path, "nan", steps=10, checkpoint_every=2)
+    with pytest.raises(NonFiniteLossError, match=r"step 5: non-finite loss.*Last good checkpoint: step 4"):
+        train(config)
+    ckpt = load_checkpoint(os.path.join(config.out, "checkpoint.pt"))
+    assert ckpt["step"] == 4
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert not os.path.exists(os.path.join(config.out, "final.json"))
+    assert [f for f in os.listdir(config.out) if f.endswith(".tmp")] == []
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    save_atomic({"step": 1, "w": torch.ones(3)}, path)
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_atomic({"step": 2, "w": torch.zeros(3)}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+    ckpt = load_checkpoint(path)
+    assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, config: TrainConfig, result_path: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    # The group outlives train() (which then leaves it alone) so the FSDP shards can be gathered afterwards.
+    torch.distributed.init_process_group("gloo")
+    result = train(config)
+    state = params(result.model)
+    if config.distributed == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(result.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    torch.distributed.destroy_process_group()
+    if rank == 0:
+        torch.save({"loss": result.loss, "params": state}, result_path)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_distributed_matches_single_process(tmp_path, mode):
+    """Two gloo ranks, each with half of the global batch, reach the single process's loss and parameters."""
+    config = tiny(tmp_path, "single", steps=3, batch_size=8, mixer="rope", distributed=mode)
+    single = train(config)
+    ddp_config = tiny(tmp_path, "ddp", steps=3, batch_size=8, mixer="rope", distributed=mode)
+    result_path = str(tmp_path / "ddp_result.pt")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), ddp_config, result_path), nprocs=2, join=True)
+    got = torch.load(result_path, weights_only=True)
+    assert got["loss"] == pytest.approx(single.loss, rel=1e-5)
+    ref = params(single.model)
+    for k, v in got["params"].items():
+        torch.testing.assert_close(v, ref[k], rtol=1e-4, atol=1e-5)
