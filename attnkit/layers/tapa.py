@@ -10,7 +10,7 @@ import torch
 
 from attnkit.ops.common.validation import check_scalar
 from attnkit.ops.tapa import tapa_attention, tapa_decode_step
-from attnkit.ops.tapa.torch_impl import tapa_split
+from attnkit.ops.tapa.torch_impl import check_theta
 
 from .base import State, TokenMixer, token_positions
 
@@ -43,13 +43,7 @@ class TAPAAttention(TokenMixer):
     ) -> None:
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, layer_idx, backend)
         D = self.head_dim
-        self.theta = check_scalar("theta", theta, low=0.0, high=1.0)
-        amp_dim, phase_dim = tapa_split(self.theta, D)
-        if amp_dim < 1 or phase_dim < 1:
-            raise ValueError(
-                f"theta: round(theta * head_dim) = {amp_dim} amplitude and {phase_dim} phase channels for "
-                f"head_dim={D}; both must be at least 1"
-            )
+        self.theta = check_theta(theta, D)
         self.alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
         self.init_qkvo()
 

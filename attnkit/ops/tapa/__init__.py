@@ -7,7 +7,7 @@ import torch
 from attnkit.ops.common.utils import segment_bounds
 from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, resolve_backend
 from attnkit.ops.tapa.decoding import tapa_decode_step
-from attnkit.ops.tapa.torch_impl import tapa_split, tapa_torch
+from attnkit.ops.tapa.torch_impl import check_theta, tapa_split, tapa_torch
 
 __all__ = ["tapa_attention", "tapa_decode_step"]
 
@@ -45,13 +45,8 @@ def tapa_attention(
     """
     check_qkv(q, k, v)
     B, T, _, D = q.shape
-    theta = check_scalar("theta", theta, low=0.0, high=1.0)
+    theta = check_theta(theta, D)
     amp_dim, phase_dim = tapa_split(theta, D)
-    if amp_dim < 1 or phase_dim < 1:
-        raise ValueError(
-            f"theta: round(theta * D) = {amp_dim} amplitude and {phase_dim} phase channels for D={D}; "
-            "both must be at least 1"
-        )
     alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)

@@ -12,7 +12,7 @@ import torch
 
 from attnkit.ops.common.utils import compute_dtype, repeat_kv
 from attnkit.ops.common.validation import check_cache_mask, check_like, check_scalar, check_tensor
-from attnkit.ops.tapa.torch_impl import tapa_split
+from attnkit.ops.tapa.torch_impl import check_theta, tapa_split
 
 
 def _check_positions(name: str, x: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -68,13 +68,8 @@ def tapa_decode_step(
     _check_positions("q_position", q_position, (B,), q.device)
     _check_positions("k_positions", k_positions, (B, L), q.device)
     check_cache_mask(cache_mask, (B, L), q.device)
-    theta = check_scalar("theta", theta, low=0.0, high=1.0)
+    theta = check_theta(theta, D)
     amp_dim, phase_dim = tapa_split(theta, D)
-    if amp_dim < 1 or phase_dim < 1:
-        raise ValueError(
-            f"theta: round(theta * D) = {amp_dim} amplitude and {phase_dim} phase channels for D={D}; "
-            "both must be at least 1"
-        )
     alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
 
     groups = HQ // H

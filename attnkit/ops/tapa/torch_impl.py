@@ -13,6 +13,7 @@ import math
 import torch
 
 from attnkit.ops.common.utils import compute_dtype
+from attnkit.ops.common.validation import check_scalar
 
 # Measured on a 2-core CPU (B=4, T=1024, H=4, D=64, forward+backward): 32 to 256 rows per block are within
 # noise of each other (1.6-2.0x SDPA+RoPE); 64 keeps the five [B*H, G*BT, T] work buffers of the backward
@@ -24,6 +25,18 @@ def tapa_split(theta: float, head_dim: int) -> tuple[int, int]:
     """``(dA, dP)``: ``dA = round(theta * D)`` with Python's (banker's) ``round``, as SPEC §3 writes it."""
     amp_dim = round(theta * head_dim)
     return amp_dim, head_dim - amp_dim
+
+
+def check_theta(theta: object, head_dim: int) -> float:
+    """``theta`` in ``(0, 1)`` leaving both the amplitude and the phase part of a ``head_dim`` head non-empty."""
+    theta = check_scalar("theta", theta, low=0.0, high=1.0)
+    amp_dim, phase_dim = tapa_split(theta, head_dim)
+    if amp_dim < 1 or phase_dim < 1:
+        raise ValueError(
+            f"theta: round(theta * D) = {amp_dim} amplitude and {phase_dim} phase channels for D={head_dim}; "
+            "both must be at least 1"
+        )
+    return theta
 
 
 def _reversed_phase_table(
