@@ -7,7 +7,9 @@ improves on), forward and forward+backward, as the median of repeated runs.
 
 from __future__ import annotations
 
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -109,6 +111,20 @@ def timing_rows(
             {"name": name, "fwd_ms": fwd, "fwd_bwd_ms": fb, "fwd_ratio": fwd / base_fwd, "fwd_bwd_ratio": fb / base_fb}
         )
     return rows
+
+
+def environment() -> dict[str, str | int]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit}
 
 
 def _reference(name: str, x: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from attnkit.cpu_bench import environment
 from attnkit.models import MIXERS, AttnKitConfig, AttnKitForCausalLM
 
 BAR = 5.0
@@ -62,8 +63,7 @@ def main() -> int:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "bar": BAR, "rows": rows}, f, indent=2)
+            json.dump({"environment": environment(), "args": vars(args), "bar": BAR, "rows": rows}, f, indent=2)
     return 0
 
 

@@ -10,29 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 
-import torch
-
-from attnkit.cpu_bench import format_timing, timing_rows
+from attnkit.cpu_bench import environment, format_timing, timing_rows
 
 # forward+backward, multiples of SDPA + RoPE at B=4, T=1024, H=4, D=64, float32
 BARS = {"path": 8.0, "path_fox": 8.0, "tapa": 4.0, "vla": 8.0}
-
-
-def environment() -> dict[str, str | int]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit}
 
 
 def main() -> int:
