@@ -11,10 +11,10 @@ from attnkit.ops.common.utils import compute_dtype, repeat_kv, segment_bounds
 from attnkit.ops.common.validation import (
     check_cache_mask,
     check_cu_seqlens,
+    check_decode_cache,
     check_like,
     check_qkv,
     check_scalar,
-    check_tensor,
 )
 
 
@@ -140,17 +140,7 @@ def softmax_decode_step(
     Returns:
         ``o [B, 1, HQ, V]`` in ``v_cache.dtype``; computed in float32 (float64 for float64 inputs).
     """
-    check_tensor("q", q, 4)
-    B, _, HQ, K = q.shape
-    if q.shape[1] != 1:
-        raise ValueError(f"q: expected one token per sequence [B, 1, HQ, K], got {list(q.shape)}")
-    check_tensor("k_cache", k_cache, 4)
-    L, H = k_cache.shape[1], k_cache.shape[2]
-    check_like("k_cache", k_cache, (B, L, H, K), q.device)
-    check_tensor("v_cache", v_cache, 4)
-    check_like("v_cache", v_cache, (B, L, H, v_cache.shape[3]), q.device)
-    if H == 0 or HQ % H != 0:
-        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
+    B, L, HQ, H, K = check_decode_cache(q, k_cache, v_cache)
     if cache_mask is not None:
         check_cache_mask(cache_mask, (B, L), q.device)
     if (g_cache is None) != (g_t is None):

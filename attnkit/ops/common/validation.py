@@ -147,3 +147,21 @@ def check_cache_mask(cache_mask: object, shape: tuple[int, int], device: torch.d
     if cache_mask.device != device:
         raise ValueError(f"cache_mask: expected device {device} (that of q), got {cache_mask.device}")
     return cache_mask
+
+
+def check_decode_cache(q: object, k_cache: object, v_cache: object) -> tuple[int, int, int, int, int]:
+    """One query token ``q [B, 1, HQ, K]`` against a cache ``k_cache [B, L, H, K]``, ``v_cache [B, L, H, V]``
+    on the device of ``q``, ``HQ % H == 0``. Returns ``(B, L, HQ, H, K)``."""
+    check_tensor("q", q, 4)
+    B, _, HQ, K = q.shape
+    if q.shape[1] != 1:
+        raise ValueError(f"q: expected one token per sequence [B, 1, HQ, K], got {list(q.shape)}")
+    check_tensor("k_cache", k_cache, 4)
+    L, H = k_cache.shape[1], k_cache.shape[2]
+    check_like("k_cache", k_cache, (B, L, H, K), q.device)
+    check_tensor("v_cache", v_cache, 4)
+    check_like("v_cache", v_cache, (B, L, H, v_cache.shape[3]), q.device)
+    if H == 0 or HQ % H != 0:
+        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
+    return B, L, HQ, H, K
+

@@ -11,7 +11,7 @@ import math
 import torch
 
 from attnkit.ops.common.utils import compute_dtype, repeat_kv
-from attnkit.ops.common.validation import check_cache_mask, check_like, check_scalar, check_tensor
+from attnkit.ops.common.validation import check_cache_mask, check_decode_cache, check_scalar
 from attnkit.ops.tapa.torch_impl import check_theta, tapa_split
 
 
@@ -54,17 +54,7 @@ def tapa_decode_step(
         ``o [B, 1, HQ, V]`` in ``v_cache.dtype``; the distance power, phase and cosine in float32 (float64
         for float64 inputs).
     """
-    check_tensor("q", q, 4)
-    B, _, HQ, D = q.shape
-    if q.shape[1] != 1:
-        raise ValueError(f"q: expected one token per sequence [B, 1, HQ, D], got {list(q.shape)}")
-    check_tensor("k_cache", k_cache, 4)
-    L, H = k_cache.shape[1], k_cache.shape[2]
-    check_like("k_cache", k_cache, (B, L, H, D), q.device)
-    check_tensor("v_cache", v_cache, 4)
-    check_like("v_cache", v_cache, (B, L, H, v_cache.shape[3]), q.device)
-    if H == 0 or HQ % H != 0:
-        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
+    B, L, HQ, H, D = check_decode_cache(q, k_cache, v_cache)
     _check_positions("q_position", q_position, (B,), q.device)
     _check_positions("k_positions", k_positions, (B, L), q.device)
     check_cache_mask(cache_mask, (B, L), q.device)
