@@ -102,7 +102,6 @@ def build_model(config: TrainConfig, vocab_size: int, max_len: int) -> torch.nn.
         num_hidden_layers=config.num_layers,
         num_heads=config.num_heads,
         mixer=config.mixer,
-        use_cache=False,
         **options,
     )
     torch.manual_seed(config.seed)
@@ -207,7 +206,7 @@ def train(config: TrainConfig) -> TrainResult:
 
         def logits_fn(x: torch.Tensor) -> torch.Tensor:
             with autocast:
-                return raw_model(input_ids=x.to(device)).logits
+                return raw_model(input_ids=x.to(device), use_cache=False).logits
 
         metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size)
         raw_model.train()
@@ -255,7 +254,7 @@ def train(config: TrainConfig) -> TrainResult:
         t1 = time.perf_counter()
 
         with autocast:
-            logits = model(input_ids=x).logits
+            logits = model(input_ids=x, use_cache=False).logits
         flat = logits.float().flatten(0, 1)
         loss_sum = F.cross_entropy(flat, y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = loss_sum * (world / max(n_scored, 1))
