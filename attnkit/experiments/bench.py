@@ -8,7 +8,6 @@ the GPU kernel benchmarks of ``benchmarks/ops.py`` (needs a CUDA device and the 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,6 +16,8 @@ from pathlib import Path
 import torch
 
 from attnkit.cpu_bench import MECHANISMS, format_timing, timing_rows
+
+from .output import write_json
 
 GPU_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ops.py"
 
@@ -75,10 +76,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(format_timing(rows))
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows}, f, indent=2, default=str)
-            print(f"wrote {args.out}")
+            write_json(args.out, {"args": vars(args), "torch": torch.__version__, "rows": rows})
     if args.gpu:
         status = bench_gpu(args.gpu_args)
     return status

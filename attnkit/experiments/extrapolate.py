@@ -15,7 +15,6 @@ fixed test sets of the tasks in ``attnkit.tasks``:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +24,8 @@ from transformers import PreTrainedModel
 
 from attnkit.tasks import LanguageModeling, Passkey, Task
 from attnkit.tasks.passkey import grid
+
+from .output import write_json
 
 TASK_NAMES = ("lm", "passkey")
 
@@ -221,10 +222,7 @@ def run(args: argparse.Namespace) -> int:
         plot_results(results, args.plot)
         print(f"wrote {args.plot}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), **results}, f, indent=2, default=str)
-        print(f"wrote {args.out}")
+        write_json(args.out, {"args": vars(args), **results})
     if results["task"] == "lm" and not all(math.isfinite(r["perplexity"]) for r in results["rows"]):
         print("warning: non-finite perplexity at some length")
     return 0

@@ -14,7 +14,6 @@ write and DeltaNet's delta rule keep it bounded.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import torch
 from torch import nn
 
 from attnkit.layers import DeltaNetAttention, LinearAttention, VLAAttention
+
+from .output import write_json
 
 LAYERS: dict[str, type[nn.Module]] = {"vla": VLAAttention, "linear": LinearAttention, "deltanet": DeltaNetAttention}
 # TASKS.md: published ‖S‖_F at T = 1000 (VLA paper), printed beside ours; not a target to reproduce exactly
@@ -124,8 +125,5 @@ def run(args: argparse.Namespace) -> int:
         plot_rows(rows, args.plot)
         print(f"wrote {args.plot}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2, default=str)
-        print(f"wrote {args.out}")
+        write_json(args.out, {"args": vars(args), "rows": rows})
     return 0
