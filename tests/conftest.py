@@ -2,14 +2,22 @@
 
 Inside attnkit code, ``torch.empty`` and ``torch.empty_like`` return tensors filled with NaN (as
 flash-linear-attention's tests do), so an implementation that reads memory it never wrote fails loudly.
+
+Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter: ``TRITON_INTERPRET=1`` must be
+set before anything imports triton, so it is set here, first.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET could be set"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _empty = torch.empty
 _empty_like = torch.empty_like

@@ -179,12 +179,6 @@ def test_split_is_python_round(theta, D, split):
     assert tapa_split(theta, D) == split
 
 
-def test_triton_backend_not_yet_available():
-    q, k, v = make_inputs(1, 4, 1, 1, 4, 4)
-    with pytest.raises(NotImplementedError, match="tapa_attention"):
-        tapa_attention(q, k, v, backend="triton")
-
-
 BAD_INPUTS = {
     "q-rank": ("q", lambda q, k, v: dict(q=q[0])),
     "q-int": ("q", lambda q, k, v: dict(q=q.long())),

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from attnkit.ops.common.triton_utils import kernel_device
+
 BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -103,12 +105,19 @@ def check_backend(backend: object) -> str:
 
 
 def resolve_backend(backend: object, op: str, device: torch.device, *, has_triton: bool = False) -> str:
-    """``"auto"`` picks the Triton kernel for CUDA tensors when ``op`` has one, the PyTorch backend otherwise."""
+    """``"auto"`` picks the Triton kernel for CUDA tensors when ``op`` has one, the PyTorch backend otherwise.
+
+    ``"triton"`` needs CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run kernels).
+    """
     backend = check_backend(backend)
     if backend == "auto":
         return "triton" if has_triton and device.type == "cuda" else "torch"
     if backend == "triton" and not has_triton:
         raise NotImplementedError(f"{op}: the Triton backend is not implemented yet; use backend='torch'")
+    if backend == "triton" and not kernel_device(device):
+        raise ValueError(
+            f"backend: {op}'s Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {device}"
+        )
     return backend
 
 

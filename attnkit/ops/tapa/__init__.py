@@ -7,6 +7,7 @@ import torch
 from attnkit.ops.common.utils import segment_bounds
 from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, resolve_backend
 from attnkit.ops.tapa.decoding import tapa_decode_step
+from attnkit.ops.tapa.parallel import MAX_HEAD_DIM, tapa_triton
 from attnkit.ops.tapa.torch_impl import check_theta, tapa_split, tapa_torch
 
 __all__ = ["tapa_attention", "tapa_decode_step"]
@@ -38,7 +39,9 @@ def tapa_attention(
         alpha: exponent of the distance, finite and ``>= 0``.
         cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); positions restart at 0
             in each sequence.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``; only the PyTorch backend exists so far.
+        backend: ``"auto"`` (the Triton kernels for CUDA tensors of float16 / bfloat16 / float32 with head
+            dims up to 256, the PyTorch backend otherwise), ``"torch"`` or ``"triton"`` (CUDA tensors, or CPU
+            tensors under ``TRITON_INTERPRET=1``; not float64).
 
     Returns:
         ``o [B, T, HQ, V]`` in ``v.dtype``; computed in float32 (float64 for float64 inputs).
@@ -50,5 +53,14 @@ def tapa_attention(
     alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    resolve_backend(backend, "tapa_attention", q.device)
+    if backend == "auto" and (q.dtype == torch.float64 or max(D, v.shape[-1]) > MAX_HEAD_DIM):
+        backend = "torch"
+    if resolve_backend(backend, "tapa_attention", q.device, has_triton=True) == "triton":
+        if q.dtype == torch.float64:
+            raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
+        if max(D, v.shape[-1]) > MAX_HEAD_DIM:
+            raise ValueError(
+                f"backend: the Triton kernels take head dims up to {MAX_HEAD_DIM}, got D={D}, V={v.shape[-1]}"
+            )
+        return tapa_triton(q, k, v, amp_dim, alpha, cu_seqlens)
     return tapa_torch(q, k, v, amp_dim, alpha, segment_bounds(cu_seqlens, T))

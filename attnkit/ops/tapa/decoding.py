@@ -1,7 +1,8 @@
 """TAPA decoding: one new query against a cache of raw keys, values and the absolute position of each slot.
 
 The logit depends on the distance ``m − n`` only through ``(m − n)^alpha``, so the cache keeps raw keys and
-each slot's position in its sequence; left padding is handled by ``cache_mask``.
+each slot's position in its sequence; left padding is handled by ``cache_mask``. On CUDA the step runs as
+one fused split-KV kernel (``triton/decode.py``); the PyTorch path below is the CPU backend and its oracle.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import torch
 
 from attnkit.ops.common.utils import compute_dtype, repeat_kv
-from attnkit.ops.common.validation import check_cache_mask, check_decode_cache, check_scalar
+from attnkit.ops.common.validation import check_cache_mask, check_decode_cache, check_scalar, resolve_backend
 from attnkit.ops.tapa.torch_impl import check_theta, tapa_split
 
 
@@ -35,6 +36,7 @@ def tapa_decode_step(
     *,
     theta: float = 0.5,
     alpha: float = 0.1,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """One decoding step of TAPA: the logit of slot ``n`` is
     ``(q_A·k_A)/sqrt(dA) · cos(2π · (m−n)^alpha · (q_P·k_P)/sqrt(dP))`` with ``m = q_position``,
@@ -49,10 +51,13 @@ def tapa_decode_step(
         cache_mask: ``[B, L]`` bool, True for real slots; slots after ``q_position`` are excluded as well.
             Every row needs one visible slot.
         theta, alpha: as in :func:`attnkit.ops.tapa_attention`.
+        backend: ``"auto"`` (the Triton kernel for CUDA tensors, PyTorch otherwise), ``"torch"`` or
+            ``"triton"``. The kernel takes float32 / float16 / bfloat16; float64 inputs stay on PyTorch under
+            ``"auto"`` and are refused by ``"triton"``.
 
     Returns:
         ``o [B, 1, HQ, V]`` in ``v_cache.dtype``; the distance power, phase and cosine in float32 (float64
-        for float64 inputs).
+        for float64 inputs on the PyTorch backend).
     """
     B, L, HQ, H, D = check_decode_cache(q, k_cache, v_cache)
     _check_positions("q_position", q_position, (B,), q.device)
@@ -61,9 +66,19 @@ def tapa_decode_step(
     theta = check_theta(theta, D)
     amp_dim, phase_dim = tapa_split(theta, D)
     alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
+    dtype = compute_dtype(q, k_cache, v_cache)
+    use_triton = resolve_backend(backend, "tapa_decode_step", q.device, has_triton=True) == "triton"
+    if use_triton and dtype == torch.float64:
+        if backend == "triton":
+            raise ValueError("backend: the Triton kernel takes float32/float16/bfloat16, got float64; use 'torch'")
+        use_triton = False
+    if use_triton:
+        # Imported here: triton is a Linux-only dependency, and the CPU path must import without it.
+        from attnkit.ops.tapa.triton.decode import tapa_decode_fn
+
+        return tapa_decode_fn(q, k_cache, v_cache, q_position, k_positions, cache_mask, amp_dim, alpha)
 
     groups = HQ // H
-    dtype = compute_dtype(q, k_cache, v_cache)
     qh, kh = q[:, 0].to(dtype), repeat_kv(k_cache, groups).to(dtype)
     amp = torch.einsum("bhd,bnhd->bhn", qh[..., :amp_dim], kh[..., :amp_dim]) / math.sqrt(amp_dim)
     phase = torch.einsum("bhd,bnhd->bhn", qh[..., amp_dim:], kh[..., amp_dim:])

@@ -1,0 +1,22 @@
+"""What the Triton launchers share: where a kernel may run, and block sizes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1``: kernels then run on CPU tensors through Triton's interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_device(device: torch.device) -> bool:
+    """Whether a Triton kernel can run on tensors of ``device``: CUDA, or CPU under the interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def block_dim(n: int, minimum: int = 16) -> int:
+    """The power-of-two block that covers ``n`` channels; ``tl.dot`` needs at least 16 along its inner dim."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())

@@ -1,0 +1,87 @@
+"""The Triton backend of TAPA as PyTorch operators: ``attnkit::tapa_fwd`` and ``attnkit::tapa_bwd``.
+
+``torch.library.custom_op`` with fake (meta) implementations and an autograd registration, so that
+``torch.compile`` traces through the kernels instead of breaking the graph, and ``torch.library.opcheck``
+can hold the registration to the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.ops.tapa.triton.backward import tapa_bwd_fn
+from attnkit.ops.tapa.triton.forward import tapa_fwd_fn
+
+# The largest head dims the kernels are built for: a [128, 64] tile of logits beside [BM, D] and [BN, D]
+# operand tiles fits the register file up to D = 256 with smaller blocks (``fwd_config``).
+MAX_HEAD_DIM = 256
+
+
+@torch.library.custom_op("attnkit::tapa_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def tapa_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    amp_dim: int,
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [B,T,HQ,V], lse [HQ, B*T] float32)``; CPU tensors run through Triton's interpreter."""
+    return tapa_fwd_fn(q.contiguous(), k.contiguous(), v.contiguous(), amp_dim, alpha, cu_seqlens)
+
+
+@tapa_fwd_op.register_fake
+def _(q, k, v, cu_seqlens, amp_dim, alpha):
+    B, T, HQ, _ = q.shape
+    return q.new_empty(B, T, HQ, v.shape[-1], dtype=v.dtype), q.new_empty(HQ, B * T, dtype=torch.float32)
+
+
+@torch.library.custom_op("attnkit::tapa_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def tapa_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    amp_dim: int,
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from the forward's inputs, output and log-sum-exp."""
+    q, k, v, o, do = (x.contiguous() for x in (q, k, v, o, do))
+    return tapa_bwd_fn(q, k, v, o, lse, do, amp_dim, alpha, cu_seqlens)
+
+
+@tapa_bwd_op.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens, amp_dim, alpha):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, amp_dim, alpha = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    ctx.amp_dim, ctx.alpha = amp_dim, alpha
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = tapa_bwd_op(do, q, k, v, o, lse, cu_seqlens, ctx.amp_dim, ctx.alpha)
+    return dq, dk, dv, None, None, None
+
+
+tapa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def tapa_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    amp_dim: int,
+    alpha: float,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """TAPA through the Triton kernels on validated inputs (one float dtype, not float64); ``o [B,T,HQ,V]``."""
+    return tapa_fwd_op(q, k, v, cu_seqlens, amp_dim, float(alpha))[0]

@@ -1,0 +1,324 @@
+"""TAPA backward: recompute the probabilities from the saved log-sum-exp, FlashAttention style.
+
+Three kernels: ``delta = rowsum(dO ⊙ O)``; dK and dV per (key block, key/value head), looping over the
+``G`` query heads that share the head and the query blocks that see the keys; dQ per (query block, query
+head) over its causal key prefix, or, with ``atomic_dq``, added into a float32 buffer by the dK/dV kernel
+(one recomputation of the logits instead of two). With ``l = a·cos(2πx)``, ``a = sA·q_A·k_A``,
+``x = (q_P·k_P)·r[m−n]`` and ``dS = P ⊙ (dP − delta)``, the two channel groups get
+``dS_A = dS·cos(2πx)·sA`` and ``dS_P = −2π·dS·a·sin(2πx)·r``. Derivation: ``README.md`` of the op.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.tapa.triton.common import (
+    cos_cycles,
+    distance_factor,
+    fast_exp2,
+    power_args,
+    reduce_cycles,
+    seq_bounds,
+    seq_layout,
+    sin_cycles,
+)
+from attnkit.ops.tapa.triton.forward import LOG2E
+
+
+@triton.jit
+def tapa_bwd_delta_kernel(o, do, delta, NT, HQ: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
+    """``delta [HQ, NT] = rowsum(dO ⊙ O)`` in float32; grid ``(cdiv(NT, BT), HQ)``."""
+    i_t, i_hq = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_v = tl.arange(0, BV)
+    m_t = o_t < NT
+    p = o_t.to(tl.int64)[:, None] * (HQ * V) + i_hq * V + o_v[None, :]
+    mask = m_t[:, None] & (o_v < V)[None, :]
+    b_o = tl.load(o + p, mask=mask, other=0.0).to(tl.float32)
+    b_do = tl.load(do + p, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta + i_hq.to(tl.int64) * NT + o_t, tl.sum(b_o * b_do, 1), mask=m_t)
+
+
+@triton.jit
+def _grad_logits(
+    b_amp, b_phase, b_r, b_lse, b_delta, b_dp, mask, scale_log2, scale_amp, CAUSAL: tl.constexpr, TRIG_ASM: tl.constexpr
+):
+    """``(P, dS_A, dS_P)`` of one tile from its raw products; ``b_lse`` / ``b_delta`` come broadcast to it."""
+    b_x = reduce_cycles(b_phase * b_r)
+    b_cos = cos_cycles(b_x, TRIG_ASM)
+    b_p = fast_exp2(b_amp * b_cos * scale_log2 - b_lse)
+    if CAUSAL:
+        b_p = tl.where(mask, b_p, 0.0)
+    b_ds = b_p * (b_dp - b_delta)
+    b_ds_amp = b_ds * b_cos * scale_amp
+    b_ds_phase = b_ds * b_amp * sin_cycles(b_x, TRIG_ASM) * b_r * (-6.283185307179586 * scale_amp)
+    return b_p, b_ds_amp, b_ds_phase
+
+
+@triton.jit
+def _dkdv_block(
+    b_dka, b_dkp, b_dv, b_ka, b_kp, b_v, o_n, start_m, L, i_hq,
+    q, do, lse, delta, dq, bos, NT, scale_log2, scale_amp, alpha, log2_scale,
+    o_da, o_dp, o_v,
+    HQ: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr, BM: tl.constexpr,
+    CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr,
+    ALPHA_ZERO: tl.constexpr,
+):  # fmt: skip
+    """One query block against the program's key block, in the transposed (keys × queries) orientation."""
+    D = DA + DP
+    o_m = start_m + tl.arange(0, BM)
+    m_m = o_m < L
+    p_m = bos + o_m.to(tl.int64)
+    p_q = q + p_m[:, None] * (HQ * D) + i_hq * D
+    m_da, m_dp, m_v = (
+        m_m[:, None] & (o_da < DA)[None, :],
+        m_m[:, None] & (o_dp < DP)[None, :],
+        m_m[:, None] & (o_v < V)[None, :],
+    )
+    b_qa = tl.load(p_q + o_da[None, :], mask=m_da, other=0.0)
+    b_qp = tl.load(p_q + DA + o_dp[None, :], mask=m_dp, other=0.0)
+    b_do = tl.load(do + p_m[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_v, other=0.0)
+    # Rows past the end get lse = +inf, hence P = 0: no row mask is needed on the tile.
+    b_lse = tl.load(lse + i_hq.to(tl.int64) * NT + p_m, mask=m_m, other=float("inf"))
+    b_delta = tl.load(delta + i_hq.to(tl.int64) * NT + p_m, mask=m_m, other=0.0)
+
+    b_amp = tl.dot(b_ka, tl.trans(b_qa), input_precision=PRECISION)
+    b_phase = tl.dot(b_kp, tl.trans(b_qp), input_precision=PRECISION)
+    b_dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)
+    mask = o_m[None, :] >= o_n[:, None]
+    # Transposed tile: rows are keys, so the factor of (n, m) is r(m − n) with the arguments swapped.
+    b_r = tl.trans(distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL))
+    b_p, b_ds_amp, b_ds_phase = _grad_logits(
+        b_amp, b_phase, b_r, b_lse[None, :], b_delta[None, :], b_dp, mask, scale_log2, scale_amp, CAUSAL, TRIG_ASM
+    )
+    b_dv += tl.dot(b_p.to(b_do.dtype), b_do, input_precision=PRECISION)
+    b_ds_amp = b_ds_amp.to(b_qa.dtype)
+    b_ds_phase = b_ds_phase.to(b_qp.dtype)
+    b_dka += tl.dot(b_ds_amp, b_qa, input_precision=PRECISION)
+    b_dkp += tl.dot(b_ds_phase, b_qp, input_precision=PRECISION)
+    if ATOMIC_DQ:
+        p_dq = dq + p_m[:, None] * (HQ * D) + i_hq * D
+        b_dqa = tl.dot(tl.trans(b_ds_amp), b_ka, input_precision=PRECISION)
+        b_dqp = tl.dot(tl.trans(b_ds_phase), b_kp, input_precision=PRECISION)
+        tl.atomic_add(p_dq + o_da[None, :], b_dqa, mask=m_da, sem="relaxed")
+        tl.atomic_add(p_dq + DA + o_dp[None, :], b_dqp, mask=m_dp, sem="relaxed")
+    return b_dka, b_dkp, b_dv
+
+
+@triton.jit
+def tapa_bwd_dkdv_kernel(
+    q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale,
+    HQ: tl.constexpr, H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
+    BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr,
+    ALPHA_ZERO: tl.constexpr,
+):  # fmt: skip
+    """dK, dV (and with ``ATOMIC_DQ`` dQ, float32) of one key block of one key/value head.
+
+    Grid ``(key blocks of the longest sequence, N * H)``; ``BN`` is a multiple of ``BM``.
+    """
+    i_nb = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    G = HQ // H
+    D = DA + DP
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    start_n = i_nb * BN
+    if start_n >= L:
+        return
+    o_n = start_n + tl.arange(0, BN)
+    m_n = o_n < L
+    o_da, o_dp, o_v = tl.arange(0, BDA), tl.arange(0, BDP), tl.arange(0, BV)
+    p_n = bos + o_n.to(tl.int64)
+    m_da, m_dp, m_v = (
+        m_n[:, None] & (o_da < DA)[None, :],
+        m_n[:, None] & (o_dp < DP)[None, :],
+        m_n[:, None] & (o_v < V)[None, :],
+    )
+    p_k = k + p_n[:, None] * (H * D) + i_h * D
+    b_ka = tl.load(p_k + o_da[None, :], mask=m_da, other=0.0)
+    b_kp = tl.load(p_k + DA + o_dp[None, :], mask=m_dp, other=0.0)
+    b_v = tl.load(v + p_n[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+    b_dka = tl.zeros([BN, BDA], dtype=tl.float32)
+    b_dkp = tl.zeros([BN, BDP], dtype=tl.float32)
+    b_dv = tl.zeros([BN, BV], dtype=tl.float32)
+    for g in range(G):
+        i_hq = i_h * G + g
+        # The query blocks that cross the diagonal need the causal mask; the rest see every key of the block.
+        for start_m in range(start_n, tl.minimum(start_n + BN, L), BM):
+            b_dka, b_dkp, b_dv = _dkdv_block(
+                b_dka, b_dkp, b_dv, b_ka, b_kp, b_v, o_n, start_m, L, i_hq, q, do, lse, delta, dq, bos,
+                NT, scale_log2, scale_amp, alpha, log2_scale, o_da, o_dp, o_v, HQ, DA, DP, V, BM, True, ATOMIC_DQ,
+                PRECISION, TRIG_ASM, ALPHA_ZERO,
+            )  # fmt: skip
+        for start_m in range(start_n + BN, L, BM):
+            b_dka, b_dkp, b_dv = _dkdv_block(
+                b_dka, b_dkp, b_dv, b_ka, b_kp, b_v, o_n, start_m, L, i_hq, q, do, lse, delta, dq, bos,
+                NT, scale_log2, scale_amp, alpha, log2_scale, o_da, o_dp, o_v, HQ, DA, DP, V, BM, False, ATOMIC_DQ,
+                PRECISION, TRIG_ASM, ALPHA_ZERO,
+            )  # fmt: skip
+    p_dk = dk + p_n[:, None] * (H * D) + i_h * D
+    tl.store(p_dk + o_da[None, :], b_dka.to(dk.dtype.element_ty), mask=m_da)
+    tl.store(p_dk + DA + o_dp[None, :], b_dkp.to(dk.dtype.element_ty), mask=m_dp)
+    tl.store(dv + p_n[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _dq_block(
+    b_dqa, b_dqp, b_qa, b_qp, b_do, b_lse, b_delta, o_m, start_n, L,
+    k, v, bos, scale_log2, scale_amp, alpha, log2_scale, o_da, o_dp, o_v,
+    H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr, ALPHA_ZERO: tl.constexpr,
+):  # fmt: skip
+    """One key block folded into the dQ of the program's query block."""
+    D = DA + DP
+    o_n = start_n + tl.arange(0, BN)
+    p_n = bos + o_n.to(tl.int64)
+    m_da, m_dp, m_v = (o_da < DA)[None, :], (o_dp < DP)[None, :], (o_v < V)[None, :]
+    if CAUSAL:
+        m_n = (o_n < L)[:, None]
+        m_da, m_dp, m_v = m_da & m_n, m_dp & m_n, m_v & m_n
+    b_ka = tl.load(k + p_n[:, None] * (H * D) + o_da[None, :], mask=m_da, other=0.0)
+    b_kp = tl.load(k + p_n[:, None] * (H * D) + DA + o_dp[None, :], mask=m_dp, other=0.0)
+    b_v = tl.load(v + p_n[:, None] * (H * V) + o_v[None, :], mask=m_v, other=0.0)
+    b_amp = tl.dot(b_qa, tl.trans(b_ka), input_precision=PRECISION)
+    b_phase = tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+    mask = o_m[:, None] >= o_n[None, :]
+    b_r = distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL)
+    _, b_ds_amp, b_ds_phase = _grad_logits(
+        b_amp, b_phase, b_r, b_lse[:, None], b_delta[:, None], b_dp, mask, scale_log2, scale_amp, CAUSAL, TRIG_ASM
+    )
+    b_dqa += tl.dot(b_ds_amp.to(b_ka.dtype), b_ka, input_precision=PRECISION)
+    b_dqp += tl.dot(b_ds_phase.to(b_kp.dtype), b_kp, input_precision=PRECISION)
+    return b_dqa, b_dqp
+
+
+@triton.jit
+def tapa_bwd_dq_kernel(
+    q, k, v, do, lse, delta, dq, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale,
+    HQ: tl.constexpr, H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
+    BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr, ALPHA_ZERO: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query block of one query head; grid ``(query blocks of the longest sequence, N * HQ)``."""
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    i_h = i_hq // (HQ // H)
+    D = DA + DP
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    start_m = i_m * BM
+    if start_m >= L:
+        return
+    o_m = start_m + tl.arange(0, BM)
+    m_m = o_m < L
+    o_da, o_dp, o_v = tl.arange(0, BDA), tl.arange(0, BDP), tl.arange(0, BV)
+    p_m = bos + o_m.to(tl.int64)
+    m_da, m_dp = m_m[:, None] & (o_da < DA)[None, :], m_m[:, None] & (o_dp < DP)[None, :]
+    p_q = q + p_m[:, None] * (HQ * D) + i_hq * D
+    b_qa = tl.load(p_q + o_da[None, :], mask=m_da, other=0.0)
+    b_qp = tl.load(p_q + DA + o_dp[None, :], mask=m_dp, other=0.0)
+    b_do = tl.load(do + p_m[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_m[:, None] & (o_v < V)[None, :])
+    b_lse = tl.load(lse + i_hq.to(tl.int64) * NT + p_m, mask=m_m, other=float("inf"))
+    b_delta = tl.load(delta + i_hq.to(tl.int64) * NT + p_m, mask=m_m, other=0.0)
+    b_dqa = tl.zeros([BM, BDA], dtype=tl.float32)
+    b_dqp = tl.zeros([BM, BDP], dtype=tl.float32)
+    k_h, v_h = k + i_h * D, v + i_h * V
+    for start_n in range(0, start_m, BN):
+        b_dqa, b_dqp = _dq_block(
+            b_dqa, b_dqp, b_qa, b_qp, b_do, b_lse, b_delta, o_m, start_n, L, k_h, v_h, bos, scale_log2,
+            scale_amp, alpha, log2_scale, o_da, o_dp, o_v, H, DA, DP, V, BN, False, PRECISION, TRIG_ASM, ALPHA_ZERO,
+        )  # fmt: skip
+    for start_n in range(start_m, tl.minimum(start_m + BM, L), BN):
+        b_dqa, b_dqp = _dq_block(
+            b_dqa, b_dqp, b_qa, b_qp, b_do, b_lse, b_delta, o_m, start_n, L, k_h, v_h, bos, scale_log2,
+            scale_amp, alpha, log2_scale, o_da, o_dp, o_v, H, DA, DP, V, BN, True, PRECISION, TRIG_ASM, ALPHA_ZERO,
+        )  # fmt: skip
+    p_dq = dq + p_m[:, None] * (HQ * D) + i_hq * D
+    tl.store(p_dq + o_da[None, :], b_dqa.to(dq.dtype.element_ty), mask=m_da)
+    tl.store(p_dq + DA + o_dp[None, :], b_dqp.to(dq.dtype.element_ty), mask=m_dp)
+
+
+def bwd_config(dims: tuple[int, int, int]) -> dict[str, object]:
+    """Block sizes and warps of the dK/dV and dQ kernels for channel blocks ``(BDA, BDP, BV)``.
+
+    Measured on an H200 (``benchmarks/tapa_tune.py``): dQ by float32 atomics from the dK/dV kernel beat a
+    second recomputation by 1.2-1.4x at D = 64 and 128.
+    """
+    if interpreting():
+        return {"dkdv": (16, 16, 1, 1), "dq": (16, 16, 1, 1), "atomic_dq": False}
+    width = max(dims[0] + dims[1], dims[2])
+    if width <= 64:
+        return {"dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 2), "atomic_dq": True}
+    if width <= 128:
+        return {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2), "atomic_dq": True}
+    return {"dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "atomic_dq": True}
+
+
+def tapa_bwd_fn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    amp_dim: int,
+    alpha: float,
+    cu_seqlens: torch.Tensor | None,
+    config: dict[str, object] | None = None,
+    trig_asm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` in the dtypes of ``(q, k, v)``; inputs as :func:`tapa_fwd_fn` takes and
+    returns them, ``do`` shaped like ``o`` (contiguous). ``config`` overrides :func:`bwd_config`;
+    ``trig_asm`` as in :func:`tapa_fwd_fn`."""
+    B, T, HQ, D = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    DA, DP = amp_dim, D - amp_dim
+    N, longest = seq_layout(cu_seqlens, B, T)
+    dims = (block_dim(DA), block_dim(DP), block_dim(V))
+    config = config or bwd_config(dims)
+    alpha, log2_scale, alpha_zero = power_args(alpha, DP)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    scales = (DA**-0.5 * LOG2E, DA**-0.5, alpha, log2_scale)
+    common = dict(
+        HQ=HQ,
+        H=H,
+        DA=DA,
+        DP=DP,
+        V=V,
+        BDA=dims[0],
+        BDP=dims[1],
+        BV=dims[2],
+        PRECISION=precision,
+        TRIG_ASM=trig_asm and not interpreting(),
+        ALPHA_ZERO=alpha_zero,
+    )
+    is_varlen = cu_seqlens is not None
+
+    delta = torch.empty_like(lse)
+    BT = 64
+    tapa_bwd_delta_kernel[(triton.cdiv(B * T, BT), HQ)](o, do, delta, B * T, HQ=HQ, V=V, BV=dims[2], BT=BT)
+
+    atomic_dq = bool(config["atomic_dq"])
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    BM, BN, num_warps, num_stages = config["dkdv"]
+    if longest > 0:
+        tapa_bwd_dkdv_kernel[(triton.cdiv(longest, BN), N * H)](
+            q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, B * T, *scales,
+            BM=BM, BN=BN, IS_VARLEN=is_varlen, ATOMIC_DQ=atomic_dq, num_warps=num_warps, num_stages=num_stages,
+            **common,
+        )  # fmt: skip
+    if atomic_dq:
+        return dq.to(q.dtype), dk, dv
+    BM, BN, num_warps, num_stages = config["dq"]
+    if longest > 0:
+        tapa_bwd_dq_kernel[(triton.cdiv(longest, BM), N * HQ)](
+            q, k, v, do, lse, delta, dq, cu_seqlens, T, B * T, *scales,
+            BM=BM, BN=BN, IS_VARLEN=is_varlen, num_warps=num_warps, num_stages=num_stages, **common,
+        )  # fmt: skip
+    return dq, dk, dv

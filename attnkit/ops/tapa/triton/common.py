@@ -1,0 +1,132 @@
+"""Pieces shared by the TAPA kernels: the distance factor, the sequence bounds and the cosine of a phase.
+
+Phases are kept in cycles, ``x = (q_P·k_P)·r(m − n)`` with ``r(d) = d^alpha/sqrt(dP)``, and reduced to
+``[-1/2, 1/2]`` before the cosine: ``cos(2π·x)``
+of a raw ``x`` of tens of cycles would lose digits in a hardware cosine, and the reduced range lets a short
+polynomial replace the cosine (``cos_cycles``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_utils import interpreting
+
+# On the GPU, log2 and exp2 come straight from the special-function unit (``lg2.approx.ftz``, ``ex2.approx.ftz``;
+# relative error ~1e-7): ``tl.log2`` is libdevice's exact log2, dozens of instructions a logit, and ``tl.exp2``
+# wraps the unit in three instructions of denormal handling that a softmax does not need. The interpreter has no
+# PTX and uses ``tl.log2`` / ``tl.exp2``.
+NATIVE = tl.constexpr(not interpreting())
+
+
+@triton.jit
+def fast_exp2(x):
+    """``2^x`` (denormal results flush to 0)."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return tl.exp2(x)
+
+
+@triton.jit
+def fast_log2(x):
+    """``log2(x)``; ``-inf`` at 0, NaN below."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return tl.log2(x)
+
+
+def seq_layout(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int) -> tuple[int, int]:
+    """``(N, longest)``: the number of sequences and the longest one (a host sync with ``cu_seqlens``)."""
+    if cu_seqlens is None:
+        return batch, seq_len
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return lengths.numel(), int(lengths.max().item()) if lengths.numel() else 0
+
+
+@triton.jit
+def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """``(bos, length)`` of sequence ``i_n``: the token offset of its first row (int64) and its length."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        return bos, (eos - bos).to(tl.int32)
+    return i_n.to(tl.int64) * T, T
+
+
+def power_args(alpha: float, phase_dim: int) -> tuple[float, float, bool]:
+    """Kernel arguments of :func:`distance_factor`: ``(alpha, log2(1/sqrt(dP)), alpha == 0)``."""
+    return float(alpha), -0.5 * math.log2(phase_dim), alpha == 0
+
+
+@triton.jit
+def distance_factor(b_rows, b_cols, alpha, log2_scale, ALPHA_ZERO: tl.constexpr, CLAMP: tl.constexpr):
+    """``r(m − n) = (m − n)^alpha / sqrt(dP)`` of a tile, ``0`` at ``m = n``, from float positions.
+
+    Two special-function ops per logit (``log2``, ``exp2``), computed where they are needed: a float32 table
+    read per logit cost more (a gather, its address arithmetic, a layout change through shared memory, and a
+    load latency the loop cannot hide). ``log2(0) = -inf`` gives ``0^alpha = 0``; ``alpha = 0`` is its own
+    case (``0·inf``). ``CLAMP`` maps the masked upper triangle of a diagonal tile to ``d = 0`` so that it
+    stays finite (the backward multiplies by ``r`` after masking).
+    """
+    b_d = b_rows[:, None] - b_cols[None, :]
+    if CLAMP:
+        b_d = tl.maximum(b_d, 0.0)
+    if ALPHA_ZERO:
+        return tl.where(b_d > 0, tl.exp2(log2_scale), 0.0)
+    return fast_exp2(alpha * fast_log2(b_d) + log2_scale)
+
+
+@triton.jit
+def reduce_cycles(x):
+    """``x − rint(x)``: the phase in ``[-1/2, 1/2]`` cycles. Adding and subtracting 1.5·2²³ rounds to an
+    integer in two float adds (exact for ``|x| < 2²²``), where ``floor`` would be a conversion instruction
+    on the GPU's slow pipe."""
+    return x - ((x + 12582912.0) - 12582912.0)
+
+
+@triton.jit
+def cos_cycles(f, ASM: tl.constexpr):
+    """``cos(2π·f)`` for ``f`` in ``[-1/2, 1/2]``, within 1e-6.
+
+    A degree-7 polynomial in ``f²`` (fitted on Chebyshev nodes; float32 Horner error ~6e-7) runs on the FMA
+    pipe and in the interpreter; ``ASM`` uses the GPU's special-function unit instead (``cos.approx``, the
+    same accuracy on ``[-π, π]``), so the two pipes can share the work. ``tl.cos`` would be libdevice's
+    full-range cosine, many times slower.
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "cos.approx.ftz.f32 $0, $1;", "=f,f", [6.283185307179586 * f], dtype=tl.float32, is_pure=True, pack=1
+        )
+    t = f * f
+    c = -1.4532370567321777 * t + 7.800240516662598
+    c = c * t - 26.404705047607422
+    c = c * t + 60.24213790893555
+    c = c * t - 85.45665740966797
+    c = c * t + 64.93939208984375
+    c = c * t - 19.739208221435547
+    return c * t + 1.0
+
+
+@triton.jit
+def sin_cycles(f, ASM: tl.constexpr):
+    """``sin(2π·f)`` for ``f`` in ``[-1/2, 1/2]``, within 1e-6: ``f`` times a degree-7 polynomial in ``f²``."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "sin.approx.ftz.f32 $0, $1;", "=f,f", [6.283185307179586 * f], dtype=tl.float32, is_pure=True, pack=1
+        )
+    t = f * f
+    c = -0.6208205223083496 * t + 3.781355381011963
+    c = c * t - 15.086577415466309
+    c = c * t + 42.05775451660156
+    c = c * t - 76.70580291748047
+    c = c * t + 81.6052474975586
+    c = c * t - 41.34170150756836
+    return (c * t + 6.2831854820251465) * f

@@ -1,0 +1,231 @@
+"""TAPA decode step: one query token against a cache of raw keys with absolute positions (split-KV).
+
+Decoding reads the whole cache to produce one token, so it is bound by memory bandwidth: one program
+handles the ``G = HQ // H`` query heads of one key/value head over one split of the cache, so every key and
+value is read once (GQA/MQA for free), and the splits make ``B·H·splits`` programs enough to fill the GPU
+when ``B·H`` alone would not ("flash-decoding"). The ``G`` query rows are padded to 16 for ``tl.dot``; the
+padded rows are zero and never stored, and their share of the logit arithmetic hides under the loads.
+
+A slot's distance ``d = m − n`` comes from the positions the cache records (left padding, garbage in
+masked slots), so ``d^alpha`` is computed in the kernel per slot rather than read from the prefill's
+distance table. Splits keep a float32 online-softmax partial (``max``, ``sum``, unnormalised ``acc``) that
+a second kernel merges; with one split the first kernel writes the output itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.tapa.triton.common import cos_cycles, reduce_cycles
+
+LOG2E = 1.4426950408889634
+# Slots per split when B·H alone leaves SMs idle. Measured on an H200 (bf16, D = 64 and 128, B·H from 8 to
+# 128, caches of 4k to 128k): 1k-2k-slot splits are within 5% of the best split of every shape, while splits
+# sized to "just fill the GPU" lose up to 40% to the tail of a partial second wave; many short splits keep
+# that tail short. The merge reads B·HQ·(L/1024)·V floats, under 1% of the cache.
+SPLIT_SIZE = 1024
+
+
+@triton.jit
+def tapa_decode_kernel(
+    q, k, v, q_pos, k_pos, cache_mask, o, o_part, m_part, l_part,
+    L, split_size, alpha, amp_scale, phase_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_pb, stride_pn, stride_cb, stride_cn,
+    stride_ob, stride_oh, stride_od,
+    G: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
+    BG: tl.constexpr, BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``q [B, 1, HQ, DA+DP]``, ``k [B, L, H, DA+DP]``, ``v [B, L, H, V]`` (any strides), ``q_pos [B]``,
+    ``k_pos [B, L]`` int32/int64, ``cache_mask [B, L]`` bool. Grid ``(H, S, B)`` with ``S`` splits of
+    ``split_size`` slots. With ``SPLIT`` writes float32 partials ``o_part [B, HQ, S, V]`` (unnormalised),
+    ``m_part``, ``l_part [B, HQ, S]`` (base-2 max and sum); otherwise ``o [B, 1, HQ, V]`` directly."""
+    # Heads vary fastest so the programs of one (batch, split) run together and share the positions and
+    # mask they all read through L2.
+    i_h, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b64 = i_b.to(tl.int64)
+    o_g = tl.arange(0, BG)
+    o_da, o_dp, o_v = tl.arange(0, BDA), tl.arange(0, BDP), tl.arange(0, BV)
+    m_g = o_g < G
+    m_da, m_dp, m_v = o_da < DA, o_dp < DP, o_v < V
+
+    # The query is cast to the keys' dtype: tl.dot takes one dtype, and the cache is what was stored.
+    p_q = q + i_b64 * stride_qb + (i_h * G + o_g)[:, None] * stride_qh
+    b_qa = tl.load(p_q + o_da[None, :] * stride_qd, mask=m_g[:, None] & m_da[None, :], other=0.0)
+    b_qp = tl.load(p_q + (DA + o_dp)[None, :] * stride_qd, mask=m_g[:, None] & m_dp[None, :], other=0.0)
+    b_qa, b_qp = b_qa.to(k.dtype.element_ty), b_qp.to(k.dtype.element_ty)
+    b_pos = tl.load(q_pos + i_b)
+
+    start = i_s * split_size
+    end = tl.minimum(start + split_size, L)
+    # Offsets within a tile are loop-invariant int32; only the tiles' base pointers move (64-bit).
+    p_k = k + i_b64 * stride_kb + i_h * stride_kh + start.to(tl.int64) * stride_kn
+    p_v = v + i_b64 * stride_vb + i_h * stride_vh + start.to(tl.int64) * stride_vn
+    p_pos = k_pos + i_b64 * stride_pb + start.to(tl.int64) * stride_pn
+    p_mask = cache_mask + i_b64 * stride_cb + start.to(tl.int64) * stride_cn
+    o_t = tl.arange(0, BN)
+    o_ka = o_t[:, None] * stride_kn + o_da[None, :] * stride_kd
+    o_kp = o_t[:, None] * stride_kn + (DA + o_dp)[None, :] * stride_kd
+    o_vt = o_t[:, None] * stride_vn + o_v[None, :] * stride_vd
+
+    b_acc = tl.zeros([BG, BV], dtype=tl.float32)
+    b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BG], dtype=tl.float32)
+    for start_n in range(start, end, BN):
+        o_n = start_n + o_t
+        m_n = o_n < end
+        # Keys and values are masked by the bounds alone, not by the slots' visibility: a load that waited
+        # on the position and mask loads could not be issued stages ahead by the pipeliner. Invisible
+        # slots get probability 0 (their values must be finite, as on the PyTorch path).
+        b_ka = tl.load(p_k + o_ka, mask=m_n[:, None] & m_da[None, :], other=0.0)
+        b_kp = tl.load(p_k + o_kp, mask=m_n[:, None] & m_dp[None, :], other=0.0)
+        b_v = tl.load(p_v + o_vt, mask=m_n[:, None] & m_v[None, :], other=0.0)
+        b_kpos = tl.load(p_pos + o_t * stride_pn, mask=m_n, other=0)
+        b_real = tl.load(p_mask + o_t * stride_cn, mask=m_n, other=0) != 0
+        b_dist = b_pos - b_kpos
+        m_vis = m_n & b_real & (b_dist >= 0)
+        b_d = b_dist.to(tl.float32)
+        # d^alpha/sqrt(dP) in cycles per unit q_P·k_P; 0^alpha = 0, also for alpha = 0 (log2(0) avoided).
+        b_r = tl.where(b_d > 0, tl.exp2(alpha * tl.log2(tl.maximum(b_d, 1.0))), 0.0) * phase_scale
+
+        b_amp = tl.dot(b_qa, tl.trans(b_ka), input_precision=PRECISION)
+        b_phase = tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)
+        b_logit = b_amp * cos_cycles(reduce_cycles(b_phase * b_r[None, :]), False) * amp_scale
+        b_logit = tl.where(m_vis[None, :], b_logit, float("-inf"))
+
+        b_m_new = tl.maximum(b_m, tl.max(b_logit, 1))
+        # A split can hold only masked slots so far (left padding): keep exp2 off (-inf) - (-inf).
+        b_m_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.exp2(b_logit - b_m_ref[:, None])
+        b_rescale = tl.exp2(b_m - b_m_ref)
+        b_l = b_l * b_rescale + tl.sum(b_p, 1)
+        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+        b_m = b_m_new
+        p_k, p_v = p_k + BN * stride_kn, p_v + BN * stride_vn
+        p_pos, p_mask = p_pos + BN * stride_pn, p_mask + BN * stride_cn
+
+    o_hq = i_h * G + o_g
+    if SPLIT:
+        S = tl.num_programs(1)
+        o_row = (i_b64 * (G * tl.num_programs(0)) + o_hq) * S + i_s
+        tl.store(o_part + o_row[:, None] * V + o_v[None, :], b_acc, mask=m_g[:, None] & m_v[None, :])
+        tl.store(m_part + o_row, b_m, mask=m_g)
+        tl.store(l_part + o_row, b_l, mask=m_g)
+    else:
+        p_o = o + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_v[None, :] * stride_od
+        b_o = b_acc / b_l[:, None]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_g[:, None] & m_v[None, :])
+
+
+@triton.jit
+def tapa_decode_merge_kernel(
+    o_part, m_part, l_part, o, S, stride_ob, stride_oh, stride_od,
+    HQ: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Softmax-weighted sum of the ``S`` split partials of one (batch, query head, channel block).
+    Grid ``(cdiv(V, BV), HQ, B)``; writes ``o [B, 1, HQ, V]``."""
+    i_v, i_hq, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_s = tl.arange(0, BS)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_s, m_v = o_s < S, o_v < V
+    o_row = (i_b.to(tl.int64) * HQ + i_hq) * S + o_s
+    b_m = tl.load(m_part + o_row, mask=m_s, other=float("-inf"))
+    b_l = tl.load(l_part + o_row, mask=m_s, other=0.0)
+    # A split that saw no visible slot has max -inf and weight 0 (some split always sees one).
+    b_w = tl.exp2(b_m - tl.max(b_m, 0))
+    b_acc = tl.load(o_part + o_row[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
+    b_o = tl.sum(b_w[:, None] * b_acc, 0) / tl.sum(b_w * b_l, 0)
+    p_o = o + i_b.to(tl.int64) * stride_ob + i_hq * stride_oh + o_v * stride_od
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors to fill; under the interpreter there is nothing to fill."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_split_size(batch_heads: int, length: int, device: torch.device) -> int:
+    """Slots per split: the whole cache when ``B·H`` programs already cover every SM four times over,
+    ``SPLIT_SIZE`` otherwise."""
+    return max(length, 1) if batch_heads >= 4 * _multiprocessors(device) else SPLIT_SIZE
+
+
+def decode_config(head_dim: int, value_dim: int) -> tuple[int, int, int]:
+    """``(BN, num_warps, num_stages)``. Measured on an H200 (bf16, D = 64 and 128): 64-slot tiles in three
+    stages with four warps are the best or within 6% of it. Wider heads (unmeasured) halve the tile to keep
+    three stages of keys and values in shared memory. The interpreter runs one program at a time, unstaged."""
+    BN = 64 if max(head_dim, value_dim) <= 128 else 32
+    return (BN, 1, 1) if interpreting() else (BN, 4, 3)
+
+
+def tapa_decode_fn(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_position: torch.Tensor,
+    k_positions: torch.Tensor,
+    cache_mask: torch.Tensor,
+    amp_dim: int,
+    alpha: float,
+    split_size: int | None = None,
+) -> torch.Tensor:
+    """Launch the decode step on trusted inputs.
+
+    Args:
+        q: ``[B, 1, HQ, D]`` float32 / float16 / bfloat16 (cast to ``k_cache.dtype`` for the products).
+        k_cache: ``[B, L, H, D]``, ``HQ % H == 0``; any strides (a slice of a preallocated cache is fine).
+        v_cache: ``[B, L, H, V]``.
+        q_position: ``[B]`` int32/int64; k_positions: ``[B, L]`` int32/int64; cache_mask: ``[B, L]`` bool.
+        amp_dim: ``dA``, the amplitude channels; ``dP = D − dA``.
+        alpha: exponent of the distance.
+        split_size: slots per split, rounded up to a multiple of the tile; by default chosen from ``B·H``
+            and the SM count (:func:`decode_split_size`). Tests force small splits to run the merge.
+
+    Returns:
+        ``o [B, 1, HQ, V]`` in ``v_cache.dtype``.
+    """
+    B, L, H, D = k_cache.shape
+    HQ, V = q.shape[2], v_cache.shape[-1]
+    G, DA, DP = HQ // H, amp_dim, D - amp_dim
+    BN, num_warps, num_stages = decode_config(D, V)
+    if split_size is None:
+        split_size = decode_split_size(B * H, L, q.device)
+    split_size = triton.cdiv(max(split_size, 1), BN) * BN
+    S = max(triton.cdiv(L, split_size), 1)
+    o = torch.empty(B, 1, HQ, V, dtype=v_cache.dtype, device=q.device)
+    if S > 1:
+        o_part = torch.empty(B, HQ, S, V, dtype=torch.float32, device=q.device)
+        m_part = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+    else:
+        o_part = m_part = l_part = o
+    tapa_decode_kernel[(H, S, B)](
+        q, k_cache, v_cache, q_position, k_positions, cache_mask, o, o_part, m_part, l_part,
+        L, split_size, float(alpha), DA**-0.5 * LOG2E, DP**-0.5,
+        q.stride(0), q.stride(2), q.stride(3),
+        *k_cache.stride(), *v_cache.stride(), *k_positions.stride(), *cache_mask.stride(),
+        o.stride(0), o.stride(2), o.stride(3),
+        G=G, DA=DA, DP=DP, V=V, BG=block_dim(G), BDA=block_dim(DA), BDP=block_dim(DP), BV=block_dim(V), BN=BN,
+        SPLIT=S > 1, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if S > 1:
+        BS = triton.next_power_of_2(S)
+        # Keep the [BS, BV] merge tile within a few thousand registers' worth of values.
+        BVM = min(triton.next_power_of_2(V), max(16, 4096 // BS))
+        tapa_decode_merge_kernel[(triton.cdiv(V, BVM), HQ, B)](
+            o_part, m_part, l_part, o, S, o.stride(0), o.stride(2), o.stride(3),
+            HQ=HQ, V=V, BS=BS, BV=BVM, num_warps=1 if interpreting() else 4,
+        )  # fmt: skip
+    return o

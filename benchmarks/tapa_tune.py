@@ -1,0 +1,98 @@
+"""Tuning sweep of the TAPA Triton kernels on a GPU: block sizes, warps, stages, the cosine on the FMA pipe or
+the special-function unit, and dQ by recomputation or atomics — each timed against SDPA (flash) in one run.
+
+    python benchmarks/tapa_tune.py [--seq-lens 2048 8192 32768] [--head-dims 64 128] [--out DIR]
+
+bf16, causal, 32768 tokens per batch, H·D = 1024 (SPEC §8). Prints a table per cell (fastest first) and
+writes ``tapa_tune.json``. The chosen configurations live in ``fwd_config`` / ``bwd_config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnkit.cpu_bench import environment  # noqa: E402
+from attnkit.ops.tapa.triton.backward import tapa_bwd_fn  # noqa: E402
+from attnkit.ops.tapa.triton.forward import tapa_fwd_fn  # noqa: E402
+
+FWD = [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)]
+DKDV = [(64, 128, 8, 2), (32, 128, 8, 2)]
+DQ = [(128, 64, 8, 2)]
+
+
+def bench(fn, grad_to_none=None) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def time_cell(D: int, T: int) -> dict:
+    """Every variant of one (D, T) cell, with SDPA's forward and backward as the yardsticks."""
+    H, B = 1024 // D, 32768 // T
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qt, kt, vt = (x.transpose(1, 2).requires_grad_() for x in (q.clone(), k.clone(), v.clone()))
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        sdpa_fwd = bench(sdpa)
+        ot = sdpa()
+        sdpa_bwd = bench(functools.partial(ot.backward, do.transpose(1, 2), retain_graph=True), [qt, kt, vt])
+    cell = dict(D=D, T=T, B=B, H=H, sdpa_fwd=sdpa_fwd, sdpa_bwd=sdpa_bwd, fwd=[], bwd=[])
+    for config, asm in itertools.product(FWD, (False, True)):
+        fn = functools.partial(tapa_fwd_fn, q, k, v, D // 2, 0.1, None, config=config, trig_asm=asm)
+        ms = bench_or_nan(fn, f"fwd {config} asm={asm}")
+        cell["fwd"].append(dict(config=config, asm=asm, ms=ms, ratio=ms / sdpa_fwd))
+    o, lse = tapa_fwd_fn(q, k, v, D // 2, 0.1, None)
+    for dkdv, dq, atomic, asm in itertools.product(DKDV, DQ, (False, True), (False, True)):
+        if atomic and dq != DQ[0]:
+            continue  # the dQ kernel does not run with atomics
+        config = {"dkdv": dkdv, "dq": dq, "atomic_dq": atomic}
+        fn = functools.partial(tapa_bwd_fn, q, k, v, o, lse, do, D // 2, 0.1, None, config=config, trig_asm=asm)
+        ms = bench_or_nan(fn, f"bwd {config} asm={asm}")
+        cell["bwd"].append(dict(config=config, asm=asm, ms=ms, ratio=ms / sdpa_bwd))
+    torch.cuda.empty_cache()
+    return cell
+
+
+def bench_or_nan(fn, label: str) -> float:
+    """A variant that does not compile or fit (shared memory, registers) is a NaN row, not a crash."""
+    try:
+        return bench(fn)
+    except Exception as e:  # noqa: BLE001
+        print(label, type(e).__name__, str(e)[:160])
+        return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    rows = [time_cell(D, T) for D, T in itertools.product(args.head_dims, args.seq_lens)]
+    env = environment() | {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "tapa_tune.json").write_text(json.dumps({"environment": env, "cells": rows}, indent=1))
+    for cell in rows:
+        best_f = sorted((r for r in cell["fwd"] if r["ms"] == r["ms"]), key=lambda r: r["ms"])[:4]
+        best_b = sorted((r for r in cell["bwd"] if r["ms"] == r["ms"]), key=lambda r: r["ms"])[:4]
+        print(f"D={cell['D']} T={cell['T']}: sdpa fwd {cell['sdpa_fwd']:.3f} ms, bwd {cell['sdpa_bwd']:.3f} ms")
+        for r in best_f:
+            print(f"  fwd {r['config']} asm={r['asm']:d} {r['ms']:.3f} ms  {r['ratio']:.2f}x")
+        for r in best_b:
+            c = r["config"]
+            label = f"{c['dkdv']} {c['dq']} at={c['atomic_dq']:d} asm={r['asm']:d}"
+            print(f"  bwd {label} {r['ms']:.3f} ms {r['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The GPU benchmark's harness (``benchmarks/ops.py``) on CPU: FLOP counts, arguments, tables and a smoke run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import ops
+
+
+def test_causal_flops():
+    # 2·B·H·T²·D forward: QKᵀ and PV at 2·T²·D each, half of them under the mask.
+    assert ops.causal_attention_flops(2, 1024, 16, 64) == 2 * 2 * 16 * 1024**2 * 64
+    assert ops.FLOP_FACTOR == {"fwd": 1.0, "fwdbwd": 3.5}
+
+
+def test_parse_args_defaults_and_quick():
+    args = ops.parse_args([])
+    assert args.seq_lens == list(ops.SEQ_LENS) and args.head_dims == [64, 128]
+    assert args.modes == ["fwd", "fwdbwd"] and args.ops == ["tapa"] and args.impls is None
+    assert (args.warmup, args.rep, args.name) == (25, 100, "ops")
+    quick = ops.parse_args(["--quick", "--rep", "7", "--impls", "sdpa", "tapa_flex"])
+    assert quick.seq_lens == list(ops.QUICK_SEQ_LENS) and (quick.warmup, quick.rep) == (10, 7)
+    assert quick.impls == ["sdpa", "tapa_flex"]
+
+
+@pytest.mark.parametrize("argv", [["--seq-lens", "3000"], ["--head-dims", "96"], ["--impls", "nope"]])
+def test_parse_args_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ops.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def _row(impl, T, mode, ms, peak=None, errors=None, error=None, timing="do_bench", check_error=None):
+    return {
+        "op": "tapa", "impl": impl, "T": T, "D": 64, "B": 32768 // T, "H": 16, "mode": mode, "ms": ms,
+        "tflops": None if ms is None else 1.0, "ratio_to_sdpa": None, "peak_mem_bytes": peak,
+        "mem_ratio_to_sdpa": None, "timing": None if ms is None else timing, "error": error, "errors": errors,
+        "check_error": check_error, "check_s": None,
+    }  # fmt: skip
+
+
+def test_ratios_and_tables():
+    good = {"o": 2e-3, "dq": 4e-3, "dk": 3e-3, "dv": 1e-3}
+    bad = {"o": 2e-2}
+    no_backward = "NotImplementedError: no backward"
+    rows = [
+        _row("sdpa", 1024, "fwd", 2.0),
+        _row("tapa_triton", 1024, "fwd", 2.5, errors=good),
+        _row("tapa_flex", 1024, "fwd", 4.0, errors=bad),
+        _row("sdpa", 1024, "fwdbwd", 4.0, peak=2**20),
+        _row("tapa_triton", 1024, "fwdbwd", 5.0, peak=3 * 2**20, errors=good),
+        _row("tapa_flex", 1024, "fwdbwd", 4000.0, errors=bad, timing="one call"),
+        _row("sdpa", 2048, "fwd", 3.0),
+        _row("tapa_triton", 2048, "fwd", 3.3, errors={"o": 1e-3}, check_error=no_backward),
+        _row("sdpa", 2048, "fwdbwd", 8.0, peak=2**21),
+        _row(
+            "tapa_triton", 2048, "fwdbwd", None, error="OutOfMemoryError: CUDA out of memory", check_error=no_backward
+        ),
+        _row("tapa_flex", 2048, "fwdbwd", None, error="skipped: one call took 4000 ms at T=1024"),
+    ]
+    ops.add_ratios(rows)
+    assert [r["ratio_to_sdpa"] for r in rows[:3]] == [1.0, 1.25, 2.0]
+    assert rows[4]["mem_ratio_to_sdpa"] == 3.0 and rows[5]["mem_ratio_to_sdpa"] is None
+    table = ops.format_tables(rows)
+    assert "2.0e-03 4.0e-03 ok" in table and "2.0e-02 FAIL" in table and "1.0e-03 error" in table
+    assert "1.25x" in table and "1000.00x*" in table and "3.00x" in table and "skipped" in table
+    assert table.endswith(
+        "tapa/tapa_triton check failed at T=2048 D=64: NotImplementedError: no backward\n"
+        "tapa/tapa_triton fwdbwd failed at T=2048 D=64: OutOfMemoryError: CUDA out of memory"
+    )
+    assert len(table) < 3000
+
+
+def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
+    """The whole harness on tiny shapes: an implementation that raises is recorded, the others checked and timed.
+
+    The PyTorch backend stands in for a kernel (FlexAttention's eager form takes seconds here; test_flex_tapa.py
+    holds it to the reference).
+    """
+
+    def broken(x):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(ops.REGISTRY["tapa"].impls, "torch", ops.Impl(ops._tapa_reference))
+    monkeypatch.setitem(ops.REGISTRY["tapa"].impls, "broken", ops.Impl(broken))
+    argv = ["--device", "cpu", "--tokens", "64", "--seq-lens", "16", "32", "--head-dims", "64", "--max-ms", "1e4"]
+    argv += ["--impls", "sdpa", "torch", "broken", "--out", str(tmp_path), "--name", "smoke"]
+    assert ops.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(
+        "tapa/broken check failed at T=16 D=64: RuntimeError: boom\n"
+        "tapa/broken fwd failed at T=16 D=64: RuntimeError: boom\n"
+        "tapa/broken fwdbwd failed at T=16 D=64: RuntimeError: boom"
+    )
+    payload = json.loads((tmp_path / "smoke.json").read_text())
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    assert {"device", "torch", "triton", "python", "commit", "dirty", "date"} <= set(payload["environment"])
+    rows = {(r["impl"], r["T"], r["mode"]): r for r in payload["rows"]}
+    impls = ("sdpa", "torch", "broken")
+    assert set(rows) == {(i, T, m) for i in impls for T in (16, 32) for m in ("fwd", "fwdbwd")}
+    sdpa = rows[("sdpa", 32, "fwd")]
+    assert sdpa["ratio_to_sdpa"] == 1.0 and (sdpa["B"], sdpa["H"]) == (2, 16) and sdpa["timing"] == "do_bench"
+    torch_row = rows[("torch", 32, "fwdbwd")]
+    assert torch_row["error"] is None and torch_row["ms"] > 0 and torch_row["ratio_to_sdpa"] > 0
+    assert set(torch_row["errors"]) == {"o", "dq", "dk", "dv"} and max(torch_row["errors"].values()) < 1e-2
+    assert rows[("broken", 16, "fwdbwd")]["error"] == "RuntimeError: boom"
+    assert rows[("broken", 16, "fwd")]["check_error"] == "RuntimeError: boom"
+    # what failed is not run again at a longer T
+    assert rows[("broken", 32, "fwd")]["error"] == "skipped: failed at T=16"
+    assert rows[("broken", 32, "fwd")]["check_error"] is None
+
+
+def test_slow_implementation_is_timed_once_then_skipped(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(ops.REGISTRY["tapa"].impls, "torch", ops.Impl(ops._tapa_reference))
+    argv = ["--device", "cpu", "--tokens", "32", "--seq-lens", "16", "32", "--head-dims", "64", "--modes", "fwd"]
+    argv += ["--impls", "torch", "--max-ms", "0", "--out", str(tmp_path), "--name", "slow"]
+    assert ops.main(argv) == 0
+    rows = json.loads((tmp_path / "slow.json").read_text())["rows"]
+    assert [r["timing"] for r in rows] == ["one call", None]
+    assert rows[1]["error"].startswith("skipped: one call took")
+    assert "skipped" in capsys.readouterr().out
