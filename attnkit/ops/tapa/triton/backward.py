@@ -247,7 +247,7 @@ def bwd_config(dims: tuple[int, int, int]) -> dict[str, object]:
     """Block sizes and warps of the dK/dV and dQ kernels for channel blocks ``(BDA, BDP, BV)``.
 
     Measured on an H200 (``benchmarks/tapa_tune.py``): dQ by float32 atomics from the dK/dV kernel beat a
-    second recomputation by 1.2-1.4x at D = 64 and 128.
+    second recomputation by 1.1-1.4x at D = 128 and 64.
     """
     if interpreting():
         return {"dkdv": (16, 16, 1, 1), "dq": (16, 16, 1, 1), "atomic_dq": False}
