@@ -19,13 +19,15 @@ from attnkit.ops.tapa.triton.common import (
     cos_cycles,
     distance_factor,
     fast_exp2,
+    phase_cycles,
     power_args,
-    reduce_cycles,
     seq_bounds,
     seq_layout,
     sin_cycles,
 )
 from attnkit.ops.tapa.triton.forward import LOG2E
+
+TWO_PI = 6.283185307179586
 
 
 @triton.jit
@@ -44,17 +46,19 @@ def tapa_bwd_delta_kernel(o, do, delta, NT, HQ: tl.constexpr, V: tl.constexpr, B
 
 @triton.jit
 def _grad_logits(
-    b_amp, b_phase, b_r, b_lse, b_delta, b_dp, mask, scale_log2, scale_amp, CAUSAL: tl.constexpr, TRIG_ASM: tl.constexpr
+    b_amp, b_phase, b_r, b_lse, b_delta, b_dp, mask, scale_log2, CAUSAL: tl.constexpr, TRIG_ASM: tl.constexpr
 ):
-    """``(P, dS_A, dS_P)`` of one tile from its raw products; ``b_lse`` / ``b_delta`` come broadcast to it."""
-    b_x = reduce_cycles(b_phase * b_r)
+    """``(P, dS_A / sA, dS_P / (−2π·sA))`` of one tile from its raw products; ``b_lse`` / ``b_delta`` come
+    broadcast to it. The constant factors of the two channel groups are applied once to the accumulated
+    gradients (``sA`` and ``−2π·sA`` at the stores), not per logit."""
+    b_x = phase_cycles(b_phase, b_r)
     b_cos = cos_cycles(b_x, TRIG_ASM)
     b_p = fast_exp2(b_amp * b_cos * scale_log2 - b_lse)
     if CAUSAL:
         b_p = tl.where(mask, b_p, 0.0)
     b_ds = b_p * (b_dp - b_delta)
-    b_ds_amp = b_ds * b_cos * scale_amp
-    b_ds_phase = b_ds * b_amp * sin_cycles(b_x, TRIG_ASM) * b_r * (-6.283185307179586 * scale_amp)
+    b_ds_amp = b_ds * b_cos
+    b_ds_phase = (b_ds * b_amp) * (sin_cycles(b_x, TRIG_ASM) * b_r)
     return b_p, b_ds_amp, b_ds_phase
 
 
@@ -92,7 +96,7 @@ def _dkdv_block(
     # Transposed tile: rows are keys, so the factor of (n, m) is r(m − n) with the arguments swapped.
     b_r = tl.trans(distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL))
     b_p, b_ds_amp, b_ds_phase = _grad_logits(
-        b_amp, b_phase, b_r, b_lse[None, :], b_delta[None, :], b_dp, mask, scale_log2, scale_amp, CAUSAL, TRIG_ASM
+        b_amp, b_phase, b_r, b_lse[None, :], b_delta[None, :], b_dp, mask, scale_log2, CAUSAL, TRIG_ASM
     )
     b_dv += tl.dot(b_p.to(b_do.dtype), b_do, input_precision=PRECISION)
     b_ds_amp = b_ds_amp.to(b_qa.dtype)
@@ -161,8 +165,8 @@ def tapa_bwd_dkdv_kernel(
                 PRECISION, TRIG_ASM, ALPHA_ZERO,
             )  # fmt: skip
     p_dk = dk + p_n[:, None] * (H * D) + i_h * D
-    tl.store(p_dk + o_da[None, :], b_dka.to(dk.dtype.element_ty), mask=m_da)
-    tl.store(p_dk + DA + o_dp[None, :], b_dkp.to(dk.dtype.element_ty), mask=m_dp)
+    tl.store(p_dk + o_da[None, :], (b_dka * scale_amp).to(dk.dtype.element_ty), mask=m_da)
+    tl.store(p_dk + DA + o_dp[None, :], (b_dkp * (-6.283185307179586 * scale_amp)).to(dk.dtype.element_ty), mask=m_dp)
     tl.store(dv + p_n[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_v)
 
 
@@ -190,7 +194,7 @@ def _dq_block(
     mask = o_m[:, None] >= o_n[None, :]
     b_r = distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL)
     _, b_ds_amp, b_ds_phase = _grad_logits(
-        b_amp, b_phase, b_r, b_lse[:, None], b_delta[:, None], b_dp, mask, scale_log2, scale_amp, CAUSAL, TRIG_ASM
+        b_amp, b_phase, b_r, b_lse[:, None], b_delta[:, None], b_dp, mask, scale_log2, CAUSAL, TRIG_ASM
     )
     b_dqa += tl.dot(b_ds_amp.to(b_ka.dtype), b_ka, input_precision=PRECISION)
     b_dqp += tl.dot(b_ds_phase.to(b_kp.dtype), b_kp, input_precision=PRECISION)
@@ -239,8 +243,8 @@ def tapa_bwd_dq_kernel(
             scale_amp, alpha, log2_scale, o_da, o_dp, o_v, H, DA, DP, V, BN, True, PRECISION, TRIG_ASM, ALPHA_ZERO,
         )  # fmt: skip
     p_dq = dq + p_m[:, None] * (HQ * D) + i_hq * D
-    tl.store(p_dq + o_da[None, :], b_dqa.to(dq.dtype.element_ty), mask=m_da)
-    tl.store(p_dq + DA + o_dp[None, :], b_dqp.to(dq.dtype.element_ty), mask=m_dp)
+    tl.store(p_dq + o_da[None, :], (b_dqa * scale_amp).to(dq.dtype.element_ty), mask=m_da)
+    tl.store(p_dq + DA + o_dp[None, :], (b_dqp * (-6.283185307179586 * scale_amp)).to(dq.dtype.element_ty), mask=m_dp)
 
 
 def bwd_config(dims: tuple[int, int, int]) -> dict[str, object]:
@@ -314,6 +318,9 @@ def tapa_bwd_fn(
             **common,
         )  # fmt: skip
     if atomic_dq:
+        # The atomics added the unscaled products: the channel groups' factors are applied here, once.
+        dq[..., :DA] *= scales[1]
+        dq[..., DA:] *= -TWO_PI * scales[1]
         return dq.to(q.dtype), dk, dv
     BM, BN, num_warps, num_stages = config["dq"]
     if longest > 0:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.tapa.triton.common import cos_cycles, reduce_cycles
+from attnkit.ops.tapa.triton.common import cos_cycles, phase_cycles
 
 LOG2E = 1.4426950408889634
 # Slots per split when B·H alone leaves SMs idle. Measured on an H200 (bf16, D = 64 and 128, B·H from 8 to
@@ -98,7 +98,7 @@ def tapa_decode_kernel(
 
         b_amp = tl.dot(b_qa, tl.trans(b_ka), input_precision=PRECISION)
         b_phase = tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)
-        b_logit = b_amp * cos_cycles(reduce_cycles(b_phase * b_r[None, :]), False) * amp_scale
+        b_logit = b_amp * cos_cycles(phase_cycles(b_phase, b_r[None, :]), False) * amp_scale
         b_logit = tl.where(m_vis[None, :], b_logit, float("-inf"))
 
         b_m_new = tl.maximum(b_m, tl.max(b_logit, 1))

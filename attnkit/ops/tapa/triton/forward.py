@@ -16,8 +16,8 @@ from attnkit.ops.tapa.triton.common import (
     cos_cycles,
     distance_factor,
     fast_exp2,
+    phase_cycles,
     power_args,
-    reduce_cycles,
     seq_bounds,
     seq_layout,
 )
@@ -48,7 +48,7 @@ def _fwd_block(
     b_phase = tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)
     b_r = distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL)
     # The running max is kept in unscaled logits, so the scale rides in the FMA that forms the exponent.
-    b_logit = b_amp * cos_cycles(reduce_cycles(b_phase * b_r), TRIG_ASM)
+    b_logit = b_amp * cos_cycles(phase_cycles(b_phase, b_r), TRIG_ASM)
     if CAUSAL:
         m_causal = (o_m[:, None] >= o_n[None, :]) & (o_n < L)[None, :]
         b_logit = tl.where(m_causal, b_logit, float("-inf"))
