@@ -119,3 +119,16 @@ def test_real_sizes(shape):
     inputs = make_cache(B, L, HQ, H, D, V, torch.bfloat16, pad=100)
     actual, expected = run_both(inputs, 0.5, 0.1)
     assert_close("o", actual, expected, 5e-3)
+
+
+def test_decode_op_opcheck_and_compile():
+    from attnkit.ops.tapa.parallel import tapa_decode_op
+
+    q, k, v, q_position, positions, mask = make_cache(2, 37, 4, 2, 16, 16, torch.float32, pad=3)
+    torch.library.opcheck(tapa_decode_op, (q, k, v, q_position, positions, mask, 8, 0.1))
+
+    def step(q, k, v):
+        return tapa_decode_step(q, k, v, q_position, positions, mask, backend="triton") + 1
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    assert_close("o", compiled(q, k, v), step(q, k, v), 1e-6)

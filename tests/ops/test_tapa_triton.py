@@ -7,6 +7,10 @@ at real sizes in bfloat16 as well.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -140,9 +144,9 @@ def test_compiles_without_graph_breaks():
 
 def test_auto_picks_triton_on_cuda_only(monkeypatch):
     calls = []
-    import attnkit.ops.tapa as tapa
+    import attnkit.ops.tapa.parallel as parallel
 
-    monkeypatch.setattr(tapa, "tapa_triton", lambda *args: calls.append(args) or args[0])
+    monkeypatch.setattr(parallel, "tapa_triton", lambda *args: calls.append(args) or args[0])
     q, k, v, _ = make(1, 4, 1, 1, 8, 8, torch.float32)
     tapa_attention(q, k, v)
     assert len(calls) == (1 if CUDA else 0)
@@ -185,3 +189,16 @@ def test_real_sizes_varlen_on_gpu():
     q, k, v, do = make(1, 12288, 8, 2, 128, 128, torch.bfloat16)
     kwargs = dict(cu_seqlens=cu)
     check(outputs(q, k, v, do, "triton", **kwargs), outputs(q, k, v, do, "torch", **kwargs), torch.bfloat16)
+
+
+def test_imports_without_triton():
+    """Triton is a Linux-only dependency: the package and its PyTorch backends must import without it."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, attnkit, attnkit.ops, attnkit.layers\n"
+        "from attnkit.ops import tapa_attention\n"
+        "q = torch.randn(1, 5, 2, 8)\n"
+        "assert tapa_attention(q, q, q).shape == (1, 5, 2, 8)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)

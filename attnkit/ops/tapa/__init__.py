@@ -7,10 +7,13 @@ import torch
 from attnkit.ops.common.utils import segment_bounds
 from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, resolve_backend
 from attnkit.ops.tapa.decoding import tapa_decode_step
-from attnkit.ops.tapa.parallel import MAX_HEAD_DIM, tapa_triton
 from attnkit.ops.tapa.torch_impl import check_theta, tapa_split, tapa_torch
 
 __all__ = ["tapa_attention", "tapa_decode_step"]
+
+# The widest heads the kernels are built for: a [64, 32] tile of logits beside [BM, D] and [BN, D] operand
+# tiles stays in registers up to D = 256 (``fwd_config``).
+MAX_HEAD_DIM = 256
 
 
 def tapa_attention(
@@ -62,5 +65,8 @@ def tapa_attention(
             raise ValueError(
                 f"backend: the Triton kernels take head dims up to {MAX_HEAD_DIM}, got D={D}, V={v.shape[-1]}"
             )
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
+        from attnkit.ops.tapa.parallel import tapa_triton
+
         return tapa_triton(q, k, v, amp_dim, alpha, cu_seqlens)
     return tapa_torch(q, k, v, amp_dim, alpha, segment_bounds(cu_seqlens, T))

@@ -74,9 +74,9 @@ def tapa_decode_step(
         use_triton = False
     if use_triton:
         # Imported here: triton is a Linux-only dependency, and the CPU path must import without it.
-        from attnkit.ops.tapa.triton.decode import tapa_decode_fn
+        from attnkit.ops.tapa.parallel import tapa_decode_op
 
-        return tapa_decode_fn(q, k_cache, v_cache, q_position, k_positions, cache_mask, amp_dim, alpha)
+        return tapa_decode_op(q, k_cache, v_cache, q_position, k_positions, cache_mask, amp_dim, float(alpha))
 
     groups = HQ // H
     qh, kh = q[:, 0].to(dtype), repeat_kv(k_cache, groups).to(dtype)

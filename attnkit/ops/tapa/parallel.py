@@ -1,4 +1,5 @@
-"""The Triton backend of TAPA as PyTorch operators: ``attnkit::tapa_fwd`` and ``attnkit::tapa_bwd``.
+"""The Triton backend of TAPA as PyTorch operators: ``attnkit::tapa_fwd``, ``attnkit::tapa_bwd`` and
+``attnkit::tapa_decode``.
 
 ``torch.library.custom_op`` with fake (meta) implementations and an autograd registration, so that
 ``torch.compile`` traces through the kernels instead of breaking the graph, and ``torch.library.opcheck``
@@ -10,11 +11,8 @@ from __future__ import annotations
 import torch
 
 from attnkit.ops.tapa.triton.backward import tapa_bwd_fn
+from attnkit.ops.tapa.triton.decode import tapa_decode_fn
 from attnkit.ops.tapa.triton.forward import tapa_fwd_fn
-
-# The largest head dims the kernels are built for: a [128, 64] tile of logits beside [BM, D] and [BN, D]
-# operand tiles fits the register file up to D = 256 with smaller blocks (``fwd_config``).
-MAX_HEAD_DIM = 256
 
 
 @torch.library.custom_op("attnkit::tapa_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -85,3 +83,25 @@ def tapa_triton(
 ) -> torch.Tensor:
     """TAPA through the Triton kernels on validated inputs (one float dtype, not float64); ``o [B,T,HQ,V]``."""
     return tapa_fwd_op(q, k, v, cu_seqlens, amp_dim, float(alpha))[0]
+
+
+@torch.library.custom_op("attnkit::tapa_decode", mutates_args=(), device_types=("cuda", "cpu"))
+def tapa_decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_position: torch.Tensor,
+    k_positions: torch.Tensor,
+    cache_mask: torch.Tensor,
+    amp_dim: int,
+    alpha: float,
+) -> torch.Tensor:
+    """One decoding step on validated inputs (see :func:`attnkit.ops.tapa.tapa_decode_step`); ``o [B,1,HQ,V]``.
+    Inference only: no autograd formula is registered (the PyTorch backend has one)."""
+    return tapa_decode_fn(q, k_cache, v_cache, q_position, k_positions, cache_mask, amp_dim, alpha)
+
+
+@tapa_decode_op.register_fake
+def _(q, k_cache, v_cache, q_position, k_positions, cache_mask, amp_dim, alpha):
+    B, _, HQ, _ = q.shape
+    return q.new_empty(B, 1, HQ, v_cache.shape[-1], dtype=v_cache.dtype)
