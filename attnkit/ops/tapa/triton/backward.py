@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.tapa.triton.common import (
     cos_cycles,
@@ -21,8 +22,6 @@ from attnkit.ops.tapa.triton.common import (
     fast_exp2,
     phase_cycles,
     power_args,
-    seq_bounds,
-    seq_layout,
     sin_cycles,
 )
 from attnkit.ops.tapa.triton.forward import LOG2E

@@ -1,0 +1,154 @@
+"""PaTH forward: one program per (query chunk, query head), scanning key chunks right to left.
+
+Within its own chunk a query sees ``s_ij = q_iᵀ k_j − (tril(Q Wᵀ) M strict_tril(W Kᵀ))_ij``; the query is then
+carried to the chunk's start, ``x = Q − tril(Q Wᵀ) M W``. For each earlier chunk ``j`` (right to left) the
+logits are ``x k̃_jᵀ`` with the keys carried to the end of chunk ``j`` (``prepare.py``), and the query is carried
+across the chunk, ``x ← x − ((x W_jᵀ) M_j) W_j``. FlashAttention's online softmax runs along the scan; the
+FoX gate adds ``G_i − G_j``. Derivation: ``README.md`` of the op.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
+from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.path.triton.prepare import chunk_offsets_of, path_prepare_kernel
+
+
+@triton.jit
+def path_fwd_kernel(
+    q, k, v, w, kt, m, gcum, o, cu_seqlens, chunk_offsets, T, NC, scale,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``gcum [*, HQ]``
+    float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]``. Grid ``(chunks of the longest sequence,
+    N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one rank-``BT``
+    update per chunk of history."""
+    i_c = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    i_h = i_hq // (HQ // H)
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    start = i_c * BT
+    if start >= L:
+        return
+    if IS_VARLEN:
+        chunk0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        chunk0 = i_n.to(tl.int64) * NC
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    o_t = tl.arange(0, BT)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
+
+    # The query chunk and its own keys.
+    o_i = start + o_t
+    m_i = o_i < L
+    p_i = bos + o_i.to(tl.int64)
+    b_q = tl.load(q + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
+    p_kv = p_i[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_k = tl.load(k + p_kv, mask=m_i[:, None] & m_k, other=0.0)
+    b_w = tl.load(w + p_kv, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + p_i[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
+    b_m = tl.load(m + ((chunk0 + i_c) * H + i_h) * (BT * BT) + rows * BT + cols)
+    b_qf = b_q.to(tl.float32)
+    b_qwm = tl.dot(
+        tl.where(rows >= cols, tl.dot(b_qf, tl.trans(b_w), input_precision=CARRY_PRECISION), 0.0),
+        b_m,
+        input_precision=CARRY_PRECISION,
+    )
+    b_wk = tl.where(rows > cols, tl.dot(b_w, tl.trans(b_k.to(tl.float32)), input_precision=CARRY_PRECISION), 0.0)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+    b_s = (b_s - tl.dot(b_qwm, b_wk, input_precision=CARRY_PRECISION)) * scale
+    b_x = b_qf - tl.dot(b_qwm, b_w, input_precision=CARRY_PRECISION)
+    if USE_G:
+        b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
+        b_s = b_s + b_gq[:, None] - b_gq[None, :]
+    b_s = tl.where((rows >= cols) & m_i[None, :], b_s, float("-inf"))
+    b_max = tl.max(b_s, 1)
+    b_p = tl.exp(b_s - b_max[:, None])
+    b_sum = tl.sum(b_p, 1)
+    b_acc = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+
+    for i_back in range(0, i_c):
+        j = i_c - 1 - i_back
+        p_j = bos + (j * BT + o_t).to(tl.int64)
+        p_kvj = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_kt = tl.load(kt + p_kvj, mask=m_k, other=0.0)
+        b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
+        b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+        b_mj = tl.load(m + ((chunk0 + j) * H + i_h) * (BT * BT) + rows * BT + cols)
+        b_s = tl.dot(b_x.to(b_kt.dtype), tl.trans(b_kt), input_precision=PRECISION) * scale
+        if USE_G:
+            b_gk = tl.load(gcum + p_j * HQ + i_hq)
+            b_s = b_s + b_gq[:, None] - b_gk[None, :]
+        b_max_new = tl.maximum(b_max, tl.max(b_s, 1))
+        b_rescale = tl.exp(b_max - b_max_new)
+        b_p = tl.exp(b_s - b_max_new[:, None])
+        b_sum = b_sum * b_rescale + tl.sum(b_p, 1)
+        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_vj.dtype), b_vj, input_precision=PRECISION)
+        b_max = b_max_new
+        b_xw = tl.dot(b_x, tl.trans(b_wj), input_precision=CARRY_PRECISION)
+        b_x = b_x - tl.dot(tl.dot(b_xw, b_mj, input_precision=CARRY_PRECISION), b_wj, input_precision=CARRY_PRECISION)
+
+    b_o = b_acc / b_sum[:, None]
+    tl.store(o + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_i[:, None] & m_v)
+
+
+def chunk_size(K: int) -> int:
+    """Positions per chunk: 64 on the GPU (the UT solve is ``BT`` steps), 16 under the interpreter."""
+    return 16 if interpreting() else 64
+
+
+def path_fwd_fn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """PaTH(-FoX) forward through the kernels. ``q [B,T,HQ,K]``, ``k, w [B,T,H,K]``, ``v [B,T,H,V]``,
+    ``beta [B,T,H]``, ``g [B,T,HQ]`` or None, contiguous; ``q, k, v`` share one float dtype (not float64).
+    Returns ``o [B,T,HQ,V]`` in ``v.dtype``."""
+    B, T, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    BT = chunk_size(K)
+    BK, BV = block_dim(K), block_dim(V)
+    N, longest = seq_layout(cu_seqlens, B, T)
+    offsets, chunks = chunk_offsets_of(cu_seqlens, BT)
+    NC = triton.cdiv(T, BT)
+    if cu_seqlens is None:
+        chunks = B * NC
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    carry = "ieee" if q.dtype == torch.float32 or interpreting() else "tf32x3"
+    o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
+    if longest == 0:
+        return o
+    m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=q.device)
+    kt = torch.empty_like(k)
+    is_varlen = cu_seqlens is not None
+    grid_chunks = triton.cdiv(longest, BT)
+    # Not tuned on a GPU yet. Compiled for sm_90a with Triton 3.6, both kernels fit shared memory at K = 128 only
+    # without software pipelining, and they spill registers (the float32 carried query and its 3xTF32 dots).
+    launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=8, num_stages=1)
+    path_prepare_kernel[(grid_chunks, N * H)](
+        k, w, beta, m, kt, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen, PRECISION=carry,
+        **launch,
+    )  # fmt: skip
+    # Gates enter as differences within a sequence, so one cumulative sum over the packed tokens serves all.
+    gcum = g.float().cumsum(1).contiguous() if g is not None else None
+    path_fwd_kernel[(grid_chunks, N * HQ)](
+        q, k, v, w, kt, m, gcum, o, cu_seqlens, offsets, T, NC, scale,
+        HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
+        PRECISION=precision, CARRY_PRECISION=carry, **launch,
+    )  # fmt: skip
+    return o

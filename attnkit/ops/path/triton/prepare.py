@@ -1,0 +1,74 @@
+"""PaTH per-chunk preparation: the UT transform ``M`` of each chunk and its keys carried to the chunk's end.
+
+For a chunk of ``BT`` positions with directions ``W`` and strengths ``beta``:
+``M = (I + diag(beta) strict_tril(W Wᵀ))⁻¹ diag(beta)`` (so that ``H_1 ··· H_BT = I − Wᵀ Mᵀ W``), by forward
+substitution, row by row; and ``k̃_j = H_BT ··· H_{j+1} k_j = k_j − ((M strict_tril(W Kᵀ))ᵀ W)_j``. Both are
+linear in ``T`` in memory: ``M`` is ``BT`` floats per position, ``k̃`` one key per position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_seq import seq_bounds
+
+
+@triton.jit
+def path_prepare_kernel(
+    k, w, beta, m_out, kt_out, cu_seqlens, chunk_offsets, T, NC,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``k, w [*, H, K]``, ``beta [*, H]`` (``*`` the packed tokens) -> ``m_out [chunks, H, BT, BT]`` float32
+    and ``kt_out [*, H, K]``. Grid ``(chunks of the longest sequence, N * H)``; chunk ``c`` of sequence ``n``
+    is row ``chunk_offsets[n] + c`` of ``m_out`` (``n * NC + c`` for a dense batch)."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    start = i_c * BT
+    if start >= L:
+        return
+    if IS_VARLEN:
+        i_chunk = tl.load(chunk_offsets + i_n).to(tl.int64) + i_c
+    else:
+        i_chunk = i_n.to(tl.int64) * NC + i_c
+    o_t = start + tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < L
+    p_t = bos + o_t.to(tl.int64)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    # Padding rows load w = 0, beta = 0: identity transitions that leave M and the real keys unchanged.
+    b_w = tl.load(w + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_beta = tl.load(beta + p_t * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)  # symmetric: column i is row i
+    b_m = tl.where(rows == cols, b_beta[:, None], 0.0)
+    # Row i of M: beta_i e_i − beta_i Σ_{j<i} (w_i·w_j) M[j, :]. The Gram matrix is symmetric, so its column i
+    # gives the coefficients indexed along the rows of M without a transpose.
+    for i in range(1, BT):
+        b_beta_i = tl.sum(tl.where(tl.arange(0, BT) == i, b_beta, 0.0), 0)
+        b_coef = tl.sum(tl.where((cols == i) & (rows < i), b_gram, 0.0), 1) * b_beta_i
+        b_row = tl.sum(b_coef[:, None] * b_m, 0)
+        b_m = tl.where(rows == i, b_m - b_row[None, :], b_m)
+    p_m = m_out + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols
+    tl.store(p_m, b_m)
+
+    b_wk = tl.dot(b_w, tl.trans(b_k.to(tl.float32)), input_precision=PRECISION)  # (w_s · k_j)
+    b_z = tl.dot(b_m, tl.where(rows > cols, b_wk, 0.0), input_precision=PRECISION)
+    b_kt = b_k.to(tl.float32) - tl.dot(tl.trans(b_z), b_w, input_precision=PRECISION)
+    tl.store(kt_out + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], b_kt.to(kt_out.dtype.element_ty), mask=m_tk)
+
+
+def chunk_offsets_of(cu_seqlens: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor | None, int]:
+    """``(offsets [N+1] int32, total chunks)`` of packed sequences cut into chunks of ``chunk`` positions."""
+    if cu_seqlens is None:
+        return None, 0
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    counts = (lengths + chunk - 1) // chunk
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return offsets.to(torch.int32), int(offsets[-1].item())

@@ -1,0 +1,68 @@
+"""PaTH's Triton forward kernels (UT transform, carried keys, right-to-left scan) against the PyTorch backend.
+
+On CPU they run through Triton's interpreter (``conftest.py``) with 16-position chunks, so a few dozen tokens
+already cross several chunks; on a GPU the same tests run with 64-position chunks. The kernels are not yet
+behind ``path_attention(backend="triton")``: the fused backward is the missing piece (issue 3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit.ops.path import path_attention
+from attnkit.ops.path.triton.forward import path_fwd_fn
+from tests.helpers import assert_close
+from tests.ops.test_path import make_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-3}
+
+
+def check(B, T, HQ, H, K, V, gate, dtype, cu_seqlens=None, beta_low=1.5):
+    q, k, v, w, beta, g = (
+        None if x is None else x.to(DEVICE)
+        for x in make_inputs(B, T, HQ, H, K, V, gate=gate, dtype=torch.float32, beta_low=beta_low)
+    )
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=DEVICE)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    actual = path_fwd_fn(q, k, v, w, beta, g, K**-0.5, cu)
+    # The reference sees the same rounded inputs, in float32.
+    expected = path_attention(q.float(), k.float(), v.float(), w, beta, g, cu_seqlens=cu, backend="torch")
+    assert actual.dtype == dtype
+    assert_close("o", actual, expected.to(dtype), TOL[dtype])
+
+
+# B, T, HQ, H, K, V, gate
+CASES = [
+    (2, 1, 2, 2, 16, 16, False),
+    (1, 16, 1, 1, 16, 16, False),  # exactly one chunk
+    (2, 37, 4, 2, 16, 16, False),  # GQA, a partial last chunk
+    (1, 70, 2, 1, 32, 16, True),  # MQA, PaTH-FoX, five chunks
+    (1, 50, 2, 2, 24, 40, True),  # K, V not powers of two
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-T{}-HQ{}-H{}-K{}-V{}-gate{}".format(*c))
+def test_forward_matches_torch_backend(case, dtype):
+    check(*case, dtype)
+
+
+@pytest.mark.parametrize(
+    "offsets", [[0, 5, 37, 80], [0, 5, 5, 40, 80], [0, 0, 80], [0, 1, 80]], ids=["ragged", "empty", "lead", "one"]
+)
+def test_varlen_forward(offsets):
+    check(1, offsets[-1], 4, 2, 16, 16, True, torch.float32, cu_seqlens=offsets)
+
+
+def test_beta_near_two_long_history():
+    """beta ∈ (1.99, 2): near-reflections, the query carried across many chunks stays accurate."""
+    check(1, 160, 2, 1, 16, 16, True, torch.float32, beta_low=1.99)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("B, T, HQ, H, K", [(2, 4096, 8, 8, 64), (1, 8192, 4, 2, 128)], ids=str)
+def test_real_sizes_on_gpu(B, T, HQ, H, K, dtype):
+    check(B, T, HQ, H, K, K, True, dtype)
