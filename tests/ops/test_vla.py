@@ -308,8 +308,3 @@ BAD_INPUTS = {
 def test_bad_input_raises(overrides, kwargs, match):
     with pytest.raises(ValueError, match=match):
         call(good(**overrides), **kwargs)
-
-
-def test_triton_backend_not_implemented():
-    with pytest.raises(NotImplementedError, match="vla_attention"):
-        call(good(), backend="triton")

@@ -18,6 +18,10 @@ from attnkit.ops.vla.torch_impl import vla_chunk
 
 __all__ = ["vla_attention", "vla_decode_step", "VLAState"]
 
+# The per-chunk backward kernel keeps [K, V] states and [64, K] tiles in shared memory: at K = V = 128 it needs
+# ~320 KB on sm_90 (Triton 3.6), more than an H100/H200 has; splitting it over value blocks is issue 5's next step.
+MAX_TRITON_HEAD_DIM = 64
+
 
 def vla_attention(
     q: torch.Tensor,
@@ -47,7 +51,9 @@ def vla_attention(
             symmetric positive definite; ``None`` starts from ``(0, I / lam0, 0)``.
         output_final_state: return the state after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``); each restarts.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (no Triton kernel yet: ``"auto"`` means torch).
+        backend: ``"auto"`` (PyTorch, until the kernels are validated on a GPU), ``"torch"`` or ``"triton"``
+            (float16 / bfloat16 / float32, head dims up to 64): the ``S`` update (the generalised delta rule,
+            forward and backward) in fused kernels; the gates stay batched PyTorch linear algebra.
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)`` in float32 (float64 for float64
@@ -66,10 +72,21 @@ def vla_attention(
         )
         if torch.linalg.cholesky_ex(initial_state[1] + initial_state[1].mT).info.any():
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
-    resolve_backend(backend, "vla_attention", q.device)
+    delta_rule = None
+    # "auto" stays on PyTorch until the kernels have run on a GPU (issue 5); "triton" opts in.
+    resolve_backend(backend, "vla_attention", q.device, has_triton=True)
+    if backend == "triton":
+        if q.dtype == torch.float64:
+            raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
+        if max(K, V) > MAX_TRITON_HEAD_DIM:
+            raise ValueError(
+                f"backend: the Triton kernels take head dims up to {MAX_TRITON_HEAD_DIM} so far, got K={K}, V={V}"
+            )
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
+        from attnkit.ops.common.delta_parallel import delta_rule_triton as delta_rule
 
     def dense(q, k, v, u, state):
-        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state)
+        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, delta_rule=delta_rule)
 
     if cu_seqlens is None:
         o, state = dense(q, k, v, u, initial_state)

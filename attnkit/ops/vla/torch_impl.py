@@ -8,6 +8,8 @@ generalised delta rule of ``attnkit.ops.common.delta``; only its state carry loo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -74,12 +76,15 @@ def vla_chunk(
     normalize_output: bool,
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     chunk_size: int = CHUNK_SIZE,
+    delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Dense VLA (inputs trusted, see ``vla_attention``).
 
     Args:
         q, k, u: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
         initial_state: ``(S [B, H, V, K], A [B, H, K, K], n [B, H, K])`` or ``None``.
+        delta_rule: ``(q, k̂, v, α̂, S0) -> (o, S_T)`` on ``[B, H, T, ·]`` tensors; the PyTorch
+            :func:`chunk_generalized_delta_rule` by default, the Triton kernels for ``backend="triton"``.
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)`` in float32 (float64 for float64 inputs).
@@ -111,7 +116,10 @@ def vla_chunk(
         alpha = alpha[:, :, :T]
         k_hat = k_hat[:, :, :T]
 
-    o, S_end = chunk_generalized_delta_rule(q, k_hat, v, alpha, S0, C)
+    if delta_rule is None:
+        o, S_end = chunk_generalized_delta_rule(q, k_hat, v, alpha, S0, C)
+    else:
+        o, S_end = delta_rule(q, k_hat, v, alpha, S0)
     n = n0.unsqueeze(2) + k.cumsum(2)
     if normalize_output:
         o = o / (n * q).sum(-1, keepdim=True).clamp_min(eps)

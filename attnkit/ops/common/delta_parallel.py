@@ -1,0 +1,112 @@
+"""The generalised delta rule's Triton kernels as PyTorch operators (``attnkit::delta_rule_fwd`` / ``_bwd``).
+
+Same function and interface as :func:`attnkit.ops.common.delta.chunk_generalized_delta_rule`, with fake
+implementations and an autograd registration, so ``torch.compile`` traces through and
+``torch.library.opcheck`` holds the registration to the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
+from attnkit.ops.common.triton.delta_fwd import delta_fwd_fn
+from attnkit.ops.common.triton_utils import interpreting
+
+
+def _chunk_size() -> int:
+    """Tokens per chunk: 64 on the GPU; 16 under the interpreter, so that small tests cross chunks."""
+    return 16 if interpreting() else 64
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 inputs get float32-accurate dots: IEEE in the interpreter, 3xTF32 on the tensor cores (the state
+    is a running sum over the whole sequence, where single TF32 rounding would accumulate)."""
+    if dtype == torch.float32:
+        return "ieee" if interpreting() else "tf32x3"
+    return "tf32"
+
+
+@torch.library.custom_op("attnkit::delta_rule_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def delta_rule_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, S_T, w, hs, u_new)``: the output, the final state, and what the backward reuses."""
+    q, k, v, a = (x.contiguous() for x in (q, k, v, a))
+    state = None if initial_state is None else initial_state.contiguous()
+    o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), _precision(k.dtype))
+    return o, ht, saved["w"], saved["hs"], saved["u_new"]
+
+
+@delta_rule_fwd_op.register_fake
+def _(q, k, v, a, initial_state):
+    B, H, T, K = k.shape
+    V = v.shape[-1]
+    NC = -(-T // _chunk_size())
+    f32 = dict(dtype=torch.float32)
+    return (
+        v.new_empty(B, H, T, V),
+        k.new_empty(B, H, V, K, **f32),
+        k.new_empty(B, H, T, K, **f32),
+        k.new_empty(B, H, NC, K, V, **f32),
+        k.new_empty(B, H, T, V, **f32),
+    )
+
+
+@torch.library.custom_op("attnkit::delta_rule_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def delta_rule_bwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    hs: torch.Tensor,
+    u_new: torch.Tensor,
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, da, dS_0)``."""
+    saved = {"w": w, "hs": hs, "u_new": u_new}
+    q, k, v, a, do = (x.contiguous() for x in (q, k, v, a, do))
+    dht = None if dht is None else dht.contiguous()
+    return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), _precision(k.dtype))
+
+
+@delta_rule_bwd_op.register_fake
+def _(q, k, v, a, w, hs, u_new, do, dht):
+    B, H, _, K = k.shape
+    V = v.shape[-1]
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        torch.empty_like(a),
+        k.new_empty(B, H, V, K, dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, a, initial_state = inputs
+    _, _, w, hs, u_new = output
+    ctx.mark_non_differentiable(w, hs, u_new)
+    ctx.save_for_backward(q, k, v, a, w, hs, u_new)
+    ctx.state_dtype = None if initial_state is None else initial_state.dtype
+
+
+def _backward(ctx, do, dht, *_):
+    q, k, v, a, w, hs, u_new = ctx.saved_tensors
+    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, do, dht)
+    return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype)
+
+
+delta_rule_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def delta_rule_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attnkit.ops.common.delta.chunk_generalized_delta_rule` through the kernels: ``q, k, a [B,H,T,K]``,
+    ``v [B,H,T,V]``, ``initial_state [B,H,V,K]`` or None -> ``(o [B,H,T,V], S_T [B,H,V,K])``, ``S_T`` in the
+    dtype of the inputs (float32 inside)."""
+    o, ht, *_ = delta_rule_fwd_op(q, k, v, a, initial_state)
+    return o, ht.to(k.dtype)

@@ -1,0 +1,144 @@
+"""Generalised delta rule, backward kernels (forward: ``delta_fwd.py``).
+
+With ``h`` the state at a chunk's start, ``h' = h + Aᵀ U`` at its end, ``U = Ũ − W h`` and
+``O = Q h + tril(Q Aᵀ) U``, and ``dh'`` the gradient reaching ``h'`` from later chunks:
+
+    dU  = tril(Q Aᵀ)ᵀ dO + A dh'              dh = dh' + Qᵀ dO − Wᵀ dU        (sequential, right to left)
+    dQ  = dO hᵀ + tril(dO Uᵀ) A               dA = U dh'ᵀ + tril(dO Uᵀ)ᵀ Q + dZᵀ K
+    dW  = −dU hᵀ,  dŨ = dU                     dK = Tᵀ dW + dZ A,  dV = Tᵀ dŨ
+    dZ  = strict_tril(−Tᵀ (dW Kᵀ + dŨ Vᵀ) Tᵀ)  (Z = strict_tril(K Aᵀ), T = (I + Z)⁻¹)
+
+Two kernels: the reverse state pass (stores ``dU`` and ``dh'`` per chunk) and the per-chunk gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton.delta_fwd import chunk_tiles, unit_lower_inverse
+from attnkit.ops.common.triton_utils import block_dim
+
+
+@triton.jit
+def delta_bwd_state_kernel(
+    q, a, w, do, dht, dhs, du, dh0, T, NC,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    USE_DHT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``q, a [BH, T, K]``, ``w [BH, T, K]`` float32, ``do [BH, T, V]``, ``dht [BH, V, K]`` (gradient of the
+    final state) -> ``dhs [BH, NC, K, V]`` (``dh'`` of each chunk), ``du [BH, T, V]``, ``dh0 [BH, V, K]``, all
+    float32. Grid ``(value blocks, BH)``."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_state = i_bh.to(tl.int64) * V * K + o_v[None, :] * K + o_k[:, None]
+    if USE_DHT:
+        b_dh = tl.load(dht + p_state, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    for i_back in range(0, NC):
+        i_c = NC - 1 - i_back
+        p_dhs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(dhs + p_dhs, b_dh, mask=m_kv)
+        p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+        b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_w = tl.load(w + p_k, mask=m_k, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
+        # tril(Q Aᵀ)ᵀ = triu(A Qᵀ)
+        b_aq = tl.where(rows <= cols, tl.dot(b_a, tl.trans(b_q), input_precision=PRECISION), 0.0)
+        b_du = tl.dot(b_aq, b_do, input_precision=PRECISION) + tl.dot(b_a, b_dh, input_precision=PRECISION)
+        tl.store(du + p_v, b_du, mask=m_v)
+        b_dh += tl.dot(tl.trans(b_q), b_do, input_precision=PRECISION)
+        b_dh -= tl.dot(tl.trans(b_w), b_du, input_precision=PRECISION)
+    tl.store(dh0 + p_state, b_dh, mask=m_kv)
+
+
+@triton.jit
+def delta_bwd_chunk_kernel(
+    q, k, a, v, hs, dhs, u_new, du, do, dq, dk, da, dv, T, NC,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Per-chunk gradients ``dq, dk, da [BH, T, K]``, ``dv [BH, T, V]`` (their dtypes) from the forward's
+    ``hs``, ``u_new`` and the state pass's ``dhs``, ``du``. Grid ``(chunks, BH)``; ``T`` is recomputed."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+    b_u = tl.load(u_new + p_v, mask=m_v, other=0.0)
+    b_du = tl.load(du + p_v, mask=m_v, other=0.0)
+    b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
+    b_h = tl.load(hs + p_hs, mask=m_kv, other=0.0)
+    b_dh = tl.load(dhs + p_hs, mask=m_kv, other=0.0)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+
+    b_dou = tl.where(rows >= cols, tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION), 0.0)  # tril(dO Uᵀ)
+    b_dq = tl.dot(b_do, tl.trans(b_h), input_precision=PRECISION) + tl.dot(b_dou, b_a, input_precision=PRECISION)
+    b_da = tl.dot(b_u, tl.trans(b_dh), input_precision=PRECISION)
+    b_da += tl.dot(tl.trans(b_dou), b_q, input_precision=PRECISION)
+    b_dw = -tl.dot(b_du, tl.trans(b_h), input_precision=PRECISION)
+
+    b_zt = tl.where(rows < cols, tl.dot(b_a, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    b_t = unit_lower_inverse(b_zt, BT)
+    b_dk = tl.dot(tl.trans(b_t), b_dw, input_precision=PRECISION)
+    b_dv = tl.dot(tl.trans(b_t), b_du, input_precision=PRECISION)
+    b_dt = tl.dot(b_dw, tl.trans(b_k), input_precision=PRECISION) + tl.dot(
+        b_du, tl.trans(b_v), input_precision=PRECISION
+    )
+    b_dz = -tl.dot(tl.dot(tl.trans(b_t), b_dt, input_precision=PRECISION), tl.trans(b_t), input_precision=PRECISION)
+    b_dz = tl.where(rows > cols, b_dz, 0.0)
+    b_dk += tl.dot(b_dz, b_a, input_precision=PRECISION)
+    b_da += tl.dot(tl.trans(b_dz), b_k, input_precision=PRECISION)
+
+    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
+    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_k)
+    tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_k)
+    tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+
+
+def delta_bwd_fn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    chunk_size: int,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, da, dS_0)``: the first four in the dtypes of their inputs, ``dS_0 [B, H, V, K]`` float32;
+    ``saved`` from :func:`delta_fwd_fn`, ``do [B, H, T, V]`` contiguous, ``dht`` the gradient of ``S_T`` or None."""
+    B, H, T, K = k.shape
+    V = v.shape[-1]
+    BT = chunk_size
+    NC = triton.cdiv(T, BT)
+    BK, BV = block_dim(K), block_dim(V)
+    BV_STATE = min(BV, 64)
+    f32 = dict(dtype=torch.float32, device=k.device)
+    dhs = torch.empty(B, H, NC, K, V, **f32)
+    du = torch.empty(B, H, T, V, **f32)
+    dh0 = torch.empty(B, H, V, K, **f32)
+    # Compiled for sm_90a (Triton 3.6) at K = V = 64: four warps, no software pipelining (the loops are the
+    # sequential state passes, whose loads do not pay for extra shared-memory stages). Not tuned on a GPU yet.
+    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, num_warps=4, num_stages=1)
+    delta_bwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
+        q, a, saved["w"], do, dht, dhs, du, dh0, T, NC, BV=BV_STATE, USE_DHT=dht is not None, **dims
+    )
+    dq, dk, da, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(a), torch.empty_like(v)
+    delta_bwd_chunk_kernel[(NC, B * H)](
+        q, k, a, v, saved["hs"], dhs, saved["u_new"], du, do, dq, dk, da, dv, T, NC, BV=BV, **dims
+    )
+    return dq, dk, dv, da, dh0

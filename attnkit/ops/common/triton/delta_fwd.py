@@ -1,0 +1,158 @@
+"""Generalised delta rule, forward kernels: ``S_t = S_{t-1} + (v_t − S_{t-1} k_t) a_tᵀ``, ``o_t = S_t q_t``.
+
+Chunks of ``BT`` tokens, with the state kept as ``h = Sᵀ`` (``[K, V]``). Per chunk (derivation: the VLA
+``README.md``, "The S update"): ``T = (I + strict_tril(K Aᵀ))⁻¹`` by forward substitution, ``W = T K``, ``Ũ = T V``;
+across chunks, sequentially, ``U = Ũ − W h``, ``h ← h + Aᵀ U``; then per chunk ``O = Q h + tril(Q Aᵀ) U``.
+Three kernels: prepare (parallel over chunks), state (sequential over chunks, parallel over heads and value
+blocks), output (parallel over chunks). Tensors are ``[B, H, T, ·]`` contiguous, ``B·H`` flattened.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_utils import block_dim
+
+
+@triton.jit
+def unit_lower_inverse(b_z, BT: tl.constexpr):
+    """``(I + Z)⁻¹`` of a strictly lower-triangular ``[BT, BT]`` tile given as its transpose ``b_zt = Zᵀ``.
+
+    Forward substitution, one row per step: row ``i`` is ``e_i − Σ_{j<i} Z[i, j] X[j, :]``; the coefficients
+    ``Z[i, :]`` are column ``i`` of ``Zᵀ``, which indexes them along the rows of ``X`` without a transpose.
+    """
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    b_x = tl.where(rows == cols, 1.0, 0.0)
+    for i in range(1, BT):
+        b_coef = tl.sum(tl.where(cols == i, b_z, 0.0), 1)
+        b_row = tl.sum(b_coef[:, None] * b_x, 0)
+        b_x = tl.where(rows == i, b_x - b_row[None, :], b_x)
+    return b_x
+
+
+@triton.jit
+def chunk_tiles(i_c, i_bh, T, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Offsets and masks ``(p_k, m_k, p_v, m_v)`` of the ``[BT, ·K]`` and ``[BT, ·V]`` row tiles of chunk ``i_c`` of
+    head ``i_bh`` in ``[BH, T, ·]`` tensors (64-bit offsets; rows past ``T`` masked)."""
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    rows = i_bh.to(tl.int64) * T + o_t
+    p_k = rows[:, None] * K + o_k[None, :]
+    p_v = rows[:, None] * V + o_v[None, :]
+    return p_k, m_t[:, None] & (o_k < K)[None, :], p_v, m_t[:, None] & (o_v < V)[None, :]
+
+
+@triton.jit
+def delta_prepare_kernel(
+    k, a, v, w_out, u_out, T,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
+    (``u_out [BH, T, V]``), float32. Grid ``(chunks, BH)``."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+    b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    # Zᵀ[j, i] = a_j · k_i for j < i
+    b_zt = tl.where(rows < cols, tl.dot(b_a, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    b_t = unit_lower_inverse(b_zt, BT)
+    tl.store(w_out + p_k, tl.dot(b_t, b_k, input_precision=PRECISION), mask=m_k)
+    tl.store(u_out + p_v, tl.dot(b_t, b_v, input_precision=PRECISION), mask=m_v)
+
+
+@triton.jit
+def delta_fwd_state_kernel(
+    w, u, a, h0, hs, u_new, ht, T, NC,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    USE_H0: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The sequential part. ``w [BH, T, K]``, ``u [BH, T, V]`` float32 from the prepare kernel, ``a [BH, T, K]``,
+    ``h0 [BH, V, K]`` (``S_0``) -> ``hs [BH, NC, K, V]`` (the state at each chunk's start, float32),
+    ``u_new [BH, T, V]`` (``U = Ũ − W h``, float32), ``ht [BH, V, K]`` float32 (the final ``S``). Grid
+    ``(value blocks, BH)``."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_state = i_bh.to(tl.int64) * V * K + o_v[None, :] * K + o_k[:, None]  # [K, V] view of an [V, K] state
+    if USE_H0:
+        b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_c in range(0, NC):
+        p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(hs + p_hs, b_h, mask=m_kv)
+        p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+        b_w = tl.load(w + p_k, mask=m_k, other=0.0)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_u = tl.load(u + p_v, mask=m_v, other=0.0) - tl.dot(b_w, b_h, input_precision=PRECISION)
+        tl.store(u_new + p_v, b_u, mask=m_v)
+        b_h += tl.dot(tl.trans(b_a), b_u, input_precision=PRECISION)
+    tl.store(ht + p_state, b_h, mask=m_kv)
+
+
+@triton.jit
+def delta_fwd_output_kernel(
+    q, a, hs, u_new, o, T, NC,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``O = Q h + tril(Q Aᵀ) U`` per chunk: ``q, a [BH, T, K]``, ``hs``, ``u_new`` from the state kernel ->
+    ``o [BH, T, V]`` (its dtype). Grid ``(chunks, BH)``."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+    b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_u = tl.load(u_new + p_v, mask=m_v, other=0.0)
+    p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_h = tl.load(hs + p_hs, mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    b_qa = tl.where(rows >= cols, tl.dot(b_q, tl.trans(b_a), input_precision=PRECISION), 0.0)
+    b_o = tl.dot(b_q, b_h, input_precision=PRECISION) + tl.dot(b_qa, b_u, input_precision=PRECISION)
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+def delta_fwd_fn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``q, k, a [B, H, T, K]``, ``v [B, H, T, V]`` contiguous, ``initial_state [B, H, V, K]`` or None ->
+    ``(o [B, H, T, V] in v.dtype, S_T [B, H, V, K] float32, saved)`` where ``saved`` holds the chunk states and
+    ``U`` for the backward (float32, ``T·(V + K·V/BT)`` numbers per head: linear in ``T``)."""
+    B, H, T, K = k.shape
+    V = v.shape[-1]
+    BT = chunk_size
+    NC = triton.cdiv(T, BT)
+    BK, BV = block_dim(K), block_dim(V)
+    BV_STATE = min(BV, 64)
+    f32 = dict(dtype=torch.float32, device=k.device)
+    w = torch.empty(B, H, T, K, **f32)
+    u = torch.empty(B, H, T, V, **f32)
+    hs = torch.empty(B, H, NC, K, V, **f32)
+    u_new = torch.empty(B, H, T, V, **f32)
+    ht = torch.empty(B, H, V, K, **f32)
+    o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
+    # Compiled for sm_90a (Triton 3.6) at K = V = 64: four warps, no software pipelining (the loops are the
+    # sequential state passes, whose loads do not pay for extra shared-memory stages). Not tuned on a GPU yet.
+    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, num_warps=4, num_stages=1)
+    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, T, BV=BV, **dims)
+    delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
+        w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
+    )
+    delta_fwd_output_kernel[(NC, B * H)](q, a, hs, u_new, o, T, NC, BV=BV, **dims)
+    return o, ht, {"w": w, "hs": hs, "u_new": u_new}

@@ -1,0 +1,156 @@
+"""VLA's Triton backend (the generalised delta rule in fused kernels, forward and backward) against the PyTorch
+backend, and the delta-rule kernels against ``chunk_generalized_delta_rule``.
+
+On CPU the kernels run through Triton's interpreter (``conftest.py``) with 16-token chunks, so a few dozen
+tokens cross several chunks; on a GPU the same tests run with 64-token chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnkit.ops.common.delta import chunk_generalized_delta_rule
+from attnkit.ops.common.delta_parallel import delta_rule_bwd_op, delta_rule_fwd_op, delta_rule_triton
+from attnkit.ops.vla import vla_attention
+from tests.helpers import assert_close
+from tests.ops.test_vla import make_inputs, make_state
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def grads_of(fn, inputs, state, seed=0):
+    """Output, final state and the gradients of every input and state tensor under random cotangents."""
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    st = [s.detach().clone().requires_grad_() for s in state] if state else None
+    o, final = fn(*xs, st)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen).to(o)).sum()
+    loss = loss + sum((f * torch.randn(f.shape, generator=gen).to(f)).sum() for f in final)
+    gs = torch.autograd.grad(loss, xs + (st or []))
+    return (o, *final, *gs)
+
+
+def vla(backend, **kwargs):
+    def fn(q, k, v, u, state):
+        return vla_attention(q, k, v, u, initial_state=state, output_final_state=True, backend=backend, **kwargs)
+
+    return fn
+
+
+def check(actual, expected, tol):
+    names = ["o", "S", "A", "n", "dq", "dk", "dv", "du", "dS0", "dA0", "dn0"]
+    for name, a, e in zip(names, actual, expected):
+        assert_close(name, a, e, tol)
+
+
+CASES = [  # B, T, H, K, V, with_state, lam0
+    (1, 16, 1, 16, 16, False, 0.1),
+    (2, 37, 2, 16, 32, False, 0.1),
+    (1, 50, 2, 32, 16, True, 0.1),
+    (1, 45, 1, 16, 16, True, 0.01),
+    (1, 45, 1, 16, 16, False, 10.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-T{}-H{}-K{}-V{}-state{}-lam{}".format(*c))
+def test_matches_torch_backend(case):
+    B, T, H, K, V, with_state, lam0 = case
+    inputs = [x.float().to(DEVICE) for x in make_inputs(B, T, H, K, V)]
+    state = [s.float().to(DEVICE) for s in make_state(B, H, K, V, lam0)] if with_state else None
+    check(grads_of(vla("triton", lam0=lam0), inputs, state), grads_of(vla("torch", lam0=lam0), inputs, state), 1e-4)
+
+
+@pytest.mark.parametrize("offsets", [[0, 5, 37, 60], [0, 0, 20, 20, 60]], ids=["ragged", "empty"])
+def test_varlen_matches_torch_backend(offsets):
+    inputs = [x.float().to(DEVICE) for x in make_inputs(1, offsets[-1], 2, 16, 16)]
+    cu = torch.tensor(offsets, device=DEVICE)
+    actual = grads_of(vla("triton", cu_seqlens=cu), inputs, None)
+    expected = grads_of(vla("torch", cu_seqlens=cu), inputs, None)
+    check(actual, expected, 1e-4)
+
+
+def test_half_inputs():
+    inputs = [x.float().to(DEVICE) for x in make_inputs(2, 40, 2, 16, 16)]
+    half = [x.half() for x in inputs[:3]] + [inputs[3]]
+    actual = grads_of(vla("triton"), half, None)
+    expected = grads_of(vla("torch"), half, None)
+    assert actual[0].dtype == torch.float16
+    check(actual, expected, 5e-3)
+
+
+def delta_inputs(B, H, T, K, V, deltanet=False):
+    q = torch.randn(B, H, T, K, device=DEVICE)
+    k = F.normalize(torch.randn(B, H, T, K, device=DEVICE), dim=-1)
+    v = torch.randn(B, H, T, V, device=DEVICE)
+    if deltanet:  # DeltaNet: a = beta k with beta near 2, the eigenvalue 1 - beta near -1
+        a = k * (1.99 + 0.01 * torch.rand(B, H, T, 1, device=DEVICE))
+    else:
+        a = F.normalize(torch.randn(B, H, T, K, device=DEVICE), dim=-1)
+    return [q, k, v, a]
+
+
+@pytest.mark.parametrize("deltanet", [False, True], ids=["generic", "deltanet-beta-near-2"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_delta_rule_kernels_match_torch(deltanet, with_state):
+    B, H, T, K, V = 2, 2, 53, 16, 32
+    inputs = delta_inputs(B, H, T, K, V, deltanet)
+    state = [torch.randn(B, H, V, K, device=DEVICE)] if with_state else None
+
+    def triton_fn(q, k, v, a, st):
+        o, S = delta_rule_triton(q, k, v, a, None if st is None else st[0])
+        return o, (S,)
+
+    def torch_fn(q, k, v, a, st):
+        o, S = chunk_generalized_delta_rule(q, k, v, a, None if st is None else st[0], 16)
+        return o, (S,)
+
+    actual, expected = grads_of(triton_fn, inputs, state), grads_of(torch_fn, inputs, state)
+    for name, x, y in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], actual, expected):
+        assert_close(name, x, y, 1e-4)
+
+
+def test_opcheck_and_compile():
+    q, k, v, a = delta_inputs(1, 1, 21, 16, 16)
+    s0 = torch.randn(1, 1, 16, 16, device=DEVICE)
+    torch.library.opcheck(delta_rule_fwd_op, (q, k, v, a, s0))
+    o, ht, w, hs, u_new = delta_rule_fwd_op(q, k, v, a, s0)
+    torch.library.opcheck(delta_rule_bwd_op, (q, k, v, a, w, hs, u_new, torch.randn_like(o), torch.randn_like(ht)))
+
+    inputs = [x.float().to(DEVICE) for x in make_inputs(1, 21, 1, 16, 16)]
+
+    def f(q, k, v, u):
+        return vla_attention(q, k, v, u, backend="triton")[0] * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert_close("o", compiled(*inputs), f(*inputs), 1e-6)
+
+
+def test_float64_refused():
+    inputs = make_inputs(1, 8, 1, 16, 16)
+    with pytest.raises(ValueError, match="^backend"):
+        vla_attention(*[x.to(DEVICE) for x in inputs], backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU")
+@pytest.mark.parametrize("T", [4096, 65536])
+def test_real_sizes_on_gpu(T):
+    inputs = [x.float().cuda() for x in make_inputs(1, T, 4, 64, 64)]
+    actual = grads_of(vla("triton"), [x.bfloat16() for x in inputs[:3]] + [inputs[3]], None)
+    expected = grads_of(vla("torch"), [x.bfloat16() for x in inputs[:3]] + [inputs[3]], None)
+    check(actual, expected, 1e-2)
+
+
+def test_head_dim_limit_and_auto_stays_on_torch(monkeypatch):
+    inputs = [x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 128, 16)]
+    with pytest.raises(ValueError, match="^backend: .*head dims"):
+        vla_attention(*inputs, backend="triton")
+
+    import attnkit.ops.common.delta_parallel as parallel
+
+    def fail(*args):
+        raise AssertionError("auto must not use the Triton kernels before they are validated on a GPU")
+
+    monkeypatch.setattr(parallel, "delta_rule_triton", fail)
+    vla_attention(*[x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 16, 16)])
