@@ -1,6 +1,6 @@
 """GPU kernel benchmarks (SPEC §8): every op's implementations against SDPA's flash backend, in one run.
 
-    python benchmarks/ops.py [--ops tapa] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--modes fwd fwdbwd]
+    python benchmarks/ops.py [--ops tapa vla] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--modes fwd fwdbwd]
                              [--impls sdpa tapa_triton tapa_flex] [--quick] [--out DIR] [--name NAME]
     python -m attnkit bench --gpu -- [the same arguments]
 
@@ -46,7 +46,8 @@ if str(ROOT) not in sys.path:
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
-from attnkit.ops import tapa_attention  # noqa: E402
+from attnkit.ops import tapa_attention, vla_attention  # noqa: E402
+from attnkit.ops.vla.naive import vla_naive  # noqa: E402
 from benchmarks.flex_tapa import causal_block_mask, compiled_flex_attention, tapa_flex  # noqa: E402
 
 TOKENS = 32768
@@ -111,6 +112,32 @@ def _tapa_flex(x: dict[str, torch.Tensor]) -> torch.Tensor:
     return tapa_flex(q, x["k"], x["v"], THETA, ALPHA, block_mask=mask, flex=flex)
 
 
+def _vla(backend: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return vla_attention(x["q"], x["k"], x["v"], x["u"], backend=backend)[0]
+
+    return fn
+
+
+def _vla_sequential(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The recurrence token by token, vectorised over batch and heads: the paper's public code's style."""
+    return vla_naive(x["q"], x["k"], x["v"], x["u"])[0]
+
+
+def _fla_chunk_delta_rule(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """FLA's DeltaNet kernel on the same tensors (unit keys, beta from u): the speed yardstick of issue 5."""
+    from fla.ops.delta_rule import chunk_delta_rule
+
+    k = F.normalize(x["k"], dim=-1)
+    return chunk_delta_rule(x["q"], k, x["v"], torch.sigmoid(x["u"][..., 0]))[0]
+
+
+def _fla_chunk_linear_attn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    return chunk_linear_attn(x["q"], x["k"], x["v"], normalize=True)[0]
+
+
 def _tapa_reference(x: dict[str, torch.Tensor]) -> torch.Tensor:
     return tapa_attention(x["q"], x["k"], x["v"], theta=THETA, alpha=ALPHA, backend="torch")
 
@@ -124,6 +151,21 @@ REGISTRY: dict[str, Op] = {
             BASELINE: Impl(_sdpa, heads_first=True, checked=False),
             "tapa_triton": Impl(_tapa_triton),
             "tapa_flex": Impl(_tapa_flex),
+        },
+        flops=causal_attention_flops,
+    ),
+    # Linear-time ops: TFLOP/s are those of causal softmax attention of the same shape (SDPA-equivalent), so
+    # the ms and the ratio to SDPA are what to read; the FLA kernels compute other functions (not checked).
+    "vla": Op(
+        make_inputs=lambda B, T, H, D: make_inputs("vla", B, T, H, D),
+        reference=_vla("torch"),
+        impls={
+            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
+            "vla_triton": Impl(_vla("triton")),
+            "vla_torch": Impl(_vla("torch"), checked=False),
+            "vla_sequential": Impl(_vla_sequential, checked=False),
+            "fla_chunk_delta_rule": Impl(_fla_chunk_delta_rule, checked=False),
+            "fla_chunk_linear_attn": Impl(_fla_chunk_linear_attn, checked=False),
         },
         flops=causal_attention_flops,
     ),
