@@ -202,3 +202,12 @@ def test_imports_without_triton():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+def test_opcheck_with_strided_inputs():
+    """Fakes must report the strides the kernels produce (contiguous), also for strided inputs."""
+    q, k, v, do = make(1, 19, 2, 1, 16, 16, torch.float32)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not q.is_contiguous()
+    o, lse = tapa_fwd_op(q, k, v, None, 8, 0.1)
+    torch.library.opcheck(tapa_bwd_op, (do, q, k, v, o, lse, None, 8, 0.1))

@@ -154,3 +154,12 @@ def test_head_dim_limit_and_auto_stays_on_torch(monkeypatch):
 
     monkeypatch.setattr(parallel, "delta_rule_triton", fail)
     vla_attention(*[x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 16, 16)])
+
+
+def test_opcheck_with_strided_inputs():
+    """Fakes must report the strides the kernels produce (contiguous), also for transposed inputs."""
+    q, k, v, a = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in delta_inputs(1, 2, 21, 16, 16))
+    assert not q.is_contiguous()
+    torch.library.opcheck(delta_rule_fwd_op, (q, k, v, a, None))
+    o, ht, w, hs, u_new = delta_rule_fwd_op(q, k, v, a, None)
+    torch.library.opcheck(delta_rule_bwd_op, (q, k, v, a, w, hs, u_new, torch.randn_like(o), None))

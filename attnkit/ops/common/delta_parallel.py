@@ -76,11 +76,12 @@ def delta_rule_bwd_op(
 def _(q, k, v, a, w, hs, u_new, do, dht):
     B, H, _, K = k.shape
     V = v.shape[-1]
+    # The kernels write contiguous gradients whatever the inputs' strides.
     return (
-        torch.empty_like(q),
-        torch.empty_like(k),
-        torch.empty_like(v),
-        torch.empty_like(a),
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        a.new_empty(a.shape),
         k.new_empty(B, H, V, K, dtype=torch.float32),
     )
 

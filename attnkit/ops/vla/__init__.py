@@ -67,9 +67,7 @@ def vla_attention(
     eps = check_scalar("eps", eps, low=0.0)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
-        initial_state = check_state(
-            "initial_state", initial_state, ((N, H, V, K), (N, H, K, K), (N, H, K)), q.device
-        )
+        initial_state = check_state("initial_state", initial_state, ((N, H, V, K), (N, H, K, K), (N, H, K)), q.device)
         if torch.linalg.cholesky_ex(initial_state[1] + initial_state[1].mT).info.any():
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
     delta_rule = None

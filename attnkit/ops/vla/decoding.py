@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from attnkit.ops.common.utils import compute_dtype
-from attnkit.ops.common.validation import check_like, check_qkv, check_scalar, check_state
+from attnkit.ops.common.validation import check_like, check_qkv, check_scalar, check_state, resolve_backend
 
 VLAState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -30,6 +30,7 @@ def vla_decode_step(
     lam0: float = 0.1,
     eps: float = 1e-4,
     normalize_output: bool = True,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, VLAState]:
     """One token of VLA for a dense batch: equal to ``vla_attention`` on that token with
     ``initial_state=state, output_final_state=True``.
@@ -42,6 +43,8 @@ def vla_decode_step(
         lam0: ridge of the empty state, ``> 0`` (only used when ``state`` is None).
         eps: floor of the normaliser, ``> 0``.
         normalize_output: divide ``S_t q_t`` by ``max(n_tᵀ q_t, eps)``.
+        backend: ``"auto"`` (PyTorch until the kernel has run on a GPU), ``"torch"`` or ``"triton"`` (one fused
+            kernel; float16 / bfloat16 / float32 inputs, float32 states; no gradient).
 
     Returns:
         ``o [B, 1, H, V]`` in ``v.dtype`` and the new ``(S, A, n)`` in float32 (float64 for float64 inputs).
@@ -56,6 +59,7 @@ def vla_decode_step(
     eps = check_scalar("eps", eps, low=0.0)
     if state is not None:
         state = check_state("state", state, ((B, H, V, K), (B, H, K, K), (B, H, K)), q.device)
+    resolve_backend(backend, "vla_decode_step", q.device, has_triton=True)
 
     dtype, out_dtype = compute_dtype(q, k, v, u, *(state or ())), v.dtype
     q, k, v, u = (x.squeeze(1).to(dtype) for x in (q, k, v, u))  # [B, H, K] / [B, H, V]
@@ -65,6 +69,17 @@ def vla_decode_step(
         n = q.new_zeros(B, H, K)
     else:
         S, A, n = (s.to(dtype) for s in state)
+
+    if backend == "triton":
+        if dtype == torch.float64:
+            raise ValueError("backend: the Triton kernel takes float16, bfloat16 or float32, got float64")
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch step must import without it.
+        from attnkit.ops.vla.parallel import vla_decode_op
+
+        o, S, A, n = vla_decode_op(
+            q[:, None], k[:, None], v[:, None].to(out_dtype), u[:, None], S, A, n, eps, normalize_output
+        )
+        return o, (S, A, n)
 
     # Eager PyTorch pays per op at this size, so the step is written in as few ops as possible.
     k_hat = k / k.norm(dim=-1, keepdim=True)

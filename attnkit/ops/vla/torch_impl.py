@@ -99,9 +99,7 @@ def vla_chunk(
         S0, A_init, n0 = (s.to(dtype) for s in initial_state)
     if T == 0:
         S_end = k.new_zeros(B, H, V, K) if S0 is None else S0
-        A_end = (
-            torch.eye(K, dtype=dtype, device=k.device).repeat(B, H, 1, 1) / lam0 if A_init is None else A_init
-        )
+        A_end = torch.eye(K, dtype=dtype, device=k.device).repeat(B, H, 1, 1) / lam0 if A_init is None else A_init
         return v.new_zeros(B, 0, H, V, dtype=out_dtype), (S_end, A_end, n0)
 
     k_hat = k / k.norm(dim=-1, keepdim=True)
