@@ -91,10 +91,11 @@ def delta_inputs(B, H, T, K, V, deltanet=False):
     return [q, k, v, a]
 
 
+@pytest.mark.parametrize("V", [32, 80], ids=["V32", "V80-two-value-blocks"])
 @pytest.mark.parametrize("deltanet", [False, True], ids=["generic", "deltanet-beta-near-2"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
-def test_delta_rule_kernels_match_torch(deltanet, with_state):
-    B, H, T, K, V = 2, 2, 53, 16, 32
+def test_delta_rule_kernels_match_torch(deltanet, with_state, V):
+    B, H, T, K = 2, 2, 53, 16
     inputs = delta_inputs(B, H, T, K, V, deltanet)
     state = [torch.randn(B, H, V, K, device=DEVICE)] if with_state else None
 

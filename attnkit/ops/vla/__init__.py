@@ -18,8 +18,8 @@ from attnkit.ops.vla.torch_impl import vla_chunk
 
 __all__ = ["vla_attention", "vla_decode_step", "VLAState"]
 
-# The per-chunk backward kernel keeps [K, V] states and [64, K] tiles in shared memory: at K = V = 128 it needs
-# ~320 KB on sm_90 (Triton 3.6), more than an H100/H200 has; splitting it over value blocks is issue 5's next step.
+# The per-chunk backward kernel keeps [64, K] tiles and [K, 64] state blocks in shared memory: at K = 128 it needs
+# ~260 KB on sm_90 (Triton 3.6), more than an H100/H200 has; splitting it further is issue 5's next step.
 MAX_TRITON_HEAD_DIM = 64
 
 

@@ -61,14 +61,16 @@ def delta_bwd_state_kernel(
 
 @triton.jit
 def delta_bwd_chunk_kernel(
-    q, k, a, v, hs, dhs, u_new, du, do, dq, dk, da, dv, T, NC,
+    q, k, a, v, hs, dhs, u_new, du, do, dq_part, dk_part, da_part, dv, T, NC,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per-chunk gradients ``dq, dk, da [BH, T, K]``, ``dv [BH, T, V]`` (their dtypes) from the forward's
-    ``hs``, ``u_new`` and the state pass's ``dhs``, ``du``. Grid ``(chunks, BH)``; ``T`` is recomputed."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    """Per-chunk gradients from the forward's ``hs``, ``u_new`` and the state pass's ``dhs``, ``du``: ``dv [BH, T,
+    V]`` (its dtype) and, per value block, the float32 shares ``dq_part, dk_part, da_part [NV, BH, T, K]`` of
+    ``dq, dk, da`` (each is a sum over the value dimension, ``dZ`` included, since it is linear in ``dT``).
+    Grid ``(chunks, BH, NV)``; ``T`` is recomputed."""
+    i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
@@ -102,9 +104,10 @@ def delta_bwd_chunk_kernel(
     b_dk += tl.dot(b_dz, b_a, input_precision=PRECISION)
     b_da += tl.dot(tl.trans(b_dz), b_k, input_precision=PRECISION)
 
-    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
-    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_k)
-    tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_k)
+    p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
+    tl.store(dq_part + p_part, b_dq, mask=m_k)
+    tl.store(dk_part + p_part, b_dk, mask=m_k)
+    tl.store(da_part + p_part, b_da, mask=m_k)
     tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
 
 
@@ -137,8 +140,13 @@ def delta_bwd_fn(
     delta_bwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         q, a, saved["w"], do, dht, dhs, du, dh0, T, NC, BV=BV_STATE, USE_DHT=dht is not None, **dims
     )
-    dq, dk, da, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(a), torch.empty_like(v)
-    delta_bwd_chunk_kernel[(NC, B * H)](
-        q, k, a, v, saved["hs"], dhs, saved["u_new"], du, do, dq, dk, da, dv, T, NC, BV=BV, **dims
-    )
+    NV = triton.cdiv(V, BV_STATE)
+    parts = torch.empty(3, NV, B, H, T, K, **f32)
+    dv = torch.empty_like(v)
+    delta_bwd_chunk_kernel[(NC, B * H, NV)](
+        q, k, a, v, saved["hs"], dhs, saved["u_new"], du, do, parts[0], parts[1], parts[2], dv, T, NC,
+        BV=BV_STATE, **dims,
+    )  # fmt: skip
+    # One sum per gradient, so the three outputs are separate tensors (custom ops may not return aliases).
+    dq, dk, da = (parts[i].sum(0).to(x.dtype) for i, x in enumerate((q, k, a)))
     return dq, dk, dv, da, dh0

@@ -106,9 +106,9 @@ def delta_fwd_output_kernel(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``O = Q h + tril(Q Aᵀ) U`` per chunk: ``q, a [BH, T, K]``, ``hs``, ``u_new`` from the state kernel ->
-    ``o [BH, T, V]`` (its dtype). Grid ``(chunks, BH)``."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    ``o [BH, T, V]`` (its dtype). Grid ``(chunks, BH, value blocks)``."""
+    i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
     b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
@@ -139,6 +139,7 @@ def delta_fwd_fn(
     BT = chunk_size
     NC = triton.cdiv(T, BT)
     BK, BV = block_dim(K), block_dim(V)
+    # Value blocks of at most 64: the [K, V] state tiles of K = V = 128 would not fit shared memory.
     BV_STATE = min(BV, 64)
     f32 = dict(dtype=torch.float32, device=k.device)
     w = torch.empty(B, H, T, K, **f32)
@@ -154,5 +155,5 @@ def delta_fwd_fn(
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
     )
-    delta_fwd_output_kernel[(NC, B * H)](q, a, hs, u_new, o, T, NC, BV=BV, **dims)
+    delta_fwd_output_kernel[(NC, B * H, triton.cdiv(V, BV_STATE))](q, a, hs, u_new, o, T, NC, BV=BV_STATE, **dims)
     return o, ht, {"w": w, "hs": hs, "u_new": u_new}
