@@ -27,9 +27,9 @@ from attnkit.cpu_bench import environment  # noqa: E402
 from attnkit.ops.tapa.triton.backward import tapa_bwd_fn  # noqa: E402
 from attnkit.ops.tapa.triton.forward import tapa_fwd_fn  # noqa: E402
 
-FWD = [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)]
-DKDV = [(64, 128, 8, 2), (32, 128, 8, 2)]
-DQ = [(128, 64, 8, 2)]
+FWD = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (128, 32, 4, 3)]
+DKDV = [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 1)]
+DQ = [(128, 64, 8, 2), (64, 64, 4, 3)]
 
 
 def bench(fn, grad_to_none=None) -> float:
