@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.ops.common.delta import chunk_generalized_delta_rule
+from attnkit.ops.common.delta import check_triton_delta, chunk_generalized_delta_rule
 from attnkit.ops.common.utils import compute_dtype, run_segments
-from attnkit.ops.common.validation import check_cu_seqlens, check_like, check_qkv, check_scalar, check_state
+from attnkit.ops.common.validation import (
+    check_cu_seqlens,
+    check_like,
+    check_qkv,
+    check_scalar,
+    check_state,
+    resolve_backend,
+)
 
 CHUNK_SIZE = 64
 
@@ -21,6 +28,7 @@ def delta_rule_chunk(
     scale: float,
     initial_state: tuple[torch.Tensor] | None,
     chunk_size: int = CHUNK_SIZE,
+    use_triton: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
     """Dense DeltaNet (inputs trusted, see ``delta_rule``): ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
     ``beta [B, T, H]``, ``initial_state = (S [B, H, V, K],)`` or ``None``. Returns ``o [B, T, H, V]`` in
@@ -30,7 +38,13 @@ def delta_rule_chunk(
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
     beta = beta.to(dtype).transpose(1, 2).unsqueeze(-1)
     S0 = None if initial_state is None else initial_state[0].to(dtype)
-    o, S = chunk_generalized_delta_rule(q * scale, k, v, beta * k, S0, chunk_size)
+    if use_triton and q.shape[2] > 0:
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
+        from attnkit.ops.common.delta_parallel import delta_rule_triton
+
+        o, S = delta_rule_triton(q * scale, k, v, beta * k, S0)
+    else:
+        o, S = chunk_generalized_delta_rule(q * scale, k, v, beta * k, S0, chunk_size)
     return o.transpose(1, 2).to(out_dtype), (S,)
 
 
@@ -44,6 +58,7 @@ def delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """DeltaNet: ``S_t = S_{t-1} + β_t (v_t - S_{t-1} k_t) k_tᵀ``, ``o_t = S_t (scale · q_t)``
     (FLA's ``chunk_delta_rule`` convention: keys are used as given, the caller normalises them).
@@ -56,6 +71,8 @@ def delta_rule(
         initial_state: ``S [N, H, V, K]`` in float32 or float64, or ``None`` (zeros).
         output_final_state: return ``S`` after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``).
+        backend: ``"auto"`` (PyTorch until the kernels have run on a GPU), ``"torch"`` or ``"triton"`` (the
+            fused generalised delta rule shared with VLA; float16 / bfloat16 / float32, head dims up to 64).
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and ``S [N, H, V, K]`` in float32 (float64 for float64 inputs)
@@ -69,9 +86,13 @@ def delta_rule(
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K),), q.device)
+    resolve_backend(backend, "delta_rule", q.device, has_triton=True)
+    use_triton = backend == "triton"
+    if use_triton:
+        check_triton_delta(q.dtype, K, V)
 
     def dense(q, k, v, beta, state):
-        return delta_rule_chunk(q, k, v, beta, scale, state)
+        return delta_rule_chunk(q, k, v, beta, scale, state, use_triton=use_triton)
 
     if cu_seqlens is None:
         o, (S,) = dense(q, k, v, beta, initial_state)

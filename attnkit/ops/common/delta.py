@@ -62,3 +62,19 @@ def chunk_generalized_delta_rule(
 
     o = q @ S0.transpose(-1, -2) + (q @ a.transpose(-1, -2)).tril() @ delta
     return o.reshape(B, H, NC * C, V)[:, :, :T], S
+
+
+# The Triton kernels' per-chunk backward keeps [64, K] tiles and [K, 64] state blocks in shared memory: at K = 128
+# it needs ~260 KB on sm_90 (Triton 3.6), more than an H100/H200 has; splitting it further is issue 5's next step.
+TRITON_MAX_HEAD_DIM = 64
+
+
+def check_triton_delta(dtype: torch.dtype, key_dim: int, value_dim: int) -> None:
+    """What ``backend="triton"`` of the delta-rule ops accepts; a ``ValueError`` naming ``backend`` otherwise."""
+    if dtype == torch.float64:
+        raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
+    if max(key_dim, value_dim) > TRITON_MAX_HEAD_DIM:
+        raise ValueError(
+            f"backend: the Triton kernels take head dims up to {TRITON_MAX_HEAD_DIM} so far, "
+            f"got K={key_dim}, V={value_dim}"
+        )

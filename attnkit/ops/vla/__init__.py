@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.ops.common.delta import check_triton_delta
 from attnkit.ops.common.utils import run_segments
 from attnkit.ops.common.validation import (
     check_cu_seqlens,
@@ -17,10 +18,6 @@ from attnkit.ops.vla.decoding import VLAState, vla_decode_step
 from attnkit.ops.vla.torch_impl import vla_chunk
 
 __all__ = ["vla_attention", "vla_decode_step", "VLAState"]
-
-# The per-chunk backward kernel keeps [64, K] tiles and [K, 64] state blocks in shared memory: at K = 128 it needs
-# ~260 KB on sm_90 (Triton 3.6), more than an H100/H200 has; splitting it further is issue 5's next step.
-MAX_TRITON_HEAD_DIM = 64
 
 
 def vla_attention(
@@ -74,12 +71,7 @@ def vla_attention(
     # "auto" stays on PyTorch until the kernels have run on a GPU (issue 5); "triton" opts in.
     resolve_backend(backend, "vla_attention", q.device, has_triton=True)
     if backend == "triton":
-        if q.dtype == torch.float64:
-            raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
-        if max(K, V) > MAX_TRITON_HEAD_DIM:
-            raise ValueError(
-                f"backend: the Triton kernels take head dims up to {MAX_TRITON_HEAD_DIM} so far, got K={K}, V={V}"
-            )
+        check_triton_delta(q.dtype, K, V)
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.common.delta_parallel import delta_rule_triton as delta_rule
 
