@@ -7,10 +7,10 @@ import torch
 
 from ..common.utils import segment_bounds
 from ..common.validation import check_cu_seqlens, check_like, check_qkv, check_scalar, resolve_backend
-from .decoding import path_carry_keys, path_decode_step
+from .decoding import path_carry_keys, path_decode_step, path_decode_step_
 from .torch_impl import chunk_path_fwd
 
-__all__ = ["path_attention", "path_carry_keys", "path_decode_step"]
+__all__ = ["path_attention", "path_carry_keys", "path_decode_step", "path_decode_step_"]
 
 
 def path_attention(

@@ -11,7 +11,14 @@ import torch
 
 from ..baselines.softmax import softmax_decode_step
 from ..common.utils import segment_bounds
-from ..common.validation import check_cache_mask, check_cu_seqlens, check_like, check_scalar, check_tensor
+from ..common.validation import (
+    check_cache_mask,
+    check_cu_seqlens,
+    check_like,
+    check_scalar,
+    check_tensor,
+    resolve_backend,
+)
 from .torch_impl import chunk_path_carry_keys
 
 
@@ -88,3 +95,65 @@ def path_decode_step(
         g_cache = torch.cat([g_cache, G_t[:, None]], dim=1)
     o = softmax_decode_step(q, k_cache, v_cache, cache_mask, g_cache, G_t, scale=scale)
     return o.to(v.dtype), k_cache, v_cache, g_cache
+
+
+def path_decode_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    t: int,
+    g: torch.Tensor | None = None,
+    g_cache: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    cache_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decoding step of PaTH(-FoX) on a preallocated cache, in place: the function of
+    :func:`path_decode_step` without a single copy of the cache (GPU, or CPU under ``TRITON_INTERPRET=1``).
+
+    Args:
+        q: ``[B, 1, HQ, K]``; k, w: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]``.
+        k_cache: ``[B, CAP, H, K]`` contiguous, ``CAP > t``; slots ``[0, t)`` hold the keys carried to position
+            ``t − 1``. On return they are carried to ``t`` and slot ``t`` holds ``k``.
+        v_cache: ``[B, CAP, H, V]`` contiguous; slot ``t`` receives ``v``.
+        t: the number of cached tokens before this one.
+        g: ``[B, 1, HQ]`` log forget gate of this step and ``g_cache [B, CAP, HQ]`` float32 cumulative gates
+            (slot ``t`` receives ``G_t``); both None for PaTH without a gate.
+        cache_mask: ``[B, CAP]`` bool, True for real slots (left padding False), or None.
+
+    Returns:
+        ``o [B, 1, HQ, V]`` in ``v_cache.dtype``.
+    """
+    B, _, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    check_like("k_cache", k_cache, (B, k_cache.shape[1], H, K), q.device)
+    CAP = k_cache.shape[1]
+    if not isinstance(t, int) or not 0 <= t < CAP:
+        raise ValueError(f"t: expected an int in [0, {CAP}) (the cache's capacity), got {t!r}")
+    check_like("v_cache", v_cache, (B, CAP, H, V), q.device)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous preallocated cache")
+    if (g is None) != (g_cache is None):
+        raise ValueError("g_cache: pass both g and g_cache, or neither")
+    if g_cache is not None:
+        check_like("g_cache", g_cache, (B, CAP, HQ), q.device)
+        if g_cache.dtype != torch.float32 or not g_cache.is_contiguous():
+            raise ValueError("g_cache: expected a contiguous float32 tensor")
+    if cache_mask is not None:
+        cache_mask = check_cache_mask(cache_mask, (B, CAP), q.device).contiguous()
+    scale = K**-0.5 if scale is None else check_scalar("scale", scale)
+    resolve_backend("triton", "path_decode_step_", q.device, has_triton=True)
+
+    k_cache[:, t] = k[:, 0]
+    v_cache[:, t] = v[:, 0]
+    if g is not None:
+        g_cache[:, t] = g[:, 0].float() + (g_cache[:, t - 1] if t else 0)
+    # Imported here: Triton is a Linux-only dependency, and the PyTorch decoding must import without it.
+    from .parallel import path_decode_op
+
+    return path_decode_op(q, w, beta, k_cache, v_cache, t, g_cache, cache_mask, scale)

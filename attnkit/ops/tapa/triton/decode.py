@@ -14,21 +14,21 @@ a second kernel merges; with one split the first kernel writes the output itself
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from attnkit.ops.common.triton.decode_merge import (
+    decode_softmax_step,
+    decode_split_size,
+    decode_store,
+    merge_splits,
+    split_partials,
+)
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.tapa.triton.common import cos_cycles, phase_cycles
 
 LOG2E = 1.4426950408889634
-# Slots per split when B·H alone leaves SMs idle. Measured on an H200 (bf16, D = 64 and 128, B·H from 8 to
-# 128, caches of 4k to 128k): 1k-2k-slot splits are within 5% of the best split of every shape, while splits
-# sized to "just fill the GPU" lose up to 40% to the tail of a partial second wave; many short splits keep
-# that tail short. The merge reads B·HQ·(L/1024)·V floats, under 1% of the cache.
-SPLIT_SIZE = 1024
 
 
 @triton.jit
@@ -101,64 +101,15 @@ def tapa_decode_kernel(
         b_logit = b_amp * cos_cycles(phase_cycles(b_phase, b_r[None, :]), False) * amp_scale
         b_logit = tl.where(m_vis[None, :], b_logit, float("-inf"))
 
-        b_m_new = tl.maximum(b_m, tl.max(b_logit, 1))
-        # A split can hold only masked slots so far (left padding): keep exp2 off (-inf) - (-inf).
-        b_m_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.exp2(b_logit - b_m_ref[:, None])
-        b_rescale = tl.exp2(b_m - b_m_ref)
-        b_l = b_l * b_rescale + tl.sum(b_p, 1)
-        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
-        b_m = b_m_new
+        b_acc, b_m, b_l = decode_softmax_step(b_logit, b_v, b_acc, b_m, b_l, PRECISION)
         p_k, p_v = p_k + BN * stride_kn, p_v + BN * stride_vn
         p_pos, p_mask = p_pos + BN * stride_pn, p_mask + BN * stride_cn
 
     o_hq = i_h * G + o_g
-    if SPLIT:
-        S = tl.num_programs(1)
-        o_row = (i_b64 * (G * tl.num_programs(0)) + o_hq) * S + i_s
-        tl.store(o_part + o_row[:, None] * V + o_v[None, :], b_acc, mask=m_g[:, None] & m_v[None, :])
-        tl.store(m_part + o_row, b_m, mask=m_g)
-        tl.store(l_part + o_row, b_l, mask=m_g)
-    else:
-        p_o = o + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_v[None, :] * stride_od
-        b_o = b_acc / b_l[:, None]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_g[:, None] & m_v[None, :])
-
-
-@triton.jit
-def tapa_decode_merge_kernel(
-    o_part, m_part, l_part, o, S, stride_ob, stride_oh, stride_od,
-    HQ: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    """Softmax-weighted sum of the ``S`` split partials of one (batch, query head, channel block).
-    Grid ``(cdiv(V, BV), HQ, B)``; writes ``o [B, 1, HQ, V]``."""
-    i_v, i_hq, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_s = tl.arange(0, BS)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_s, m_v = o_s < S, o_v < V
-    o_row = (i_b.to(tl.int64) * HQ + i_hq) * S + o_s
-    b_m = tl.load(m_part + o_row, mask=m_s, other=float("-inf"))
-    b_l = tl.load(l_part + o_row, mask=m_s, other=0.0)
-    # A split that saw no visible slot has max -inf and weight 0 (some split always sees one).
-    b_w = tl.exp2(b_m - tl.max(b_m, 0))
-    b_acc = tl.load(o_part + o_row[:, None] * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_o = tl.sum(b_w[:, None] * b_acc, 0) / tl.sum(b_w * b_l, 0)
-    p_o = o + i_b.to(tl.int64) * stride_ob + i_hq * stride_oh + o_v * stride_od
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_v)
-
-
-@functools.lru_cache(maxsize=8)
-def _multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; under the interpreter there is nothing to fill."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_split_size(batch_heads: int, length: int, device: torch.device) -> int:
-    """Slots per split: the whole cache when ``B·H`` programs already cover every SM four times over,
-    ``SPLIT_SIZE`` otherwise."""
-    return max(length, 1) if batch_heads >= 4 * _multiprocessors(device) else SPLIT_SIZE
+    p_o = o + i_b64 * stride_ob + o_hq[:, None] * stride_oh + o_v[None, :] * stride_od
+    m_o = m_g[:, None] & m_v[None, :]
+    row = i_b64 * (G * tl.num_programs(0)) + o_hq
+    decode_store(b_acc, b_m, b_l, o_part, m_part, l_part, p_o, m_o, row, m_g, o_v, V, SPLIT)
 
 
 def decode_config(head_dim: int, value_dim: int) -> tuple[int, int, int]:
@@ -204,12 +155,7 @@ def tapa_decode_fn(
     split_size = triton.cdiv(max(split_size, 1), BN) * BN
     S = max(triton.cdiv(L, split_size), 1)
     o = torch.empty(B, 1, HQ, V, dtype=v_cache.dtype, device=q.device)
-    if S > 1:
-        o_part = torch.empty(B, HQ, S, V, dtype=torch.float32, device=q.device)
-        m_part = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
-        l_part = torch.empty_like(m_part)
-    else:
-        o_part = m_part = l_part = o
+    o_part, m_part, l_part = partials = split_partials(o, S)
     tapa_decode_kernel[(H, S, B)](
         q, k_cache, v_cache, q_position, k_positions, cache_mask, o, o_part, m_part, l_part,
         L, split_size, float(alpha), DA**-0.5 * LOG2E, DP**-0.5,
@@ -221,11 +167,5 @@ def tapa_decode_fn(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if S > 1:
-        BS = triton.next_power_of_2(S)
-        # Keep the [BS, BV] merge tile within a few thousand registers' worth of values.
-        BVM = min(triton.next_power_of_2(V), max(16, 4096 // BS))
-        tapa_decode_merge_kernel[(triton.cdiv(V, BVM), HQ, B)](
-            o_part, m_part, l_part, o, S, o.stride(0), o.stride(2), o.stride(3),
-            HQ=HQ, V=V, BS=BS, BV=BVM, num_warps=1 if interpreting() else 4,
-        )  # fmt: skip
+        merge_splits(partials, o, S)
     return o
