@@ -3,7 +3,7 @@
 # the GPU test files, then the kernel benchmarks, each under its own time limit so that one slow step cannot
 # take the others' share of the lease. Logs and JSON/PNG land in $OUT; the tables print last.
 #
-#   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [tune]      (default: tests tapa vla)
+#   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [decode] [tune]   (default: tests tapa vla decode)
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -15,7 +15,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-steps=${*:-tests tapa vla}
+steps=${*:-tests tapa vla decode}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 
 for step in $steps; do
@@ -23,6 +23,7 @@ for step in $steps; do
         tests)
             timeout 240 python3 -m pytest -q -x tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py \
                 tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py tests/ops/test_path_triton.py \
+                tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
             tail -3 "$OUT/tests.log" ;;
         tapa)
@@ -33,12 +34,14 @@ for step in $steps; do
                 --name ops_tapa_flex_h200 > "$OUT/flex.log" 2>&1 ;;
         vla)
             timeout 240 python3 benchmarks/ops.py --ops vla --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
+        decode)
+            timeout 120 python3 benchmarks/decode.py --out "$OUT" --name decode_h200 > "$OUT/decode.log" 2>&1 ;;
         tune)
             timeout 400 python3 benchmarks/tapa_tune.py --out "$OUT" > "$OUT/tune.log" 2>&1 ;;
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa vla flex tune; do
+for log in tapa vla flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0
