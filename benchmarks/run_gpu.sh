@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the device tool runs it from the repository root, with $OUT for results):
 # the GPU test files, then the kernel benchmarks, each under its own time limit so that one slow step cannot
-# take the others' share of the lease. Logs and JSON/PNG land in $OUT; the tables print last.
+# take the others' share of the lease (the default steps sum to under 10 minutes, one device call). Logs and
+# JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [decode] [tune]   (default: tests tapa vla decode)
 #
@@ -21,21 +22,21 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 for step in $steps; do
     case $step in
         tests)
-            timeout 240 python3 -m pytest -q -x tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py \
+            timeout 200 python3 -m pytest -q -x tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py \
                 tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py tests/ops/test_path_triton.py \
                 tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
             tail -3 "$OUT/tests.log" ;;
         tapa)
-            timeout 150 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
+            timeout 120 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
                 > "$OUT/tapa.log" 2>&1 ;;
         flex)
             timeout 300 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_flex --head-dims 64 --out "$OUT" \
                 --name ops_tapa_flex_h200 > "$OUT/flex.log" 2>&1 ;;
         vla)
-            timeout 240 python3 benchmarks/ops.py --ops vla --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
+            timeout 150 python3 benchmarks/ops.py --ops vla --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
         decode)
-            timeout 120 python3 benchmarks/decode.py --out "$OUT" --name decode_h200 > "$OUT/decode.log" 2>&1 ;;
+            timeout 90 python3 benchmarks/decode.py --out "$OUT" --name decode_h200 > "$OUT/decode.log" 2>&1 ;;
         tune)
             timeout 400 python3 benchmarks/tapa_tune.py --out "$OUT" > "$OUT/tune.log" 2>&1 ;;
         *) echo "unknown step $step" ;;
