@@ -7,9 +7,9 @@ when ``B·H`` alone would not ("flash-decoding"). The ``G`` query rows are padde
 padded rows are zero and never stored, and their share of the logit arithmetic hides under the loads.
 
 A slot's distance ``d = m − n`` comes from the positions the cache records (left padding, garbage in
-masked slots), so ``d^alpha`` is computed in the kernel per slot rather than read from the prefill's
-distance table. Splits keep a float32 online-softmax partial (``max``, ``sum``, unnormalised ``acc``) that
-a second kernel merges; with one split the first kernel writes the output itself.
+masked slots), so ``d^alpha`` is computed in the kernel per slot (one value per slot, shared by the ``G``
+query rows). Splits keep a float32 online-softmax partial (``max``, ``sum``, unnormalised ``acc``) that
+``attnkit/ops/common/triton/decode_merge.py`` merges; with one split the first kernel writes the output itself.
 """
 
 from __future__ import annotations
