@@ -1,8 +1,8 @@
 """TAPA forward: FlashAttention's online softmax over the TAPA logit, one program per (query block, query head).
 
 The amplitude and phase products are two ``tl.dot`` on the tensor cores; the distance factor comes from
-``common.distance_factor``; the logit is kept in base-2 units (``log2(e)`` folded into the amplitude scale)
-so the softmax uses ``exp2``. Saves the base-2 log-sum-exp for the backward.
+``common.distance_factor``; the softmax runs in base 2 (``log2(e)/sqrt(dA)`` applied in the FMA that forms
+each exponent) and uses ``exp2``. Saves the base-2 log-sum-exp for the backward.
 """
 
 from __future__ import annotations
