@@ -91,11 +91,13 @@ def delta_inputs(B, H, T, K, V, deltanet=False):
     return [q, k, v, a]
 
 
-@pytest.mark.parametrize("V", [32, 80], ids=["V32", "V80-two-value-blocks"])
+@pytest.mark.parametrize(
+    "K, V", [(16, 32), (16, 80), (128, 128)], ids=["K16-V32", "K16-V80-two-value-blocks", "K128-V128"]
+)
 @pytest.mark.parametrize("deltanet", [False, True], ids=["generic", "deltanet-beta-near-2"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
-def test_delta_rule_kernels_match_torch(deltanet, with_state, V):
-    B, H, T, K = 2, 2, 53, 16
+def test_delta_rule_kernels_match_torch(deltanet, with_state, K, V):
+    B, H, T = 2, 2, 53
     inputs = delta_inputs(B, H, T, K, V, deltanet)
     state = [torch.randn(B, H, V, K, device=DEVICE)] if with_state else None
 
@@ -144,7 +146,7 @@ def test_real_sizes_on_gpu(T):
 
 
 def test_head_dim_limit_and_auto_stays_on_torch(monkeypatch):
-    inputs = [x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 128, 16)]
+    inputs = [x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 256, 16)]
     with pytest.raises(ValueError, match="^backend: .*head dims"):
         vla_attention(*inputs, backend="triton")
 

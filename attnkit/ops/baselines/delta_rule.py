@@ -72,7 +72,7 @@ def delta_rule(
         output_final_state: return ``S`` after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``).
         backend: ``"auto"`` (PyTorch until the kernels have run on a GPU), ``"torch"`` or ``"triton"`` (the
-            fused generalised delta rule shared with VLA; float16 / bfloat16 / float32, head dims up to 64).
+            fused generalised delta rule shared with VLA; float16 / bfloat16 / float32, head dims up to 128).
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and ``S [N, H, V, K]`` in float32 (float64 for float64 inputs)

@@ -173,4 +173,3 @@ def check_decode_cache(q: object, k_cache: object, v_cache: object) -> tuple[int
     if H == 0 or HQ % H != 0:
         raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
     return B, L, HQ, H, K
-

@@ -49,7 +49,7 @@ def vla_attention(
         output_final_state: return the state after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``); each restarts.
         backend: ``"auto"`` (PyTorch, until the kernels are validated on a GPU), ``"torch"`` or ``"triton"``
-            (float16 / bfloat16 / float32, head dims up to 64): the ``S`` update (the generalised delta rule,
+            (float16 / bfloat16 / float32, head dims up to 128): the ``S`` update (the generalised delta rule,
             forward and backward) in fused kernels; the gates stay batched PyTorch linear algebra.
 
     Returns:

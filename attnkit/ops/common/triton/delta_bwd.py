@@ -8,7 +8,9 @@ With ``h`` the state at a chunk's start, ``h' = h + Aᵀ U`` at its end, ``U = �
     dW  = −dU hᵀ,  dŨ = dU                     dK = Tᵀ dW + dZ A,  dV = Tᵀ dŨ
     dZ  = strict_tril(−Tᵀ (dW Kᵀ + dŨ Vᵀ) Tᵀ)  (Z = strict_tril(K Aᵀ), T = (I + Z)⁻¹)
 
-Two kernels: the reverse state pass (stores ``dU`` and ``dh'`` per chunk) and the per-chunk gradients.
+Three kernels: the reverse state pass (stores ``dU`` and ``dh'`` per chunk), then two per-chunk kernels, one for
+the gradients through the reads (``dQ`` and part of ``dA``) and one through the WY form (``dK``, ``dV``, the
+rest of ``dA``): split so that each fits shared memory at ``K = 128``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.delta_fwd import chunk_tiles, unit_lower_inverse
+from attnkit.ops.common.triton.delta_fwd import chunk_tiles, launch_config, unit_lower_inverse
 from attnkit.ops.common.triton_utils import block_dim
 
 
@@ -60,52 +62,69 @@ def delta_bwd_state_kernel(
 
 
 @triton.jit
-def delta_bwd_chunk_kernel(
-    q, k, a, v, hs, dhs, u_new, du, do, dq_part, dk_part, da_part, dv, T, NC,
+def delta_bwd_read_kernel(
+    q, a, hs, dhs, u_new, do, dq_part, da_part, T, NC,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per-chunk gradients from the forward's ``hs``, ``u_new`` and the state pass's ``dhs``, ``du``: ``dv [BH, T,
-    V]`` (its dtype) and, per value block, the float32 shares ``dq_part, dk_part, da_part [NV, BH, T, K]`` of
-    ``dq, dk, da`` (each is a sum over the value dimension, ``dZ`` included, since it is linear in ``dT``).
-    Grid ``(chunks, BH, NV)``; ``T`` is recomputed."""
+    """The gradients through the reads: ``dQ = dO hᵀ + tril(dO Uᵀ) A`` and the share
+    ``U dh'ᵀ + tril(dO Uᵀ)ᵀ Q`` of ``dA``, per value block as float32 ``[NV, BH, T, K]`` (each a sum over the
+    value dimension). Grid ``(chunks, BH, NV)``."""
     i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
     b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
     b_u = tl.load(u_new + p_v, mask=m_v, other=0.0)
-    b_du = tl.load(du + p_v, mask=m_v, other=0.0)
     b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
     b_h = tl.load(hs + p_hs, mask=m_kv, other=0.0)
     b_dh = tl.load(dhs + p_hs, mask=m_kv, other=0.0)
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-
     b_dou = tl.where(rows >= cols, tl.dot(b_do, tl.trans(b_u), input_precision=PRECISION), 0.0)  # tril(dO Uᵀ)
     b_dq = tl.dot(b_do, tl.trans(b_h), input_precision=PRECISION) + tl.dot(b_dou, b_a, input_precision=PRECISION)
     b_da = tl.dot(b_u, tl.trans(b_dh), input_precision=PRECISION)
     b_da += tl.dot(tl.trans(b_dou), b_q, input_precision=PRECISION)
-    b_dw = -tl.dot(b_du, tl.trans(b_h), input_precision=PRECISION)
+    p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
+    tl.store(dq_part + p_part, b_dq, mask=m_k)
+    tl.store(da_part + p_part, b_da, mask=m_k)
 
+
+@triton.jit
+def delta_bwd_wy_kernel(
+    k, a, v, hs, du, dk_part, da_part, dv, T, NC,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The gradients through the WY representation: with ``dW = −dU hᵀ`` and ``T`` recomputed,
+    ``dV = Tᵀ dU`` (its dtype) and, per value block as float32 shares, ``dK = Tᵀ dW + dZ A`` and the ``dZᵀ K``
+    share of ``dA`` (``dZ`` is linear in ``dT = dW Kᵀ + dU Vᵀ``). Grid ``(chunks, BH, NV)``."""
+    i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+    b_du = tl.load(du + p_v, mask=m_v, other=0.0)
+    b_h = tl.load(hs + p_hs, mask=m_kv, other=0.0)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    b_dw = -tl.dot(b_du, tl.trans(b_h), input_precision=PRECISION)
     b_zt = tl.where(rows < cols, tl.dot(b_a, tl.trans(b_k), input_precision=PRECISION), 0.0)
     b_t = unit_lower_inverse(b_zt, BT)
     b_dk = tl.dot(tl.trans(b_t), b_dw, input_precision=PRECISION)
     b_dv = tl.dot(tl.trans(b_t), b_du, input_precision=PRECISION)
-    b_dt = tl.dot(b_dw, tl.trans(b_k), input_precision=PRECISION) + tl.dot(
-        b_du, tl.trans(b_v), input_precision=PRECISION
-    )
+    b_dt = tl.dot(b_dw, tl.trans(b_k), input_precision=PRECISION)
+    b_dt += tl.dot(b_du, tl.trans(b_v), input_precision=PRECISION)
     b_dz = -tl.dot(tl.dot(tl.trans(b_t), b_dt, input_precision=PRECISION), tl.trans(b_t), input_precision=PRECISION)
     b_dz = tl.where(rows > cols, b_dz, 0.0)
     b_dk += tl.dot(b_dz, b_a, input_precision=PRECISION)
-    b_da += tl.dot(tl.trans(b_dz), b_k, input_precision=PRECISION)
-
+    b_da = tl.dot(tl.trans(b_dz), b_k, input_precision=PRECISION)
     p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
-    tl.store(dq_part + p_part, b_dq, mask=m_k)
     tl.store(dk_part + p_part, b_dk, mask=m_k)
     tl.store(da_part + p_part, b_da, mask=m_k)
     tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
@@ -134,19 +153,19 @@ def delta_bwd_fn(
     dhs = torch.empty(B, H, NC, K, V, **f32)
     du = torch.empty(B, H, T, V, **f32)
     dh0 = torch.empty(B, H, V, K, **f32)
-    # Compiled for sm_90a (Triton 3.6) at K = V = 64: four warps, no software pipelining (the loops are the
-    # sequential state passes, whose loads do not pay for extra shared-memory stages). Not tuned on a GPU yet.
-    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, num_warps=4, num_stages=1)
+    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, **launch_config(K))
     delta_bwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         q, a, saved["w"], do, dht, dhs, du, dh0, T, NC, BV=BV_STATE, USE_DHT=dht is not None, **dims
     )
     NV = triton.cdiv(V, BV_STATE)
-    parts = torch.empty(3, NV, B, H, T, K, **f32)
+    # float32 shares per value block: dq, dk, and dA from the reads and from the WY form.
+    parts = torch.empty(4, NV, B, H, T, K, **f32)
     dv = torch.empty_like(v)
-    delta_bwd_chunk_kernel[(NC, B * H, NV)](
-        q, k, a, v, saved["hs"], dhs, saved["u_new"], du, do, parts[0], parts[1], parts[2], dv, T, NC,
-        BV=BV_STATE, **dims,
-    )  # fmt: skip
+    grid = (NC, B * H, NV)
+    hs, u_new = saved["hs"], saved["u_new"]
+    delta_bwd_read_kernel[grid](q, a, hs, dhs, u_new, do, parts[0], parts[2], T, NC, BV=BV_STATE, **dims)
+    delta_bwd_wy_kernel[grid](k, a, v, hs, du, parts[1], parts[3], dv, T, NC, BV=BV_STATE, **dims)
     # One sum per gradient, so the three outputs are separate tensors (custom ops may not return aliases).
-    dq, dk, da = (parts[i].sum(0).to(x.dtype) for i, x in enumerate((q, k, a)))
+    dq, dk = (parts[i].sum(0).to(x.dtype) for i, x in enumerate((q, k)))
+    da = (parts[2].sum(0) + parts[3].sum(0)).to(a.dtype)
     return dq, dk, dv, da, dh0

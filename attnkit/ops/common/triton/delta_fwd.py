@@ -122,6 +122,14 @@ def delta_fwd_output_kernel(
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
+def launch_config(key_dim: int) -> dict[str, int]:
+    """Warps and pipeline stages of every delta-rule kernel. Compiled for sm_90a (Triton 3.6): four warps at
+    ``K <= 64`` and eight above (half the register spills), no software pipelining (the loops are the sequential
+    state passes, whose loads do not pay for extra shared-memory stages); every kernel then fits the 227 KB of
+    shared memory up to ``K = V = 128``. Not tuned on a GPU yet."""
+    return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1)
+
+
 def delta_fwd_fn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -148,9 +156,7 @@ def delta_fwd_fn(
     u_new = torch.empty(B, H, T, V, **f32)
     ht = torch.empty(B, H, V, K, **f32)
     o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
-    # Compiled for sm_90a (Triton 3.6) at K = V = 64: four warps, no software pipelining (the loops are the
-    # sequential state passes, whose loads do not pay for extra shared-memory stages). Not tuned on a GPU yet.
-    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, num_warps=4, num_stages=1)
+    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, **launch_config(K))
     delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, T, BV=BV, **dims)
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
