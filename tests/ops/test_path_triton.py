@@ -66,3 +66,24 @@ def test_beta_near_two_long_history():
 @pytest.mark.parametrize("B, T, HQ, H, K", [(2, 4096, 8, 8, 64), (1, 8192, 4, 2, 128)], ids=str)
 def test_real_sizes_on_gpu(B, T, HQ, H, K, dtype):
     check(B, T, HQ, H, K, K, True, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "K, offsets", [(16, None), (24, None), (80, None), (16, [0, 5, 5, 40, 75])], ids=["K16", "K24", "K80", "varlen"]
+)
+def test_carry_keys_kernel(K, offsets, dtype):
+    """The prefill's keys carried to the end of every sequence, against the PyTorch pass (K = 80: two column
+    blocks of the suffix product)."""
+    from attnkit.ops.path import path_carry_keys
+
+    B, T, H = (2, 53, 2) if offsets is None else (1, offsets[-1], 2)
+    _, k, _, w, beta, _ = (
+        None if x is None else x.to(DEVICE) for x in make_inputs(B, T, H, H, K, K, gate=False, dtype=torch.float32)
+    )
+    k = k.to(dtype)
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    actual = path_carry_keys(k, w, beta, cu_seqlens=cu, backend="triton")
+    expected = path_carry_keys(k.float(), w, beta, cu_seqlens=cu, backend="torch")
+    assert actual.dtype == dtype
+    assert_close("k_carried", actual, expected.to(dtype), TOL[dtype])

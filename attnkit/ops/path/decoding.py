@@ -23,12 +23,19 @@ from .torch_impl import chunk_path_carry_keys
 
 
 def path_carry_keys(
-    k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None
+    k: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The prefill state of the decoding cache: ``H_T ··· H_{j+1} k_j`` for every key ``j`` of a sequence.
 
     k, w ``[B, T, H, K]``, beta ``[B, T, H]`` -> ``[B, T, H, K]`` in the dtype of ``k``. Linear in ``T``.
-    With ``cu_seqlens`` every packed sequence is carried to its own end.
+    With ``cu_seqlens`` every packed sequence is carried to its own end. ``backend``: ``"auto"`` (PyTorch until
+    the kernels have run on a GPU), ``"torch"`` or ``"triton"`` (one reverse pass over chunks carrying a
+    ``K × K`` suffix product in column blocks; float16 / bfloat16 / float32 keys).
     """
     check_tensor("k", k, 4)
     B, T, H, K = k.shape
@@ -36,6 +43,14 @@ def path_carry_keys(
     check_like("beta", beta, (B, T, H), k.device)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, k.device)
+    resolve_backend(backend, "path_carry_keys", k.device, has_triton=True)
+    if backend == "triton":
+        if k.dtype == torch.float64:
+            raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch decoding must import without it.
+        from .triton.carry import path_carry_fn
+
+        return path_carry_fn(k.contiguous(), w.contiguous(), beta.contiguous(), cu_seqlens)
     parts = [
         chunk_path_carry_keys(k[:, bos:eos], w[:, bos:eos], beta[:, bos:eos])
         for bos, eos in segment_bounds(cu_seqlens, T)
