@@ -67,6 +67,8 @@ def test_bad_input():
         path_decode_step_(q, k, v, w, beta, k_buf, v_buf, 4)
     with pytest.raises(ValueError, match="^k_cache: expected a contiguous"):
         path_decode_step_(q, k, v, w, beta, torch.zeros(1, 4, 2, 16, device=DEVICE)[:, :, :1], v_buf, 1)
+    with pytest.raises(ValueError, match="^backend: .*float64"):
+        path_decode_step_(q.double(), k.double(), v.double(), w, beta, k_buf.double(), v_buf.double(), 1)
     with pytest.raises(ValueError, match="^g_cache"):
         path_decode_step_(q, k, v, w, beta, k_buf, v_buf, 1, g_cache=torch.zeros(1, 4, 2, device=DEVICE))
 

@@ -86,10 +86,10 @@ def delta_rule(
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K),), q.device)
-    resolve_backend(backend, "delta_rule", q.device, has_triton=True)
+    backend = resolve_backend(backend, "delta_rule", q.device, has_triton=True, auto_triton=False, dtype=q.dtype)
     use_triton = backend == "triton"
     if use_triton:
-        check_triton_delta(q.dtype, K, V)
+        check_triton_delta(K, V)
 
     def dense(q, k, v, beta, state):
         return delta_rule_chunk(q, k, v, beta, scale, state, use_triton=use_triton)

@@ -69,10 +69,9 @@ def chunk_generalized_delta_rule(
 TRITON_MAX_HEAD_DIM = 128
 
 
-def check_triton_delta(dtype: torch.dtype, key_dim: int, value_dim: int) -> None:
-    """What ``backend="triton"`` of the delta-rule ops accepts; a ``ValueError`` naming ``backend`` otherwise."""
-    if dtype == torch.float64:
-        raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
+def check_triton_delta(key_dim: int, value_dim: int) -> None:
+    """The head dims ``backend="triton"`` of the delta-rule ops accepts; a ``ValueError`` naming ``backend``
+    otherwise (dtypes: :func:`attnkit.ops.common.validation.resolve_backend`)."""
     if max(key_dim, value_dim) > TRITON_MAX_HEAD_DIM:
         raise ValueError(
             f"backend: the Triton kernels take head dims up to {TRITON_MAX_HEAD_DIM} so far, "

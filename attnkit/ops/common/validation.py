@@ -104,20 +104,34 @@ def check_backend(backend: object) -> str:
     return backend
 
 
-def resolve_backend(backend: object, op: str, device: torch.device, *, has_triton: bool = False) -> str:
+def resolve_backend(
+    backend: object,
+    op: str,
+    device: torch.device,
+    *,
+    has_triton: bool = False,
+    auto_triton: bool = True,
+    dtype: torch.dtype | None = None,
+) -> str:
     """``"auto"`` picks the Triton kernel for CUDA tensors when ``op`` has one, the PyTorch backend otherwise.
 
-    ``"triton"`` needs CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run kernels).
+    ``"triton"`` needs CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, how the tests run kernels) and
+    inputs of float16 / bfloat16 / float32 (``dtype``; float64 is the tests' reference precision, which only the
+    PyTorch backend computes, and ``"auto"`` sends it there). ``auto_triton=False`` keeps ``"auto"`` on PyTorch
+    for kernels that have not run on a GPU yet; ``"triton"`` still reaches them.
     """
     backend = check_backend(backend)
+    kernel_dtype = dtype != torch.float64
     if backend == "auto":
-        return "triton" if has_triton and device.type == "cuda" else "torch"
+        return "triton" if has_triton and auto_triton and kernel_dtype and device.type == "cuda" else "torch"
     if backend == "triton" and not has_triton:
         raise NotImplementedError(f"{op}: the Triton backend is not implemented yet; use backend='torch'")
     if backend == "triton" and not kernel_device(device):
         raise ValueError(
             f"backend: {op}'s Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU), got {device}"
         )
+    if backend == "triton" and not kernel_dtype:
+        raise ValueError(f"backend: {op}'s Triton kernels take float16, bfloat16 or float32, got float64")
     return backend
 
 

@@ -43,10 +43,10 @@ def path_carry_keys(
     check_like("beta", beta, (B, T, H), k.device)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, k.device)
-    resolve_backend(backend, "path_carry_keys", k.device, has_triton=True)
-    if backend == "triton":
-        if k.dtype == torch.float64:
-            raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
+    if (
+        resolve_backend(backend, "path_carry_keys", k.device, has_triton=True, auto_triton=False, dtype=k.dtype)
+        == "triton"
+    ):
         # Imported here: Triton is a Linux-only dependency, and the PyTorch decoding must import without it.
         from .triton.carry import path_carry_fn
 
@@ -162,7 +162,7 @@ def path_decode_step_(
     if cache_mask is not None:
         cache_mask = check_cache_mask(cache_mask, (B, CAP), q.device).contiguous()
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
-    resolve_backend("triton", "path_decode_step_", q.device, has_triton=True)
+    resolve_backend("triton", "path_decode_step_", q.device, has_triton=True, dtype=k_cache.dtype)
 
     k_cache[:, t] = k[:, 0]
     v_cache[:, t] = v[:, 0]

@@ -56,11 +56,9 @@ def tapa_attention(
     alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    if backend == "auto" and (q.dtype == torch.float64 or max(D, v.shape[-1]) > MAX_HEAD_DIM):
+    if backend == "auto" and max(D, v.shape[-1]) > MAX_HEAD_DIM:
         backend = "torch"
-    if resolve_backend(backend, "tapa_attention", q.device, has_triton=True) == "triton":
-        if q.dtype == torch.float64:
-            raise ValueError("backend: the Triton kernels take float16, bfloat16 or float32, got float64")
+    if resolve_backend(backend, "tapa_attention", q.device, has_triton=True, dtype=q.dtype) == "triton":
         if max(D, v.shape[-1]) > MAX_HEAD_DIM:
             raise ValueError(
                 f"backend: the Triton kernels take head dims up to {MAX_HEAD_DIM}, got D={D}, V={v.shape[-1]}"

@@ -67,12 +67,7 @@ def tapa_decode_step(
     amp_dim, phase_dim = tapa_split(theta, D)
     alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
     dtype = compute_dtype(q, k_cache, v_cache)
-    use_triton = resolve_backend(backend, "tapa_decode_step", q.device, has_triton=True) == "triton"
-    if use_triton and dtype == torch.float64:
-        if backend == "triton":
-            raise ValueError("backend: the Triton kernel takes float32/float16/bfloat16, got float64; use 'torch'")
-        use_triton = False
-    if use_triton:
+    if resolve_backend(backend, "tapa_decode_step", q.device, has_triton=True, dtype=dtype) == "triton":
         # Imported here: triton is a Linux-only dependency, and the CPU path must import without it.
         from attnkit.ops.tapa.parallel import tapa_decode_op
 

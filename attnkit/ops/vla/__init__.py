@@ -69,9 +69,11 @@ def vla_attention(
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
     delta_rule = None
     # "auto" stays on PyTorch until the kernels have run on a GPU (issue 5); "triton" opts in.
-    resolve_backend(backend, "vla_attention", q.device, has_triton=True)
-    if backend == "triton":
-        check_triton_delta(q.dtype, K, V)
+    if (
+        resolve_backend(backend, "vla_attention", q.device, has_triton=True, auto_triton=False, dtype=q.dtype)
+        == "triton"
+    ):
+        check_triton_delta(K, V)
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.common.delta_parallel import delta_rule_triton as delta_rule
 

@@ -59,27 +59,27 @@ def vla_decode_step(
     eps = check_scalar("eps", eps, low=0.0)
     if state is not None:
         state = check_state("state", state, ((B, H, V, K), (B, H, K, K), (B, H, K)), q.device)
-    resolve_backend(backend, "vla_decode_step", q.device, has_triton=True)
-
     dtype, out_dtype = compute_dtype(q, k, v, u, *(state or ())), v.dtype
-    q, k, v, u = (x.squeeze(1).to(dtype) for x in (q, k, v, u))  # [B, H, K] / [B, H, V]
+    use_triton = (
+        resolve_backend(backend, "vla_decode_step", q.device, has_triton=True, auto_triton=False, dtype=dtype)
+        == "triton"
+    )
     if state is None:
-        S = q.new_zeros(B, H, V, K)
+        S = q.new_zeros(B, H, V, K, dtype=dtype)
         A = torch.eye(K, dtype=dtype, device=q.device).expand(B, H, K, K) / lam0
-        n = q.new_zeros(B, H, K)
+        n = q.new_zeros(B, H, K, dtype=dtype)
     else:
         S, A, n = (s.to(dtype) for s in state)
 
-    if backend == "triton":
-        if dtype == torch.float64:
-            raise ValueError("backend: the Triton kernel takes float16, bfloat16 or float32, got float64")
+    if use_triton:
         # Imported here: Triton is a Linux-only dependency, and the PyTorch step must import without it.
         from attnkit.ops.vla.parallel import vla_decode_op
 
-        o, S, A, n = vla_decode_op(
-            q[:, None], k[:, None], v[:, None].to(out_dtype), u[:, None], S, A, n, eps, normalize_output
-        )
+        # The kernel reads the inputs in their own dtypes and computes in float32.
+        o, S, A, n = vla_decode_op(q, k, v, u, S, A, n, eps, normalize_output)
         return o, (S, A, n)
+
+    q, k, v, u = (x.squeeze(1).to(dtype) for x in (q, k, v, u))  # [B, H, K] / [B, H, V]
 
     # Eager PyTorch pays per op at this size, so the step is written in as few ops as possible.
     k_hat = k / k.norm(dim=-1, keepdim=True)
