@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .ops import delta_rule, linear_attention, path_attention, softmax_attention, tapa_attention, vla_attention
 from .ops.baselines.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .ops.common.utils import rel_rms
 
 BASELINE = "sdpa+rope"
 MECHANISMS = (BASELINE, "path", "path_fox", "tapa", "vla", "fox", "linear", "deltanet")
@@ -146,8 +147,7 @@ def accuracy_rows(T: int = 48, B: int = 1, H: int = 2, D: int = 16) -> list[dict
         x64 = make_inputs(name, B, T, H, D, dtype=torch.float64)
         ref = _reference(name, x64)
         out = run(name, {n: t.float() for n, t in x64.items()}).double()
-        err = ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-        rows.append({"name": name, "rel_rms_fp32": err})
+        rows.append({"name": name, "rel_rms_fp32": rel_rms(out, ref)})
     return rows
 
 

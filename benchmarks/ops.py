@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import tapa_attention, vla_attention  # noqa: E402
+from attnkit.ops.common.utils import rel_rms  # noqa: E402
 from attnkit.ops.vla.naive import vla_naive  # noqa: E402
 from benchmarks.flex_tapa import causal_block_mask, compiled_flex_attention, tapa_flex  # noqa: E402
 
@@ -170,13 +171,6 @@ REGISTRY: dict[str, Op] = {
         flops=causal_attention_flops,
     ),
 }
-
-
-def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``rms(actual − expected) / rms(expected)`` in float64 (absolute when ``expected`` is all zero)."""
-    actual, expected = actual.double(), expected.double()
-    denom = expected.pow(2).mean().sqrt().item()
-    return (actual - expected).pow(2).mean().sqrt().item() / (denom if denom > 0 else 1.0)
 
 
 def describe(error: BaseException) -> str:

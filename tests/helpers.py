@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.ops.common.utils import rel_rms
 
-def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``rms(actual - expected) / rms(expected)``, computed in float64.
-
-    An all-zero ``expected`` (the gradient of a query that sees one key, say) is compared absolutely.
-    """
-    actual, expected = actual.double(), expected.double()
-    denom = expected.pow(2).mean().sqrt().item()
-    return (actual - expected).pow(2).mean().sqrt().item() / (denom if denom > 0 else 1.0)
+__all__ = ["assert_close", "rel_rms", "tol_for"]
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:

@@ -12,6 +12,15 @@ def compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
 
 
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``rms(actual - expected) / rms(expected)``, computed in float64: the accuracy measure of the tests and the
+    benchmarks. An all-zero ``expected`` (the gradient of a query that sees one key, say) is compared absolutely.
+    """
+    actual, expected = actual.double(), expected.double()
+    denom = expected.pow(2).mean().sqrt().item()
+    return (actual - expected).pow(2).mean().sqrt().item() / (denom if denom > 0 else 1.0)
+
+
 def segment_bounds(cu_seqlens: torch.Tensor | None, seq_len: int) -> list[tuple[int, int]]:
     """``[(bos, eos), ...]`` of the packed sequences; one segment covering ``[0, T)`` without ``cu_seqlens``."""
     if cu_seqlens is None:
