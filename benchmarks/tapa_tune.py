@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,9 +22,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attnkit.cpu_bench import environment  # noqa: E402
+from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops.tapa.triton.backward import tapa_bwd_fn  # noqa: E402
 from attnkit.ops.tapa.triton.forward import tapa_fwd_fn  # noqa: E402
+from benchmarks.ops import environment  # noqa: E402
 
 FWD = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (128, 32, 4, 3)]
 DKDV = [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 1)]
@@ -79,9 +79,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     rows = [time_cell(D, T) for D, T in itertools.product(args.head_dims, args.seq_lens)]
-    env = environment() | {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "tapa_tune.json").write_text(json.dumps({"environment": env, "cells": rows}, indent=1))
+    # The benchmark's record of the machine: GPU, torch, triton, python, commit, dirty tree, source hash, date.
+    env = environment(torch.device("cuda"))
+    write_json(str(Path(args.out) / "tapa_tune.json"), {"environment": env, "cells": rows})
     for cell in rows:
         best_f = sorted((r for r in cell["fwd"] if r["ms"] == r["ms"]), key=lambda r: r["ms"])[:4]
         best_b = sorted((r for r in cell["bwd"] if r["ms"] == r["ms"]), key=lambda r: r["ms"])[:4]
