@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attnkit.ops.path.triton.decode as decode_kernels
+import attnkit.ops.common.triton.decode_merge as decode_merge
 from attnkit.ops.path import path_carry_keys, path_decode_step, path_decode_step_
 from tests.helpers import assert_close
 
@@ -28,7 +28,7 @@ def token(B, HQ, H, K, V, gate):
 @pytest.mark.parametrize("B, HQ, H, K, V", [(2, 4, 2, 16, 16), (1, 2, 1, 24, 12)], ids=str)
 def test_steps_match_torch(B, HQ, H, K, V, gate, split, monkeypatch):
     if split is not None:
-        monkeypatch.setattr(decode_kernels, "decode_split_size", lambda *args: split)
+        monkeypatch.setattr(decode_merge, "decode_split_size", lambda *args: split)
     prompt, steps, cap = 21, 6, 40
     kp = torch.randn(B, prompt, H, K, device=DEVICE)
     vp = torch.randn(B, prompt, H, V, device=DEVICE)

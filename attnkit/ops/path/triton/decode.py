@@ -14,13 +14,14 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton.decode_merge import (
+    decode_config,
     decode_softmax_step,
-    decode_split_size,
     decode_store,
     merge_splits,
     split_partials,
+    split_plan,
 )
-from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.common.triton_utils import block_dim
 
 LOG2E = 1.4426950408889634
 
@@ -103,14 +104,8 @@ def path_decode_fn(
     in ``v_cache.dtype``. ``split_size`` forces the slots per split (tests)."""
     B, CAP, H, K = k_cache.shape
     HQ, V = q.shape[2], v_cache.shape[-1]
-    L = t + 1
-    BN = 64 if max(K, V) <= 128 else 32
-    if interpreting():
-        BN = 16
-    if split_size is None:
-        split_size = decode_split_size(B * H, L, q.device)
-    split_size = triton.cdiv(max(split_size, 1), BN) * BN
-    S = max(triton.cdiv(L, split_size), 1)
+    BN, num_warps, num_stages = decode_config(K, V)
+    split_size, S = split_plan(B * H, t + 1, q.device, BN, split_size)
     o = torch.empty(B, 1, HQ, V, dtype=v_cache.dtype, device=q.device)
     o_part, m_part, l_part = partials = split_partials(o, S)
     path_decode_kernel[(H, S, B)](
@@ -119,7 +114,7 @@ def path_decode_fn(
         HQ=HQ, H=H, K=K, V=V, BG=block_dim(HQ // H), BK=block_dim(K), BV=block_dim(V), BN=BN,
         USE_G=g_cache is not None, USE_MASK=cache_mask is not None, SPLIT=S > 1,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=1 if interpreting() else 4, num_stages=1 if interpreting() else 3,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if S > 1:
         merge_splits(partials, o, S)

@@ -19,13 +19,14 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton.decode_merge import (
+    decode_config,
     decode_softmax_step,
-    decode_split_size,
     decode_store,
     merge_splits,
     split_partials,
+    split_plan,
 )
-from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.tapa.triton.common import cos_cycles, phase_cycles
 
 LOG2E = 1.4426950408889634
@@ -112,14 +113,6 @@ def tapa_decode_kernel(
     decode_store(b_acc, b_m, b_l, o_part, m_part, l_part, p_o, m_o, row, m_g, o_v, V, SPLIT)
 
 
-def decode_config(head_dim: int, value_dim: int) -> tuple[int, int, int]:
-    """``(BN, num_warps, num_stages)``. Measured on an H200 (bf16, D = 64 and 128): 64-slot tiles in three
-    stages with four warps are the best or within 6% of it. Wider heads (unmeasured) halve the tile to keep
-    three stages of keys and values in shared memory. The interpreter runs one program at a time, unstaged."""
-    BN = 64 if max(head_dim, value_dim) <= 128 else 32
-    return (BN, 1, 1) if interpreting() else (BN, 4, 3)
-
-
 def tapa_decode_fn(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -150,10 +143,7 @@ def tapa_decode_fn(
     HQ, V = q.shape[2], v_cache.shape[-1]
     G, DA, DP = HQ // H, amp_dim, D - amp_dim
     BN, num_warps, num_stages = decode_config(D, V)
-    if split_size is None:
-        split_size = decode_split_size(B * H, L, q.device)
-    split_size = triton.cdiv(max(split_size, 1), BN) * BN
-    S = max(triton.cdiv(L, split_size), 1)
+    split_size, S = split_plan(B * H, L, q.device, BN, split_size)
     o = torch.empty(B, 1, HQ, V, dtype=v_cache.dtype, device=q.device)
     o_part, m_part, l_part = partials = split_partials(o, S)
     tapa_decode_kernel[(H, S, B)](
