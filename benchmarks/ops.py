@@ -4,7 +4,7 @@
                              [--impls sdpa tapa_triton tapa_flex] [--quick] [--out DIR] [--name NAME]
     python -m attnkit bench --gpu -- [the same arguments]
 
-bf16, causal, 32768 tokens per batch (``B = 32768 // T``), ``H·D = 1024`` (H=16 at D=64, H=8 at D=128). Per
+bf16, causal, 32768 tokens per batch (``B = max(1, 32768 // T)``: B=1 from 32k on), ``H·D = 1024`` (H=16 at D=64, H=8 at D=128). Per
 (op, D, T) cell: first each implementation's output (and, up to ``--grad-check-max-t``, its gradients) is held
 to the op's PyTorch backend by relative RMS error; then each one is timed, forward (under ``no_grad``) and
 forward+backward, by the median of ``triton.testing.do_bench``, with the peak memory of one call above its
@@ -325,7 +325,7 @@ def run_cell(
     ``slow`` maps ``(op, impl, D, mode)`` to why it is skipped at longer ``T`` (too slow for ``do_bench``, or
     failed other than by running out of memory); it is updated here.
     """
-    H, B = WIDTH // D, args.tokens // T
+    H, B = WIDTH // D, max(1, args.tokens // T)
     torch.manual_seed(0)
     x = {name: t.to(device=device, dtype=torch.bfloat16) for name, t in op.make_inputs(B, T, H, D).items()}
     do = torch.randn_like(x["v"])
@@ -540,7 +540,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="fwd and/or fwdbwd")
     parser.add_argument("--impls", nargs="+", choices=impl_names, default=None, help="implementations (default all)")
     parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_SEQ_LENS}, shorter warm-up and repetitions")
-    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch, B = tokens // T")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch, B = max(1, tokens // T)")
     parser.add_argument("--warmup", type=int, default=None, help="do_bench warm-up in ms (25; --quick 10)")
     parser.add_argument("--rep", type=int, default=None, help="do_bench repetition time in ms (100; --quick 40)")
     parser.add_argument(

@@ -4,7 +4,8 @@
 # take the others' share of the lease (the default steps sum to under 10 minutes, one device call). Logs and
 # JSON/PNG land in $OUT; the tables print last.
 #
-#   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [decode] [tune]   (default: tests tapa vla decode)
+#   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [vlaseq] [vlaacc] [decode] [tune]
+#   (default: tests tapa vla decode)
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 for step in $steps; do
     case $step in
         tests)
-            timeout 200 python3 -m pytest -q -x tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py \
+            timeout 200 python3 -m pytest -q tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py \
                 tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py tests/ops/test_path_triton.py \
                 tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
@@ -34,7 +35,13 @@ for step in $steps; do
             timeout 300 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_flex --head-dims 64 --out "$OUT" \
                 --name ops_tapa_flex_h200 > "$OUT/flex.log" 2>&1 ;;
         vla)
-            timeout 150 python3 benchmarks/ops.py --ops vla --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
+            timeout 240 python3 benchmarks/ops.py --ops vla --seq-lens 1024 2048 4096 8192 16384 32768 65536 \
+                --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
+        vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
+            timeout 120 python3 benchmarks/ops.py --ops vla --impls vla_triton vla_sequential --seq-lens 4096 \
+                --out "$OUT" --name ops_vla_sequential_h200 > "$OUT/vlaseq.log" 2>&1 ;;
+        vlaacc)
+            timeout 200 python3 benchmarks/vla_accuracy.py --out "$OUT" > "$OUT/vlaacc.log" 2>&1 ;;
         decode)
             timeout 90 python3 benchmarks/decode.py --out "$OUT" --name decode_h200 > "$OUT/decode.log" 2>&1 ;;
         tune)
@@ -42,7 +49,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa vla flex decode tune; do
+for log in tapa vla vlaseq vlaacc flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0
