@@ -4,8 +4,8 @@
                              [--impls sdpa tapa_triton tapa_flex] [--quick] [--out DIR] [--name NAME]
     python -m attnkit bench --gpu -- [the same arguments]
 
-bf16, causal, 32768 tokens per batch (``B = max(1, 32768 // T)``: B=1 from 32k on), ``H·D = 1024`` (H=16 at D=64, H=8 at D=128). Per
-(op, D, T) cell: first each implementation's output (and, up to ``--grad-check-max-t``, its gradients) is held
+bf16, causal, 32768 tokens per batch (``B = max(1, 32768 // T)``), ``H·D = 1024`` (H=16 at D=64, H=8 at D=128).
+Per (op, D, T) cell: first each implementation's output (and, up to ``--grad-check-max-t``, its gradients) is held
 to the op's PyTorch backend by relative RMS error; then each one is timed, forward (under ``no_grad``) and
 forward+backward, by the median of ``triton.testing.do_bench``, with the peak memory of one call above its
 inputs. TFLOP/s count the causal half of ``QKᵀ`` and ``PV``: ``2·B·H·T²·D`` forward, 2.5× that backward.
@@ -560,8 +560,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rep is None:
         args.rep = 40 if args.quick else 100
     for T in args.seq_lens:
-        if T <= 0 or args.tokens % T:
-            parser.error(f"--seq-lens: {T} does not divide --tokens {args.tokens}")
+        if T <= 0 or (T < args.tokens and args.tokens % T) or (T > args.tokens and T % args.tokens):
+            parser.error(f"--seq-lens: {T} and --tokens {args.tokens} must divide one another (B=1 beyond it)")
     for D in args.head_dims:
         if D <= 0 or WIDTH % D:
             parser.error(f"--head-dims: {D} does not divide H·D = {WIDTH}")
