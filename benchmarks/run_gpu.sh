@@ -4,7 +4,7 @@
 # take the others' share of the lease (the default steps sum to under 10 minutes, one device call). Logs and
 # JSON/PNG land in $OUT; the tables print last.
 #
-#   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [vlaseq] [vlaacc] [decode] [tune]
+#   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [vlaseq] [vlaacc] [vlaprof] [decode] [tune]
 #   (default: tests tapa vla decode)
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -23,11 +23,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 for step in $steps; do
     case $step in
         tests)
-            timeout 200 python3 -m pytest -q tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py \
-                tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py tests/ops/test_path_triton.py \
+            timeout 240 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
+                tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py tests/ops/test_path_triton.py \
                 tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
-            tail -3 "$OUT/tests.log" ;;
+            tail -12 "$OUT/tests.log" ;;
         tapa)
             timeout 120 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
                 > "$OUT/tapa.log" 2>&1 ;;
@@ -35,8 +35,11 @@ for step in $steps; do
             timeout 300 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_flex --head-dims 64 --out "$OUT" \
                 --name ops_tapa_flex_h200 > "$OUT/flex.log" 2>&1 ;;
         vla)
-            timeout 240 python3 benchmarks/ops.py --ops vla --seq-lens 1024 2048 4096 8192 16384 32768 65536 \
+            timeout 220 python3 benchmarks/ops.py --ops vla --seq-lens 1024 2048 4096 8192 16384 32768 65536 \
+                --impls sdpa vla_triton vla_torch fla_chunk_delta_rule fla_chunk_linear_attn \
                 --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
+        vlaprof)
+            timeout 90 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
             timeout 120 python3 benchmarks/ops.py --ops vla --impls vla_triton vla_sequential --seq-lens 4096 \
                 --out "$OUT" --name ops_vla_sequential_h200 > "$OUT/vlaseq.log" 2>&1 ;;
@@ -49,7 +52,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa vla vlaseq vlaacc flex decode tune; do
+for log in tapa vlaprof vla vlaseq vlaacc flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from attnkit.ops.common.delta import chunk_generalized_delta_rule
 from attnkit.ops.common.delta_parallel import delta_rule_bwd_op, delta_rule_fwd_op, delta_rule_triton
 from attnkit.ops.vla import vla_attention
+from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_bwd_op, vla_gates_fwd_op, vla_gates_triton
+from attnkit.ops.vla.torch_impl import vla_chunk_gates
 from tests.helpers import assert_close
 from tests.ops.test_vla import make_inputs, make_state
 
@@ -112,6 +114,55 @@ def test_delta_rule_kernels_match_torch(deltanet, with_state, K, V):
     actual, expected = grads_of(triton_fn, inputs, state), grads_of(torch_fn, inputs, state)
     for name, x, y in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], actual, expected):
         assert_close(name, x, y, 1e-4)
+
+
+def gate_inputs(B, H, NC, K, lam0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    C = gates_chunk_size()
+    k_hat = F.normalize(torch.randn(B, H, NC * C, K, generator=gen, dtype=torch.float64), dim=-1)
+    u = F.normalize(torch.randn(B, H, NC * C, K, generator=gen, dtype=torch.float64), dim=-1) / K**0.5
+    return k_hat, u
+
+
+@pytest.mark.parametrize(
+    "K, lam0, with_state",
+    [(16, 0.1, False), (48, 0.01, False), (32, 10.0, True), (16, 0.1, True)],
+    ids=["K16", "K48-padded-lam0.01", "K32-lam10-state", "K16-state"],
+)
+def test_gate_kernels_match_torch_gates(K, lam0, with_state):
+    """The gate kernels alone (write directions and final ``A``, and the gradients of ``k̂``, ``u``, ``A_init``)
+    against the batched-Cholesky gates of the PyTorch backend, in float64 as the reference."""
+    B, H, NC = 2, 2, 3
+    k_hat, u = gate_inputs(B, H, NC, K, lam0)
+    state = [make_state(B, H, K, 4, lam0)[1]] if with_state else None
+    C = gates_chunk_size()
+
+    def run(fn, k_hat, u, st):
+        alpha, A_end = fn(k_hat, u, lam0, None if st is None else st[0], C)
+        return alpha, (A_end,)
+
+    def triton_fn(k_hat, u, st):
+        return run(vla_gates_triton, k_hat, u, st)
+
+    def torch_fn(k_hat, u, st):
+        return run(vla_chunk_gates, k_hat, u, st)
+
+    actual = grads_of(triton_fn, [k_hat.float().to(DEVICE), u.float().to(DEVICE)], state and [state[0].float()])
+    expected = grads_of(torch_fn, [k_hat, u], state)
+    names = ["alpha", "A_end", "dk_hat", "du", "dA_init"]
+    for name, x, y in zip(names, actual, expected):
+        assert_close(name, x.double().cpu(), y, 1e-4)
+
+
+def test_gate_ops_opcheck():
+    k_hat, u = (x.float().to(DEVICE) for x in gate_inputs(1, 2, 2, 16, 0.1))
+    X = torch.randn(1, 2, 2, 48, 16, device=DEVICE) / 16
+    lam = 0.1 * torch.eye(16, device=DEVICE) + X.mT @ X  # one SPD penalty per chunk
+    torch.library.opcheck(vla_gates_fwd_op, (k_hat, u, lam))
+    alpha, a0, r, anorm = vla_gates_fwd_op(k_hat, u, lam)
+    torch.library.opcheck(vla_gates_bwd_op, (u, alpha, a0, r, anorm, torch.randn_like(alpha)))
+    # A0 is each chunk's inverse penalty
+    assert_close("A0", a0, torch.linalg.inv(lam), 1e-4)
 
 
 def test_opcheck_and_compile():

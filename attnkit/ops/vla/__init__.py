@@ -49,8 +49,9 @@ def vla_attention(
         output_final_state: return the state after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``); each restarts.
         backend: ``"auto"`` (PyTorch, until the kernels are validated on a GPU), ``"torch"`` or ``"triton"``
-            (float16 / bfloat16 / float32, head dims up to 128): the ``S`` update (the generalised delta rule,
-            forward and backward) in fused kernels; the gates stay batched PyTorch linear algebra.
+            (float16 / bfloat16 / float32, head dims up to 128): fused kernels for the gates ``α̂`` (per chunk:
+            the inverse penalty, the Sherman–Morrison vectors; forward and backward) and for the ``S`` update
+            (the generalised delta rule); the chunks' Gram prefix sums stay in PyTorch.
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)`` in float32 (float64 for float64
@@ -67,7 +68,7 @@ def vla_attention(
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K), (N, H, K, K), (N, H, K)), q.device)
         if torch.linalg.cholesky_ex(initial_state[1] + initial_state[1].mT).info.any():
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
-    delta_rule = None
+    kernels = {}
     # "auto" stays on PyTorch until the kernels have run on a GPU (issue 5); "triton" opts in.
     if (
         resolve_backend(backend, "vla_attention", q.device, has_triton=True, auto_triton=False, dtype=q.dtype)
@@ -75,10 +76,13 @@ def vla_attention(
     ):
         check_triton_delta(K, V)
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
-        from attnkit.ops.common.delta_parallel import delta_rule_triton as delta_rule
+        from attnkit.ops.common.delta_parallel import delta_rule_triton
+        from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_triton
+
+        kernels = dict(delta_rule=delta_rule_triton, gates=vla_gates_triton, chunk_size=gates_chunk_size())
 
     def dense(q, k, v, u, state):
-        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, delta_rule=delta_rule)
+        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, **kernels)
 
     if cu_seqlens is None:
         o, state = dense(q, k, v, u, initial_state)

@@ -1,11 +1,108 @@
-"""VLA's Triton kernels as PyTorch operators: ``attnkit::vla_decode`` (the training-time ``S`` update is the
-shared generalised delta rule, ``attnkit/ops/common/delta_parallel.py``)."""
+"""VLA's Triton kernels as PyTorch operators: ``attnkit::vla_gates_fwd`` / ``_bwd`` (the write directions
+``α̂``, with an autograd registration) and ``attnkit::vla_decode``. The ``S`` update is the shared generalised
+delta rule, ``attnkit/ops/common/delta_parallel.py``."""
 
 from __future__ import annotations
 
 import torch
 
+from attnkit.ops.common.triton_utils import interpreting
 from attnkit.ops.vla.triton.decode import vla_decode_fn
+from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
+
+
+def gates_chunk_size() -> int:
+    """Tokens per chunk of the gate kernels: 64 on the GPU; 16 under the interpreter, so that small tests cross
+    chunks."""
+    return 16 if interpreting() else 64
+
+
+def _precision() -> str:
+    """The gates are float32 whatever the inputs (``A0`` carries ``1/lam0``): 3xTF32 dots on the tensor cores."""
+    return "ieee" if interpreting() else "tf32x3"
+
+
+@torch.library.custom_op("attnkit::vla_gates_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_gates_fwd_op(
+    k_hat: torch.Tensor, u: torch.Tensor, lam: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k_hat, u [B, H, NC·C, K]`` float32, ``lam [B, H, NC, K, K]`` (each chunk's penalty ``Λ_c``) ->
+    ``(alpha, A0, R, ‖a‖)``: the write directions and what the backward reuses."""
+    chunk = k_hat.shape[2] // lam.shape[2]
+    k_hat, u, lam = (x.contiguous() for x in (k_hat, u, lam))
+    return vla_gates_fwd_fn(k_hat, u, lam, chunk, _precision())
+
+
+@vla_gates_fwd_op.register_fake
+def _(k_hat, u, lam):
+    B, H, T, K = k_hat.shape
+    f32 = dict(dtype=torch.float32)
+    return k_hat.new_empty(B, H, T, K, **f32), lam.new_empty(lam.shape, **f32), k_hat.new_empty(
+        B, H, T, K, **f32
+    ), k_hat.new_empty(B, H, T, **f32)
+
+
+@torch.library.custom_op("attnkit::vla_gates_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_gates_bwd_op(
+    u: torch.Tensor,
+    alpha: torch.Tensor,
+    a0: torch.Tensor,
+    r: torch.Tensor,
+    anorm: torch.Tensor,
+    dalpha: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dk_hat, du, dlam)``: ``du`` holds the paths within each chunk; ``dlam`` carries the rest."""
+    chunk = u.shape[2] // a0.shape[2]
+    u, dalpha = u.contiguous(), dalpha.contiguous()
+    return vla_gates_bwd_fn(u, alpha, a0, r, anorm, dalpha, chunk, _precision())
+
+
+@vla_gates_bwd_op.register_fake
+def _(u, alpha, a0, r, anorm, dalpha):
+    return alpha.new_empty(alpha.shape), alpha.new_empty(alpha.shape), a0.new_empty(a0.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, u, _ = inputs
+    alpha, a0, r, anorm = output
+    ctx.mark_non_differentiable(a0, r, anorm)
+    ctx.save_for_backward(u, alpha, a0, r, anorm)
+    ctx.dtypes = tuple(x.dtype for x in inputs)
+
+
+def _backward(ctx, dalpha, *_):
+    u, alpha, a0, r, anorm = ctx.saved_tensors
+    grads = vla_gates_bwd_op(u, alpha, a0, r, anorm, dalpha)
+    return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+
+
+vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def vla_gates_triton(
+    k_hat: torch.Tensor, u: torch.Tensor, lam0: float, A_init: torch.Tensor | None, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attnkit.ops.vla.torch_impl.vla_chunk_gates` through the kernels (same arguments and results).
+
+    The penalty at every chunk's start, ``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU``, is a cumulative sum of
+    Gram matrices computed here, in PyTorch, so that autograd takes ``dΛ_c`` from the backward kernel back to the
+    earlier chunks' ``u`` and to ``A_init``; ``A_init⁻¹`` and the final ``A`` are inverted in float64 (one
+    ``K×K`` matrix per sequence and head).
+    """
+    B, H, TP, K = k_hat.shape
+    NC = TP // chunk_size
+    U = u.reshape(B, H, NC, chunk_size, K)
+    gram = U.transpose(-1, -2) @ U
+    prefix = torch.cat([gram.new_zeros(B, H, 1, K, K), gram.cumsum(2)], 2)
+    if A_init is None:
+        lam_init = torch.eye(K, dtype=u.dtype, device=u.device) * lam0
+    else:
+        lam_init = torch.linalg.inv(0.5 * (A_init + A_init.transpose(-1, -2)).double()).to(u.dtype).unsqueeze(2)
+    lam = lam_init + prefix
+    alpha, *_ = vla_gates_fwd_op(k_hat, u, lam[:, :, :NC])
+    lam_end = lam[:, :, NC].double()
+    A_end = torch.linalg.inv(0.5 * (lam_end + lam_end.transpose(-1, -2))).to(u.dtype)
+    return alpha, A_end
 
 
 @torch.library.custom_op("attnkit::vla_decode", mutates_args=(), device_types=("cuda", "cpu"))

@@ -77,6 +77,7 @@ def vla_chunk(
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     chunk_size: int = CHUNK_SIZE,
     delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] = vla_chunk_gates,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Dense VLA (inputs trusted, see ``vla_attention``).
 
@@ -85,6 +86,8 @@ def vla_chunk(
         initial_state: ``(S [B, H, V, K], A [B, H, K, K], n [B, H, K])`` or ``None``.
         delta_rule: ``(q, k̂, v, α̂, S0) -> (o, S_T)`` on ``[B, H, T, ·]`` tensors; the PyTorch
             :func:`chunk_generalized_delta_rule` by default, the Triton kernels for ``backend="triton"``.
+        gates: ``(k̂, u, lam0, A_init, chunk_size) -> (α̂, A_T)`` as :func:`vla_chunk_gates` (the default), or
+            the Triton kernels' ``vla_gates_triton``.
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)`` in float32 (float64 for float64 inputs).
@@ -109,7 +112,7 @@ def vla_chunk(
         # u = 0 leaves A unchanged; any unit k̂ keeps α̂ finite, and the padded α̂ rows are zeroed below.
         k_hat = torch.cat([k_hat, k_hat.new_full((B, H, pad, K), K**-0.5)], 2)
         u = F.pad(u, (0, 0, 0, pad))
-    alpha, A_end = vla_chunk_gates(k_hat, u, lam0, A_init, C)
+    alpha, A_end = gates(k_hat, u, lam0, A_init, C)
     if pad:
         alpha = alpha[:, :, :T]
         k_hat = k_hat[:, :, :T]

@@ -1,0 +1,76 @@
+"""Where the time of VLA's Triton backend goes: one forward+backward under ``torch.profiler``, its GPU kernels
+grouped by name, next to FLA's ``chunk_delta_rule`` on the same shape.
+
+    python benchmarks/vla_profile.py [--batch 32] [--seq-len 1024] [--heads 16] [--head-dim 64] [--out DIR]
+
+bf16 inputs as ``benchmarks/ops.py`` makes them. Prints the kernels by total GPU time (the table to read for the
+largest gap) and writes ``DIR/vla_profile_h200.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from attnkit.cpu_bench import make_inputs  # noqa: E402
+from attnkit.experiments.output import write_json  # noqa: E402
+from benchmarks.ops import REGISTRY, environment  # noqa: E402
+
+
+def kernel_table(fn, leaves: list[torch.Tensor], do: torch.Tensor, steps: int = 3) -> list[dict]:
+    """GPU kernels of ``steps`` forward+backward calls of ``fn``, µs per call, largest first."""
+    for _ in range(2):  # compile and warm up
+        torch.autograd.backward(fn(), do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.autograd.backward(fn(), do)
+        torch.cuda.synchronize()
+    rows = [
+        {"kernel": e.key[:90], "us": e.device_time_total / steps, "calls": e.count // steps}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    for t in leaves:
+        t.grad = None
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--impls", nargs="+", default=["vla_triton", "fla_chunk_delta_rule"])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--name", default="vla_profile_h200")
+    args = parser.parse_args(argv)
+    op = REGISTRY["vla"]
+    B, T, H, D = args.batch, args.seq_len, args.heads, args.head_dim
+    x = {n: t.cuda().bfloat16() for n, t in make_inputs("vla", B, T, H, D).items()}
+    do = torch.randn_like(x["v"])
+    tables = {}
+    for name in args.impls:
+        leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
+        table = kernel_table(partial(op.impls[name].fn, leaves), list(leaves.values()), do)
+        tables[name] = table
+        total = sum(r["us"] for r in table)
+        print(f"\n{name}: B={B} T={T} H={H} D={D} bf16, forward+backward, {total / 1e3:.3f} ms of GPU kernels")
+        for r in table[:25]:
+            print(f"  {r['us']:9.1f} us  {r['calls']:3d}x  {r['kernel']}")
+    write_json(f"{args.out}/{args.name}.json", {"environment": environment(torch.device("cuda")), "tables": tables})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
