@@ -147,7 +147,8 @@ def test_gate_kernels_match_torch_gates(K, lam0, with_state):
     def torch_fn(k_hat, u, st):
         return run(vla_chunk_gates, k_hat, u, st)
 
-    actual = grads_of(triton_fn, [k_hat.float().to(DEVICE), u.float().to(DEVICE)], state and [state[0].float()])
+    on_device = [x.float().to(DEVICE) for x in (k_hat, u)]
+    actual = grads_of(triton_fn, on_device, state and [state[0].float().to(DEVICE)])
     expected = grads_of(torch_fn, [k_hat, u], state)
     names = ["alpha", "A_end", "dk_hat", "du", "dA_init"]
     for name, x, y in zip(names, actual, expected):
@@ -196,18 +197,22 @@ def test_real_sizes_on_gpu(T):
     check(actual, expected, 1e-2)
 
 
-def test_head_dim_limit_and_auto_stays_on_torch(monkeypatch):
+def test_head_dim_limit_and_auto_dispatch(monkeypatch):
+    """``"triton"`` refuses head dims past the kernels' limit by name; ``"auto"`` takes the kernels for CUDA
+    tensors within it and PyTorch otherwise (CPU tensors, float64, larger head dims)."""
     inputs = [x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 256, 16)]
     with pytest.raises(ValueError, match="^backend: .*head dims"):
         vla_attention(*inputs, backend="triton")
 
     import attnkit.ops.common.delta_parallel as parallel
 
-    def fail(*args):
-        raise AssertionError("auto must not use the Triton kernels before they are validated on a GPU")
-
-    monkeypatch.setattr(parallel, "delta_rule_triton", fail)
+    calls = []
+    real = parallel.delta_rule_triton
+    monkeypatch.setattr(parallel, "delta_rule_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    vla_attention(*inputs)  # K = 256: PyTorch
     vla_attention(*[x.float().to(DEVICE) for x in make_inputs(1, 8, 1, 16, 16)])
+    vla_attention(*[x.to(DEVICE) for x in make_inputs(1, 8, 1, 16, 16)])  # float64: PyTorch
+    assert len(calls) == (1 if DEVICE == "cuda" else 0)
 
 
 def test_opcheck_with_strided_inputs():
@@ -228,7 +233,7 @@ def test_deltanet_baseline_triton_backend():
     q, k, v = torch.randn(1, T, H, K), F.normalize(torch.randn(1, T, H, K), dim=-1), torch.randn(1, T, H, V)
     beta = 0.5 + 1.49 * torch.rand(1, T, H)
     S0 = torch.randn(2, H, V, K)
-    cu = torch.tensor([0, 20, T])
+    cu = torch.tensor([0, 20, T], device=DEVICE)
 
     def fn(backend):
         def run(q, k, v, beta, state):

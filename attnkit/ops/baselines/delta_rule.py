@@ -42,7 +42,7 @@ def delta_rule_chunk(
         # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
         from attnkit.ops.common.delta_parallel import delta_rule_triton
 
-        o, S = delta_rule_triton(q * scale, k, v, beta * k, S0)
+        o, S = delta_rule_triton(q * scale, k, v, beta * k, S0, single_pass=out_dtype.itemsize == 2)
     else:
         o, S = chunk_generalized_delta_rule(q * scale, k, v, beta * k, S0, chunk_size)
     return o.transpose(1, 2).to(out_dtype), (S,)

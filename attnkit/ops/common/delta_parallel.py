@@ -19,27 +19,34 @@ def _chunk_size() -> int:
     return 16 if interpreting() else 64
 
 
-def _precision(dtype: torch.dtype) -> str:
+def _precision(dtype: torch.dtype, single_pass: bool) -> str:
     """float32 inputs get float32-accurate dots: IEEE in the interpreter, 3xTF32 on the tensor cores (the state
-    is a running sum over the whole sequence, where single TF32 rounding would accumulate)."""
-    if dtype == torch.float32:
+    is a running sum over the whole sequence, where single TF32 rounding would accumulate), unless
+    ``single_pass``: the caller's own inputs were 16-bit and were widened to float32 on the way (VLA's write
+    directions), so one TF32 pass (10-bit mantissa, finer than the inputs' 7 or 10) loses nothing they had."""
+    if dtype == torch.float32 and not single_pass:
         return "ieee" if interpreting() else "tf32x3"
     return "tf32"
 
 
 @torch.library.custom_op("attnkit::delta_rule_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def delta_rule_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, initial_state: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    single_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, S_T, w, hs, u_new)``: the output, the final state, and what the backward reuses."""
     q, k, v, a = (x.contiguous() for x in (q, k, v, a))
     state = None if initial_state is None else initial_state.contiguous()
-    o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), _precision(k.dtype))
+    o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), _precision(k.dtype, single_pass))
     return o, ht, saved["w"], saved["hs"], saved["u_new"]
 
 
 @delta_rule_fwd_op.register_fake
-def _(q, k, v, a, initial_state):
+def _(q, k, v, a, initial_state, single_pass=False):
     B, H, T, K = k.shape
     V = v.shape[-1]
     NC = -(-T // _chunk_size())
@@ -64,16 +71,17 @@ def delta_rule_bwd_op(
     u_new: torch.Tensor,
     do: torch.Tensor,
     dht: torch.Tensor | None,
+    single_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, da, dS_0)``."""
     saved = {"w": w, "hs": hs, "u_new": u_new}
     q, k, v, a, do = (x.contiguous() for x in (q, k, v, a, do))
     dht = None if dht is None else dht.contiguous()
-    return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), _precision(k.dtype))
+    return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), _precision(k.dtype, single_pass))
 
 
 @delta_rule_bwd_op.register_fake
-def _(q, k, v, a, w, hs, u_new, do, dht):
+def _(q, k, v, a, w, hs, u_new, do, dht, single_pass=False):
     B, H, _, K = k.shape
     V = v.shape[-1]
     # The kernels write contiguous gradients whatever the inputs' strides.
@@ -87,7 +95,8 @@ def _(q, k, v, a, w, hs, u_new, do, dht):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, a, initial_state = inputs
+    q, k, v, a, initial_state, *rest = inputs
+    ctx.single_pass = bool(rest and rest[0])
     _, _, w, hs, u_new = output
     ctx.mark_non_differentiable(w, hs, u_new)
     ctx.save_for_backward(q, k, v, a, w, hs, u_new)
@@ -96,18 +105,24 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dht, *_):
     q, k, v, a, w, hs, u_new = ctx.saved_tensors
-    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, do, dht)
-    return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype)
+    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, do, dht, ctx.single_pass)
+    return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype), None
 
 
 delta_rule_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def delta_rule_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, initial_state: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    single_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attnkit.ops.common.delta.chunk_generalized_delta_rule` through the kernels: ``q, k, a [B,H,T,K]``,
     ``v [B,H,T,V]``, ``initial_state [B,H,V,K]`` or None -> ``(o [B,H,T,V], S_T [B,H,V,K])``, ``S_T`` in the
-    dtype of the inputs (float32 inside)."""
-    o, ht, *_ = delta_rule_fwd_op(q, k, v, a, initial_state)
+    dtype of the inputs (float32 inside). ``single_pass``: one TF32 pass per dot for float32 tensors that carry
+    16-bit information (see ``_precision``)."""
+    o, ht, *_ = delta_rule_fwd_op(q, k, v, a, initial_state, single_pass)
     return o, ht.to(k.dtype)

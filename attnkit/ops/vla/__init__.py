@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from attnkit.ops.common.delta import check_triton_delta
+from attnkit.ops.common.delta import TRITON_MAX_HEAD_DIM, check_triton_delta
 from attnkit.ops.common.utils import run_segments
 from attnkit.ops.common.validation import (
     check_cu_seqlens,
@@ -48,8 +50,8 @@ def vla_attention(
             symmetric positive definite; ``None`` starts from ``(0, I / lam0, 0)``.
         output_final_state: return the state after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``); each restarts.
-        backend: ``"auto"`` (PyTorch, until the kernels are validated on a GPU), ``"torch"`` or ``"triton"``
-            (float16 / bfloat16 / float32, head dims up to 128): fused kernels for the gates ``α̂`` (per chunk:
+        backend: ``"auto"`` (Triton for CUDA tensors of float16 / bfloat16 / float32 and head dims up to 128,
+            PyTorch otherwise), ``"torch"`` or ``"triton"``: fused kernels for the gates ``α̂`` (per chunk:
             the inverse penalty, the Sherman–Morrison vectors; forward and backward) and for the ``S`` update
             (the generalised delta rule); the chunks' Gram prefix sums stay in PyTorch.
 
@@ -69,17 +71,18 @@ def vla_attention(
         if torch.linalg.cholesky_ex(initial_state[1] + initial_state[1].mT).info.any():
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
     kernels = {}
-    # "auto" stays on PyTorch until the kernels have run on a GPU (issue 5); "triton" opts in.
-    if (
-        resolve_backend(backend, "vla_attention", q.device, has_triton=True, auto_triton=False, dtype=q.dtype)
-        == "triton"
-    ):
+    choice = resolve_backend(backend, "vla_attention", q.device, has_triton=True, dtype=q.dtype)
+    if choice == "triton" and backend == "auto" and max(K, V) > TRITON_MAX_HEAD_DIM:
+        choice = "torch"  # "auto" falls back where the kernels stop; "triton" says why below
+    if choice == "triton":
         check_triton_delta(K, V)
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.common.delta_parallel import delta_rule_triton
         from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_triton
 
-        kernels = dict(delta_rule=delta_rule_triton, gates=vla_gates_triton, chunk_size=gates_chunk_size())
+        # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
+        delta_rule = partial(delta_rule_triton, single_pass=q.dtype.itemsize == 2)
+        kernels = dict(delta_rule=delta_rule, gates=vla_gates_triton, chunk_size=gates_chunk_size())
 
     def dense(q, k, v, u, state):
         return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, **kernels)

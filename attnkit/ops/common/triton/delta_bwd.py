@@ -164,7 +164,8 @@ def delta_bwd_fn(
     grid = (NC, B * H, NV)
     hs, u_new = saved["hs"], saved["u_new"]
     delta_bwd_read_kernel[grid](q, a, hs, dhs, u_new, do, parts[0], parts[2], T, NC, BV=BV_STATE, **dims)
-    delta_bwd_wy_kernel[grid](k, a, v, hs, du, parts[1], parts[3], dv, T, NC, BV=BV_STATE, **dims)
+    wy = dims | launch_config(K, wide=True)
+    delta_bwd_wy_kernel[grid](k, a, v, hs, du, parts[1], parts[3], dv, T, NC, BV=BV_STATE, **wy)
     # One sum per gradient, so the three outputs are separate tensors (custom ops may not return aliases).
     dq, dk = (parts[i].sum(0).to(x.dtype) for i, x in enumerate((q, k)))
     da = (parts[2].sum(0) + parts[3].sum(0)).to(a.dtype)

@@ -122,12 +122,15 @@ def delta_fwd_output_kernel(
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
-def launch_config(key_dim: int) -> dict[str, int]:
-    """Warps and pipeline stages of every delta-rule kernel. Compiled for sm_90a (Triton 3.6): four warps at
+def launch_config(key_dim: int, wide: bool = False) -> dict[str, int]:
+    """Warps and pipeline stages of the delta-rule kernels. Compiled for sm_90a (Triton 3.6): four warps at
     ``K <= 64`` and eight above (half the register spills), no software pipelining (the loops are the sequential
     state passes, whose loads do not pay for extra shared-memory stages); every kernel then fits the 227 KB of
-    shared memory up to ``K = V = 128``. Not tuned on a GPU yet."""
-    return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1)
+    shared memory up to ``K = V = 128``. ``wide``: eight warps from ``K = 64`` for the backward's WY kernel,
+    whose 64-step substitution and ten ``[64, 64]`` products ran at 7 ms of a 25 ms VLA step on an H200 with four
+    (one 131 KB block per SM; eight warps also clear its register spills)."""
+    eight = key_dim >= 64 if wide else key_dim > 64
+    return dict(num_warps=8 if eight else 4, num_stages=1)
 
 
 def delta_fwd_fn(
