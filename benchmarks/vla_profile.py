@@ -4,7 +4,7 @@ grouped by name, next to FLA's ``chunk_delta_rule`` on the same shape.
     python benchmarks/vla_profile.py [--batch 32] [--seq-len 1024] [--heads 16] [--head-dim 64] [--out DIR]
 
 bf16 inputs as ``benchmarks/ops.py`` makes them. Prints the kernels by total GPU time (the table to read for the
-largest gap) and writes ``DIR/vla_profile_h200.json``.
+largest gap), then the gate kernels alone at four and eight warps, and writes ``DIR/vla_profile_h200.json``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,30 @@ def kernel_table(fn, leaves: list[torch.Tensor], do: torch.Tensor, steps: int = 
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def gate_sweep(B: int, T: int, H: int) -> list[dict]:
+    """The gate kernels alone at four and eight warps, K = 64 and 128 (same tokens), ms by ``do_bench``."""
+    from triton.testing import do_bench
+
+    from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
+
+    rows = []
+    for K in (64, 128):
+        h = H * 64 // K
+        k_hat = torch.nn.functional.normalize(torch.randn(B, h, T, K, device="cuda"), dim=-1)
+        u = torch.nn.functional.normalize(torch.randn(B, h, T, K, device="cuda"), dim=-1) / K**0.5
+        X = torch.randn(B, h, T // 64, 2 * K, K, device="cuda") / K
+        lam = 0.1 * torch.eye(K, device="cuda") + X.mT @ X
+        for warps in (4, 8):
+            config = dict(num_warps=warps, num_stages=1)
+            saved = vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3", config)
+            dalpha = torch.randn_like(k_hat)
+            fwd = do_bench(lambda: vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3", config))  # noqa: B023
+            bwd = do_bench(lambda: vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3", config))  # noqa: B023
+            rows.append({"K": K, "H": h, "warps": warps, "fwd_ms": fwd, "bwd_ms": bwd})
+            print(f"  gates K={K} H={h} warps={warps}: forward {fwd:.3f} ms, backward {bwd:.3f} ms", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
@@ -68,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: B={B} T={T} H={H} D={D} bf16, forward+backward, {total / 1e3:.3f} ms of GPU kernels")
         for r in table[:25]:
             print(f"  {r['us']:9.1f} us  {r['calls']:3d}x  {r['kernel']}")
-    write_json(f"{args.out}/{args.name}.json", {"environment": environment(torch.device("cuda")), "tables": tables})
+    sweep = gate_sweep(B, T, H)
+    payload = {"environment": environment(torch.device("cuda")), "tables": tables, "gate_sweep": sweep}
+    write_json(f"{args.out}/{args.name}.json", payload)
     return 0
 
 

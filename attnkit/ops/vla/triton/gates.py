@@ -141,10 +141,16 @@ def launch_config(key_dim: int) -> dict[str, int]:
 
 
 def vla_gates_fwd_fn(
-    k_hat: torch.Tensor, u: torch.Tensor, lam: torch.Tensor, chunk_size: int, precision: str
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    lam: torch.Tensor,
+    chunk_size: int,
+    precision: str,
+    config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``k_hat, u [B, H, T, K]`` contiguous, ``lam [B, H, NC, K, K]`` float32 contiguous (``NC = ⌈T / C⌉``) ->
-    ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, H, T, K]``, ``A0 [B, H, NC, K, K]``, ``‖a‖ [B, H, T]``, float32."""
+    ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, H, T, K]``, ``A0 [B, H, NC, K, K]``, ``‖a‖ [B, H, T]``, float32.
+    ``config``: warps and stages instead of :func:`launch_config` (the benchmarks' sweep)."""
     B, H, T, K = k_hat.shape
     NC = lam.shape[2]
     f32 = dict(dtype=torch.float32, device=k_hat.device)
@@ -152,7 +158,7 @@ def vla_gates_fwd_fn(
     a0, anorm = torch.empty(B, H, NC, K, K, **f32), torch.empty(B, H, T, **f32)
     vla_gates_fwd_kernel[(NC, B * H)](
         k_hat, u, lam, alpha, a0, r, anorm, T, NC,
-        K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **launch_config(K),
+        K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **(config or launch_config(K)),
     )  # fmt: skip
     return alpha, a0, r, anorm
 
@@ -166,6 +172,7 @@ def vla_gates_bwd_fn(
     dalpha: torch.Tensor,
     chunk_size: int,
     precision: str,
+    config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dk_hat, du_within, dlam)`` float32 from the forward's saved tensors and ``dalpha`` (all contiguous)."""
     B, H, T, K = u.shape
@@ -174,6 +181,6 @@ def vla_gates_bwd_fn(
     dlam = torch.empty_like(a0)
     vla_gates_bwd_kernel[(NC, B * H)](
         u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T, NC,
-        K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **launch_config(K),
+        K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **(config or launch_config(K)),
     )  # fmt: skip
     return dk_hat, du, dlam
