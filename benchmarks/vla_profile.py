@@ -3,8 +3,9 @@ grouped by name, next to FLA's ``chunk_delta_rule`` on the same shape.
 
     python benchmarks/vla_profile.py [--batch 32] [--seq-len 1024] [--heads 16] [--head-dim 64] [--out DIR]
 
-bf16 inputs as ``benchmarks/ops.py`` makes them. Prints the kernels by total GPU time (the table to read for the
-largest gap), then the gate kernels alone at four and eight warps, and writes ``DIR/vla_profile_h200.json``.
+bf16 inputs as ``benchmarks/ops.py`` makes them. First the gate kernels alone (four and eight warps, one or four
+chunks a program), then the kernels of each implementation by total GPU time (the table to read for the largest
+gap); writes ``DIR/vla_profile_h200.json`` after each part.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def kernel_table(fn, leaves: list[torch.Tensor], do: torch.Tensor, steps: int = 
 
 
 def gate_sweep(B: int, T: int, H: int) -> list[dict]:
-    """The gate kernels alone at four and eight warps, K = 64 and 128 (same tokens), ms by ``do_bench``."""
+    """The gate kernels alone at four and eight warps, one or four chunks a program (K = 64; K = 128 has no
+    shared memory for a group), K = 64 and 128 (same tokens), ms by ``do_bench``."""
     from triton.testing import do_bench
 
     from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
@@ -58,14 +60,15 @@ def gate_sweep(B: int, T: int, H: int) -> list[dict]:
         u = torch.nn.functional.normalize(torch.randn(B, h, T, K, device="cuda"), dim=-1) / K**0.5
         X = torch.randn(B, h, T // 64, 2 * K, K, device="cuda") / K
         lam = 0.1 * torch.eye(K, device="cuda") + X.mT @ X
-        for warps in (4, 8):
-            config = dict(num_warps=warps, num_stages=1)
+        for warps, group in [(4, 1), (8, 1), (4, 4), (8, 4)] if K == 64 else [(4, 1), (8, 1)]:
+            config = dict(num_warps=warps, num_stages=1, GROUP=group)
             saved = vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3", config)
             dalpha = torch.randn_like(k_hat)
             fwd = do_bench(lambda: vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3", config))  # noqa: B023
             bwd = do_bench(lambda: vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3", config))  # noqa: B023
-            rows.append({"K": K, "H": h, "warps": warps, "fwd_ms": fwd, "bwd_ms": bwd})
-            print(f"  gates K={K} H={h} warps={warps}: forward {fwd:.3f} ms, backward {bwd:.3f} ms", flush=True)
+            rows.append({"K": K, "H": h, "warps": warps, "group": group, "fwd_ms": fwd, "bwd_ms": bwd})
+            shown = f"forward {fwd:.3f} ms, backward {bwd:.3f} ms"
+            print(f"  gates K={K} H={h} warps={warps} group={group}: {shown}", flush=True)
     return rows
 
 
@@ -83,18 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     B, T, H, D = args.batch, args.seq_len, args.heads, args.head_dim
     x = {n: t.cuda().bfloat16() for n, t in make_inputs("vla", B, T, H, D).items()}
     do = torch.randn_like(x["v"])
-    tables = {}
-    for name in args.impls:
+    payload = {"environment": environment(torch.device("cuda")), "gate_sweep": gate_sweep(B, T, H), "tables": {}}
+    write_json(f"{args.out}/{args.name}.json", payload)
+    for name in args.impls:  # FLA's first call autotunes for a minute: last, and written after each
         leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
         table = kernel_table(partial(op.impls[name].fn, leaves), list(leaves.values()), do)
-        tables[name] = table
+        payload["tables"][name] = table
+        write_json(f"{args.out}/{args.name}.json", payload)
         total = sum(r["us"] for r in table)
         print(f"\n{name}: B={B} T={T} H={H} D={D} bf16, forward+backward, {total / 1e3:.3f} ms of GPU kernels")
         for r in table[:25]:
             print(f"  {r['us']:9.1f} us  {r['calls']:3d}x  {r['kernel']}")
-    sweep = gate_sweep(B, T, H)
-    payload = {"environment": environment(torch.device("cuda")), "tables": tables, "gate_sweep": sweep}
-    write_json(f"{args.out}/{args.name}.json", payload)
     return 0
 
 

@@ -1,11 +1,12 @@
 """VLA's gates in fused kernels: the write directions ``α̂_t = A_t k̂_t / ‖A_t k̂_t‖`` of every token, forward and
-backward, one program per chunk.
+backward, one program per chunk (or per group of consecutive chunks in the forward).
 
 The caller (``vla_gates_triton`` in ``attnkit/ops/vla/parallel.py``) hands each chunk its penalty
 ``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU`` (a cumulative sum of ``K×K`` Gram matrices, in PyTorch, so that
 autograd carries ``dΛ_c`` back to earlier chunks' ``u`` and to ``A_init``). Per chunk, in registers:
 
-- ``A0 = Λ_c⁻¹`` by the sweep operator (Gauss–Jordan without pivoting: ``Λ_c`` is symmetric positive definite);
+- ``A0 = Λ_c⁻¹`` by the sweep operator (Gauss–Jordan without pivoting: ``Λ_c`` is symmetric positive definite),
+  or, for the later chunks of a program's group, carried from the chunk before: ``A0 ← A0 − RᵀR``;
 - the Sherman–Morrison vectors ``z_t = A_{t−1} u_t``, ``d_t = 1 + u_tᵀ z_t`` by ``C`` rank-one downdates of
   ``Y = U A0`` (row ``t`` is final once the rows before it have been applied), ``R = D^{−1/2} Z``;
 - ``a = K̂ A0 − tril(K̂ Rᵀ) R`` (``a_t = A_t k̂_t``), ``α̂ = a / ‖a‖``.
@@ -62,39 +63,45 @@ def chunk_inverse(lam, i_c, i_bh, NC, K: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def vla_gates_fwd_kernel(
     k_hat, u, lam, alpha, a0_out, r_out, anorm_out, T, NC,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``k_hat, u [BH, T, K]``, ``lam [BH, NC, K, K]`` float32 -> ``alpha [BH, T, K]`` and, for the backward,
     ``a0_out [BH, NC, K, K]`` (``A0``), ``r_out [BH, T, K]`` (``R``), ``anorm_out [BH, T]`` (``‖a_t‖``), all
-    float32. Grid ``(NC, BH)``."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    float32. Grid ``(⌈NC / GROUP⌉, BH)``: a program takes ``GROUP`` consecutive chunks, sweeps only the first
+    one's penalty and carries ``A0`` to the next by its downdates, ``A0 ← A0 − RᵀR`` (one product instead of
+    ``K`` dependent sweep steps). ``lam`` of the other chunks is not read; their ``A0`` is the same matrix."""
+    i_g, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
-    p_k, m_k, _, _ = chunk_tiles(i_c, i_bh, T, o_k, o_k, K, K, BT)
-    b_kh = tl.load(k_hat + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_a0, p_kk, m_kk = chunk_inverse(lam, i_c, i_bh, NC, K, BK)
-    tl.store(a0_out + p_kk, b_a0, mask=m_kk)
-
     o_t = tl.arange(0, BT)
     rows = o_t[:, None]
-    b_y = tl.dot(b_u, b_a0, input_precision=PRECISION)  # rows A0 u_t
-    b_d = tl.zeros([BT], dtype=tl.float32)
-    for t in range(0, BT):
-        b_z = tl.sum(tl.where(rows == t, b_y, 0.0), 0)  # z_t = A_{t-1} u_t: final once rows < t are applied
-        b_uz = tl.sum(b_u * b_z[None, :], 1)  # u_i · z_t for every row i
-        b_dt = 1.0 + tl.sum(tl.where(o_t == t, b_uz, 0.0), 0)
-        b_d = tl.where(o_t == t, b_dt, b_d)
-        b_y -= tl.where(o_t > t, b_uz / b_dt, 0.0)[:, None] * b_z[None, :]
-    b_r = b_y / tl.sqrt(b_d)[:, None]
-    tl.store(r_out + p_k, b_r, mask=m_k)
+    b_a0, p_kk, m_kk = chunk_inverse(lam, i_g * GROUP, i_bh, NC, K, BK)
+    for j in range(0, GROUP):
+        i_c = i_g * GROUP + j
+        p_k, m_k, _, _ = chunk_tiles(i_c, i_bh, T, o_k, o_k, K, K, BT)
+        b_kh = tl.load(k_hat + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
+        tl.store(a0_out + p_kk + j * K * K, b_a0, mask=m_kk & (o_k[None, :] * 0 + i_c < NC))
 
-    b_kr = tl.where(rows >= o_t[None, :], tl.dot(b_kh, tl.trans(b_r), input_precision=PRECISION), 0.0)
-    b_a = tl.dot(b_kh, b_a0, input_precision=PRECISION) - tl.dot(b_kr, b_r, input_precision=PRECISION)
-    b_norm = tl.sqrt(tl.sum(b_a * b_a, 1))
-    b_norm = tl.where(b_norm > 0, b_norm, 1.0)  # rows past T (zero k̂)
-    tl.store(alpha + p_k, b_a / b_norm[:, None], mask=m_k)
-    o_tok = i_c * BT + o_t
-    tl.store(anorm_out + i_bh.to(tl.int64) * T + o_tok, b_norm, mask=o_tok < T)
+        b_y = tl.dot(b_u, b_a0, input_precision=PRECISION)  # rows A0 u_t
+        b_d = tl.zeros([BT], dtype=tl.float32)
+        for t in range(0, BT):
+            b_z = tl.sum(tl.where(rows == t, b_y, 0.0), 0)  # z_t = A_{t-1} u_t: final once rows < t are applied
+            b_uz = tl.sum(b_u * b_z[None, :], 1)  # u_i · z_t for every row i
+            b_dt = 1.0 + tl.sum(tl.where(o_t == t, b_uz, 0.0), 0)
+            b_d = tl.where(o_t == t, b_dt, b_d)
+            b_y -= tl.where(o_t > t, b_uz / b_dt, 0.0)[:, None] * b_z[None, :]
+        b_r = b_y / tl.sqrt(b_d)[:, None]
+        tl.store(r_out + p_k, b_r, mask=m_k)
+
+        b_kr = tl.where(rows >= o_t[None, :], tl.dot(b_kh, tl.trans(b_r), input_precision=PRECISION), 0.0)
+        b_a = tl.dot(b_kh, b_a0, input_precision=PRECISION) - tl.dot(b_kr, b_r, input_precision=PRECISION)
+        b_norm = tl.sqrt(tl.sum(b_a * b_a, 1))
+        b_norm = tl.where(b_norm > 0, b_norm, 1.0)  # rows past T (zero k̂)
+        tl.store(alpha + p_k, b_a / b_norm[:, None], mask=m_k)
+        o_tok = i_c * BT + o_t
+        tl.store(anorm_out + i_bh.to(tl.int64) * T + o_tok, b_norm, mask=o_tok < T)
+        # A at the chunk's end: A0 − Σ_t r_t r_tᵀ (rows past T are zero)
+        b_a0 -= tl.dot(tl.trans(b_r), b_r, input_precision=PRECISION)
 
 
 @triton.jit
@@ -134,10 +141,14 @@ def vla_gates_bwd_kernel(
     tl.store(dlam + p_kk, -tl.dot(tl.trans(b_g), b_a, input_precision=PRECISION), mask=m_kk)
 
 
-def launch_config(key_dim: int) -> dict[str, int]:
-    """Warps and stages of both gate kernels: the ``[K, K]`` and ``[C, K]`` tiles live in registers through the
-    sweeps, so eight warps from ``K = 128``; no loop to pipeline over loads."""
-    return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1)
+def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
+    """Warps, stages and ``GROUP`` (chunks per program) of the gate kernels: the ``[K, K]`` and ``[C, K]`` tiles
+    live in registers through the sweeps, so eight warps from ``K = 128``; no loop to pipeline over loads.
+    ``chunks`` (all heads' chunks together): four chunks a program at ``K <= 64`` once that still leaves 2048
+    programs (at ``K = 128`` a group needs 256 KB of shared memory on sm_90a, past the 227 KB there are); the
+    backward kernel ignores ``GROUP``. Not yet timed on a GPU: ``benchmarks/vla_profile.py`` sweeps it."""
+    group = 4 if key_dim <= 64 and chunks >= 4 * 2048 else 1
+    return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1, GROUP=group)
 
 
 def vla_gates_fwd_fn(
@@ -150,16 +161,16 @@ def vla_gates_fwd_fn(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``k_hat, u [B, H, T, K]`` contiguous, ``lam [B, H, NC, K, K]`` float32 contiguous (``NC = ⌈T / C⌉``) ->
     ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, H, T, K]``, ``A0 [B, H, NC, K, K]``, ``‖a‖ [B, H, T]``, float32.
-    ``config``: warps and stages instead of :func:`launch_config` (the benchmarks' sweep)."""
+    ``config``: warps, stages and ``GROUP`` instead of :func:`launch_config` (the benchmarks' sweep)."""
     B, H, T, K = k_hat.shape
     NC = lam.shape[2]
     f32 = dict(dtype=torch.float32, device=k_hat.device)
     alpha, r = torch.empty(B, H, T, K, **f32), torch.empty(B, H, T, K, **f32)
     a0, anorm = torch.empty(B, H, NC, K, K, **f32), torch.empty(B, H, T, **f32)
-    vla_gates_fwd_kernel[(NC, B * H)](
-        k_hat, u, lam, alpha, a0, r, anorm, T, NC,
-        K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **(config or launch_config(K)),
-    )  # fmt: skip
+    config = config or launch_config(K, NC * B * H)
+    vla_gates_fwd_kernel[(triton.cdiv(NC, config["GROUP"]), B * H)](
+        k_hat, u, lam, alpha, a0, r, anorm, T, NC, K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **config
+    )
     return alpha, a0, r, anorm
 
 
@@ -179,8 +190,9 @@ def vla_gates_bwd_fn(
     NC = a0.shape[2]
     dk_hat, du = torch.empty_like(alpha), torch.empty_like(alpha)
     dlam = torch.empty_like(a0)
+    config = {n: x for n, x in (config or launch_config(K)).items() if n != "GROUP"}
     vla_gates_bwd_kernel[(NC, B * H)](
-        u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T, NC,
-        K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **(config or launch_config(K)),
+        u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T, NC, K=K, BK=block_dim(K), BT=chunk_size,
+        PRECISION=precision, **config,
     )  # fmt: skip
     return dk_hat, du, dlam
