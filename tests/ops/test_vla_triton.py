@@ -189,8 +189,9 @@ def test_opcheck_and_compile():
     q, k, v, a = delta_inputs(1, 1, 21, 16, 16)
     s0 = torch.randn(1, 1, 16, 16, device=DEVICE)
     torch.library.opcheck(delta_rule_fwd_op, (q, k, v, a, s0))
-    o, ht, w, hs, u_new = delta_rule_fwd_op(q, k, v, a, s0)
-    torch.library.opcheck(delta_rule_bwd_op, (q, k, v, a, w, hs, u_new, torch.randn_like(o), torch.randn_like(ht)))
+    o, ht, w, hs, u_new, tm = delta_rule_fwd_op(q, k, v, a, s0)
+    dht = torch.randn_like(ht)
+    torch.library.opcheck(delta_rule_bwd_op, (q, k, v, a, w, hs, u_new, tm, torch.randn_like(o), dht))
 
     inputs = [x.float().to(DEVICE) for x in make_inputs(1, 21, 1, 16, 16)]
 
@@ -239,8 +240,8 @@ def test_opcheck_with_strided_inputs():
     q, k, v, a = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in delta_inputs(1, 2, 21, 16, 16))
     assert not q.is_contiguous()
     torch.library.opcheck(delta_rule_fwd_op, (q, k, v, a, None))
-    o, ht, w, hs, u_new = delta_rule_fwd_op(q, k, v, a, None)
-    torch.library.opcheck(delta_rule_bwd_op, (q, k, v, a, w, hs, u_new, torch.randn_like(o), None))
+    o, ht, w, hs, u_new, tm = delta_rule_fwd_op(q, k, v, a, None)
+    torch.library.opcheck(delta_rule_bwd_op, (q, k, v, a, w, hs, u_new, tm, torch.randn_like(o), None))
 
 
 def test_deltanet_baseline_triton_backend():

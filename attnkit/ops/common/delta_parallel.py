@@ -37,12 +37,12 @@ def delta_rule_fwd_op(
     a: torch.Tensor,
     initial_state: torch.Tensor | None,
     single_pass: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, S_T, w, hs, u_new)``: the output, the final state, and what the backward reuses."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, S_T, w, hs, u_new, tm)``: the output, the final state, and what the backward reuses."""
     q, k, v, a = (x.contiguous() for x in (q, k, v, a))
     state = None if initial_state is None else initial_state.contiguous()
     o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), _precision(k.dtype, single_pass))
-    return o, ht, saved["w"], saved["hs"], saved["u_new"]
+    return o, ht, saved["w"], saved["hs"], saved["u_new"], saved["tm"]
 
 
 @delta_rule_fwd_op.register_fake
@@ -57,6 +57,7 @@ def _(q, k, v, a, initial_state, single_pass=False):
         k.new_empty(B, H, T, K, **f32),
         k.new_empty(B, H, NC, K, V, **f32),
         k.new_empty(B, H, T, V, **f32),
+        k.new_empty(B, H, T, _chunk_size(), **f32),
     )
 
 
@@ -69,19 +70,20 @@ def delta_rule_bwd_op(
     w: torch.Tensor,
     hs: torch.Tensor,
     u_new: torch.Tensor,
+    tm: torch.Tensor,
     do: torch.Tensor,
     dht: torch.Tensor | None,
     single_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, da, dS_0)``."""
-    saved = {"w": w, "hs": hs, "u_new": u_new}
+    saved = {"w": w, "hs": hs, "u_new": u_new, "tm": tm}
     q, k, v, a, do = (x.contiguous() for x in (q, k, v, a, do))
     dht = None if dht is None else dht.contiguous()
     return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), _precision(k.dtype, single_pass))
 
 
 @delta_rule_bwd_op.register_fake
-def _(q, k, v, a, w, hs, u_new, do, dht, single_pass=False):
+def _(q, k, v, a, w, hs, u_new, tm, do, dht, single_pass=False):
     B, H, _, K = k.shape
     V = v.shape[-1]
     # The kernels write contiguous gradients whatever the inputs' strides.
@@ -97,15 +99,15 @@ def _(q, k, v, a, w, hs, u_new, do, dht, single_pass=False):
 def _setup_context(ctx, inputs, output):
     q, k, v, a, initial_state, *rest = inputs
     ctx.single_pass = bool(rest and rest[0])
-    _, _, w, hs, u_new = output
-    ctx.mark_non_differentiable(w, hs, u_new)
-    ctx.save_for_backward(q, k, v, a, w, hs, u_new)
+    _, _, w, hs, u_new, tm = output
+    ctx.mark_non_differentiable(w, hs, u_new, tm)
+    ctx.save_for_backward(q, k, v, a, w, hs, u_new, tm)
     ctx.state_dtype = None if initial_state is None else initial_state.dtype
 
 
 def _backward(ctx, do, dht, *_):
-    q, k, v, a, w, hs, u_new = ctx.saved_tensors
-    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, do, dht, ctx.single_pass)
+    q, k, v, a, w, hs, u_new, tm = ctx.saved_tensors
+    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, tm, do, dht, ctx.single_pass)
     return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype), None
 
 

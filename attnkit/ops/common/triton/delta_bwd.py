@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.delta_fwd import chunk_tiles, launch_config, unit_lower_inverse
+from attnkit.ops.common.triton.delta_fwd import chunk_tiles, launch_config
 from attnkit.ops.common.triton_utils import block_dim
 
 
@@ -94,11 +94,11 @@ def delta_bwd_read_kernel(
 
 @triton.jit
 def delta_bwd_wy_kernel(
-    k, a, v, hs, du, dk_part, da_part, dv, T, NC,
+    k, a, v, tm, hs, du, dk_part, da_part, dv, T, NC,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The gradients through the WY representation: with ``dW = −dU hᵀ`` and ``T`` recomputed,
+    """The gradients through the WY representation: with ``dW = −dU hᵀ`` and ``T`` from the forward,
     ``dV = Tᵀ dU`` (its dtype) and, per value block as float32 shares, ``dK = Tᵀ dW + dZ A`` and the ``dZᵀ K``
     share of ``dA`` (``dZ`` is linear in ``dT = dW Kᵀ + dU Vᵀ``). Grid ``(chunks, BH, NV)``."""
     i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -114,8 +114,8 @@ def delta_bwd_wy_kernel(
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     b_dw = -tl.dot(b_du, tl.trans(b_h), input_precision=PRECISION)
-    b_zt = tl.where(rows < cols, tl.dot(b_a, tl.trans(b_k), input_precision=PRECISION), 0.0)
-    b_t = unit_lower_inverse(b_zt, BT)
+    p_t, m_t, _, _ = chunk_tiles(i_c, i_bh, T, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
+    b_t = tl.load(tm + p_t, mask=m_t, other=0.0)
     b_dk = tl.dot(tl.trans(b_t), b_dw, input_precision=PRECISION)
     b_dv = tl.dot(tl.trans(b_t), b_du, input_precision=PRECISION)
     b_dt = tl.dot(b_dw, tl.trans(b_k), input_precision=PRECISION)
@@ -165,7 +165,7 @@ def delta_bwd_fn(
     hs, u_new = saved["hs"], saved["u_new"]
     delta_bwd_read_kernel[grid](q, a, hs, dhs, u_new, do, parts[0], parts[2], T, NC, BV=BV_STATE, **dims)
     wy = dims | launch_config(K, wide=True)
-    delta_bwd_wy_kernel[grid](k, a, v, hs, du, parts[1], parts[3], dv, T, NC, BV=BV_STATE, **wy)
+    delta_bwd_wy_kernel[grid](k, a, v, saved["tm"], hs, du, parts[1], parts[3], dv, T, NC, BV=BV_STATE, **wy)
     # One sum per gradient, so the three outputs are separate tensors (custom ops may not return aliases).
     dq, dk = (parts[i].sum(0).to(x.dtype) for i, x in enumerate((q, k)))
     da = (parts[2].sum(0) + parts[3].sum(0)).to(a.dtype)

@@ -47,12 +47,13 @@ def chunk_tiles(i_c, i_bh, T, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT: tl
 
 @triton.jit
 def delta_prepare_kernel(
-    k, a, v, w_out, u_out, T,
+    k, a, v, w_out, u_out, t_out, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
-    (``u_out [BH, T, V]``), float32. Grid ``(chunks, BH)``."""
+    """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> ``W = T K`` (``w_out [BH, T, K]``), ``Ũ = T V``
+    (``u_out [BH, T, V]``) and the chunk's ``T`` itself, row by row (``t_out [BH, T, BT]``, for the backward),
+    float32. Grid ``(chunks, BH)``."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
@@ -66,6 +67,8 @@ def delta_prepare_kernel(
     b_t = unit_lower_inverse(b_zt, BT)
     tl.store(w_out + p_k, tl.dot(b_t, b_k, input_precision=PRECISION), mask=m_k)
     tl.store(u_out + p_v, tl.dot(b_t, b_v, input_precision=PRECISION), mask=m_v)
+    p_t, m_t, _, _ = chunk_tiles(i_c, i_bh, T, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
+    tl.store(t_out + p_t, b_t, mask=m_t)
 
 
 @triton.jit
@@ -143,8 +146,8 @@ def delta_fwd_fn(
     precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``q, k, a [B, H, T, K]``, ``v [B, H, T, V]`` contiguous, ``initial_state [B, H, V, K]`` or None ->
-    ``(o [B, H, T, V] in v.dtype, S_T [B, H, V, K] float32, saved)`` where ``saved`` holds the chunk states and
-    ``U`` for the backward (float32, ``T·(V + K·V/BT)`` numbers per head: linear in ``T``)."""
+    ``(o [B, H, T, V] in v.dtype, S_T [B, H, V, K] float32, saved)`` where ``saved`` holds the chunk states, ``U``
+    and each chunk's ``T`` for the backward (float32, ``T·(V + BT + K·V/BT)`` numbers per head: linear in ``T``)."""
     B, H, T, K = k.shape
     V = v.shape[-1]
     BT = chunk_size
@@ -155,14 +158,15 @@ def delta_fwd_fn(
     f32 = dict(dtype=torch.float32, device=k.device)
     w = torch.empty(B, H, T, K, **f32)
     u = torch.empty(B, H, T, V, **f32)
+    tm = torch.empty(B, H, T, BT, **f32)
     hs = torch.empty(B, H, NC, K, V, **f32)
     u_new = torch.empty(B, H, T, V, **f32)
     ht = torch.empty(B, H, V, K, **f32)
     o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
     dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, **launch_config(K))
-    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, T, BV=BV, **dims)
+    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, tm, T, BV=BV, **dims)
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
     )
     delta_fwd_output_kernel[(NC, B * H, triton.cdiv(V, BV_STATE))](q, a, hs, u_new, o, T, NC, BV=BV_STATE, **dims)
-    return o, ht, {"w": w, "hs": hs, "u_new": u_new}
+    return o, ht, {"w": w, "hs": hs, "u_new": u_new, "tm": tm}
