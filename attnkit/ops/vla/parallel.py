@@ -93,14 +93,13 @@ def vla_gates_triton(
     NC = TP // chunk_size
     U = u.reshape(B, H, NC, chunk_size, K)
     gram = U.transpose(-1, -2) @ U
-    prefix = torch.cat([gram.new_zeros(B, H, 1, K, K), gram.cumsum(2)], 2)
+    through = gram.cumsum(2)  # the Gram sums up to each chunk's end; up to its start is `through - gram`
     if A_init is None:
         lam_init = torch.eye(K, dtype=u.dtype, device=u.device) * lam0
     else:
-        lam_init = torch.linalg.inv(0.5 * (A_init + A_init.transpose(-1, -2)).double()).to(u.dtype).unsqueeze(2)
-    lam = lam_init + prefix
-    alpha, *_ = vla_gates_fwd_op(k_hat, u, lam[:, :, :NC])
-    lam_end = lam[:, :, NC].double()
+        lam_init = torch.linalg.inv(0.5 * (A_init + A_init.transpose(-1, -2)).double()).to(u.dtype)
+    alpha, *_ = vla_gates_fwd_op(k_hat, u, lam_init.unsqueeze(-3) + (through - gram))
+    lam_end = (lam_init + through[:, :, -1]).double()
     A_end = torch.linalg.inv(0.5 * (lam_end + lam_end.transpose(-1, -2))).to(u.dtype)
     return alpha, A_end
 

@@ -95,9 +95,13 @@ def vla_chunk(
     dtype = compute_dtype(q, k, v, u, *(initial_state or ()))
     B, T, H, K = k.shape
     V, out_dtype = v.shape[-1], v.dtype
-    # The kernels read q and v as given (float32 inside), half the bytes of a float32 copy for 16-bit inputs.
-    q_in, v_in = q.transpose(1, 2), v.transpose(1, 2)
-    q, k, v, u = (x.to(dtype).transpose(1, 2) for x in (q, k, v, u))
+    if delta_rule is None:
+        q, k, v, u = (x.to(dtype).transpose(1, 2) for x in (q, k, v, u))
+    else:
+        # The kernels' contiguous [B, H, T, ·] layout, one copy per input: q and v in their own dtype (the kernels
+        # read them as given, float32 inside), k and u widened on the way; every later step is then contiguous.
+        q, v = (x.transpose(1, 2).contiguous() for x in (q, v))
+        k, u = (x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for x in (k, u))
     if initial_state is None:
         S0, A_init, n0 = None, None, k.new_zeros(B, H, K)
     else:
@@ -122,7 +126,7 @@ def vla_chunk(
     if delta_rule is None:
         o, S_end = chunk_generalized_delta_rule(q, k_hat, v, alpha, S0, C)
     else:
-        o, S_end = delta_rule(q_in, k_hat, v_in, alpha, S0)
+        o, S_end = delta_rule(q, k_hat, v, alpha, S0)
     n = n0.unsqueeze(2) + k.cumsum(2)
     if normalize_output:
         o = o / (n * q).sum(-1, keepdim=True).clamp_min(eps)
