@@ -14,7 +14,15 @@ import torch.nn.functional as F
 from attnkit.ops.common.delta import chunk_generalized_delta_rule
 from attnkit.ops.common.delta_parallel import delta_rule_bwd_op, delta_rule_fwd_op, delta_rule_triton
 from attnkit.ops.vla import vla_attention
-from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_bwd_op, vla_gates_fwd_op, vla_gates_triton
+from attnkit.ops.vla.parallel import (
+    gates_chunk_size,
+    vla_gates_bwd_op,
+    vla_gates_fwd_op,
+    vla_gates_triton,
+    vla_normalize_bwd_op,
+    vla_normalize_fwd_op,
+    vla_normalize_triton,
+)
 from attnkit.ops.vla.torch_impl import vla_chunk_gates
 from tests.helpers import assert_close
 from tests.ops.test_vla import make_inputs, make_state
@@ -172,6 +180,34 @@ def test_gate_groups_carry_the_inverse(group):
     grouped = vla_gates_fwd_fn(k_hat, u, lam, C, precision, dict(num_warps=4, num_stages=1, GROUP=group))
     for name, x, y in zip(["alpha", "A0", "R", "anorm"], grouped, one):
         assert_close(name, x, y, 1e-5)
+
+
+def test_normalize_kernels_match_torch():
+    """The normaliser kernels against its PyTorch form, with denominators on both sides of ``eps`` (signed
+    features, so the clamp's zero gradient is exercised), a partial last chunk, ``n0`` and ``dn_T``."""
+    B, H, T, K, V, eps = 2, 3, 37, 16, 24, 0.05
+    gen = torch.Generator().manual_seed(0)
+    r, q, k = (torch.randn(B, H, T, d, generator=gen).to(DEVICE) for d in (V, K, K))
+    k = k / K
+    n0 = torch.randn(B, H, K, generator=gen).to(DEVICE)
+
+    def torch_fn(r, q, k, st):
+        n = st[0].unsqueeze(2) + k.cumsum(2)
+        den = (n * q).sum(-1, keepdim=True)
+        assert (den < eps).any() and (den > eps).any()
+        return (r / den.clamp_min(eps)).transpose(1, 2), (n[:, :, -1],)
+
+    def triton_fn(r, q, k, st):
+        o, n_end = vla_normalize_triton(r, q, k, st[0], eps)
+        return o, (n_end,)
+
+    actual, expected = grads_of(triton_fn, [r, q, k], [n0]), grads_of(torch_fn, [r, q, k], [n0])
+    for name, x, y in zip(["o", "n_T", "dr", "dq", "dk", "dn0"], actual, expected):
+        assert_close(name, x, y, 1e-4)  # float32, as every kernel-vs-PyTorch check of this file
+    torch.library.opcheck(vla_normalize_fwd_op, (r, q, k, n0, eps))
+    o, n_end, den, starts = vla_normalize_fwd_op(r, q, k, n0, eps)
+    for dn_end in (torch.randn_like(n_end), None):
+        torch.library.opcheck(vla_normalize_bwd_op, (r, q, k, den, starts, torch.randn_like(o), dn_end, eps))
 
 
 def test_gate_ops_opcheck():

@@ -78,11 +78,13 @@ def vla_attention(
         check_triton_delta(K, V)
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.common.delta_parallel import delta_rule_triton
-        from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_triton
+        from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_triton, vla_normalize_triton
 
         # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
         delta_rule = partial(delta_rule_triton, single_pass=q.dtype.itemsize == 2)
-        kernels = dict(delta_rule=delta_rule, gates=vla_gates_triton, chunk_size=gates_chunk_size())
+        kernels = dict(
+            delta_rule=delta_rule, gates=vla_gates_triton, normalize=vla_normalize_triton, chunk_size=gates_chunk_size()
+        )
 
     def dense(q, k, v, u, state):
         return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, **kernels)

@@ -1,5 +1,6 @@
 """VLA's Triton kernels as PyTorch operators: ``attnkit::vla_gates_fwd`` / ``_bwd`` (the write directions
-``α̂``, with an autograd registration) and ``attnkit::vla_decode``. The ``S`` update is the shared generalised
+``α̂``), ``attnkit::vla_normalize_fwd`` / ``_bwd`` (the output's normaliser), each with an autograd registration,
+and ``attnkit::vla_decode``. The ``S`` update is the shared generalised
 delta rule, ``attnkit/ops/common/delta_parallel.py``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 from attnkit.ops.common.triton_utils import interpreting
 from attnkit.ops.vla.triton.decode import vla_decode_fn
 from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
+from attnkit.ops.vla.triton.normalize import normalize_bwd_fn, normalize_fwd_fn
 
 
 def gates_chunk_size() -> int:
@@ -102,6 +104,79 @@ def vla_gates_triton(
     lam_end = (lam_init + through[:, :, -1]).double()
     A_end = torch.linalg.inv(0.5 * (lam_end + lam_end.transpose(-1, -2))).to(u.dtype)
     return alpha, A_end
+
+
+@torch.library.custom_op("attnkit::vla_normalize_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_normalize_fwd_op(
+    r: torch.Tensor, q: torch.Tensor, k: torch.Tensor, n0: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``r [B, H, T, V]`` (``S_t q_t``), ``q, k [B, H, T, K]``, ``n0 [B, H, K]`` -> ``(o [B, T, H, V], n_T, den,
+    starts)``: the normalised output in ``r.dtype`` and ``n`` after the last token (float32), then what the
+    backward reuses."""
+    r, q, k = (x.contiguous() for x in (r, q, k))
+    return normalize_fwd_fn(r, q, k, n0, eps, gates_chunk_size())
+
+
+@vla_normalize_fwd_op.register_fake
+def _(r, q, k, n0, eps):
+    B, H, T, K = k.shape
+    NC = -(-T // gates_chunk_size())
+    f32 = dict(dtype=torch.float32)
+    return (
+        r.new_empty(B, T, H, r.shape[-1]),
+        k.new_empty(B, H, K, **f32),
+        k.new_empty(B, H, T, **f32),
+        k.new_empty(B, H, NC, K, **f32),
+    )
+
+
+@torch.library.custom_op("attnkit::vla_normalize_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_normalize_bwd_op(
+    r: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    den: torch.Tensor,
+    starts: torch.Tensor,
+    do: torch.Tensor,
+    dn_end: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dr, dq, dk, dn0)``."""
+    r, q, k, do = (x.contiguous() for x in (r, q, k, do))
+    return normalize_bwd_fn(r, q, k, den, starts, do, dn_end, eps, gates_chunk_size())
+
+
+@vla_normalize_bwd_op.register_fake
+def _(r, q, k, den, starts, do, dn_end, eps):
+    B, H, _, K = k.shape
+    f32 = dict(dtype=torch.float32)
+    return r.new_empty(r.shape), q.new_empty(q.shape), k.new_empty(k.shape, **f32), k.new_empty(B, H, K, **f32)
+
+
+def _setup_normalize(ctx, inputs, output):
+    r, q, k, n0, eps = inputs
+    _, _, den, starts = output
+    ctx.mark_non_differentiable(den, starts)
+    ctx.save_for_backward(r, q, k, den, starts)
+    ctx.eps, ctx.dtypes = eps, (k.dtype, n0.dtype)
+
+
+def _normalize_backward(ctx, do, dn_end, *_):
+    r, q, k, den, starts = ctx.saved_tensors
+    dr, dq, dk, dn0 = vla_normalize_bwd_op(r, q, k, den, starts, do, dn_end, ctx.eps)
+    return dr, dq, dk.to(ctx.dtypes[0]), dn0.to(ctx.dtypes[1]), None
+
+
+vla_normalize_fwd_op.register_autograd(_normalize_backward, setup_context=_setup_normalize)
+
+
+def vla_normalize_triton(
+    o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, n0: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o [B, H, T, V]`` (``S_t q_t``) divided by ``max(q_t·n_t, eps)``, ``n_t = n0 + Σ_{s≤t} k_s``: returns the
+    result as ``[B, T, H, V]`` in ``o.dtype`` and ``n_T`` in ``n0``'s dtype."""
+    out, n_end, *_ = vla_normalize_fwd_op(o, q, k, n0, eps)
+    return out, n_end.to(n0.dtype)
 
 
 @torch.library.custom_op("attnkit::vla_decode", mutates_args=(), device_types=("cuda", "cpu"))

@@ -78,6 +78,7 @@ def vla_chunk(
     chunk_size: int = CHUNK_SIZE,
     delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] = vla_chunk_gates,
+    normalize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Dense VLA (inputs trusted, see ``vla_attention``).
 
@@ -88,6 +89,8 @@ def vla_chunk(
             :func:`chunk_generalized_delta_rule` by default, the Triton kernels for ``backend="triton"``.
         gates: ``(k̂, u, lam0, A_init, chunk_size) -> (α̂, A_T)`` as :func:`vla_chunk_gates` (the default), or
             the Triton kernels' ``vla_gates_triton``.
+        normalize: ``(o [B, H, T, V], q, k, n0, eps) -> (o [B, T, H, V] normalised, n_T)`` in place of the
+            PyTorch normaliser (the Triton kernels' ``vla_normalize_triton``).
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)`` in float32 (float64 for float64 inputs).
@@ -127,6 +130,9 @@ def vla_chunk(
         o, S_end = chunk_generalized_delta_rule(q, k_hat, v, alpha, S0, C)
     else:
         o, S_end = delta_rule(q, k_hat, v, alpha, S0)
+    if normalize is not None and normalize_output:
+        o, n_end = normalize(o, q, k, n0, eps)
+        return o.to(out_dtype), (S_end, A_end, n_end)
     n = n0.unsqueeze(2) + k.cumsum(2)
     if normalize_output:
         o = o / (n * q).sum(-1, keepdim=True).clamp_min(eps)
