@@ -82,13 +82,15 @@ class Op:
     """An op of the benchmark: its inputs, its PyTorch reference and the implementations to time.
 
     ``make_inputs(B, T, H, D)`` gives float32 CPU tensors in the op's layout; every op's output has the shape
-    of ``v``. ``flops(B, T, H, D)`` is the forward's count.
+    of ``v``. ``flops(B, T, H, D)`` is the forward's count. ``linear``: the op's cost is linear in ``T``, so the
+    tables end with its crossover length with SDPA.
     """
 
     make_inputs: Callable[[int, int, int, int], dict[str, torch.Tensor]]
     reference: Callable[[dict[str, torch.Tensor]], torch.Tensor]
     impls: dict[str, Impl]
     flops: Callable[[int, int, int, int], float]
+    linear: bool = False  # linear in T: the tables end with the length from which each one beats SDPA
 
 
 def causal_attention_flops(B: int, T: int, H: int, D: int) -> float:
@@ -169,6 +171,7 @@ REGISTRY: dict[str, Op] = {
             "fla_chunk_linear_attn": Impl(_fla_chunk_linear_attn, checked=False),
         },
         flops=causal_attention_flops,
+        linear=True,
     ),
 }
 
@@ -368,6 +371,7 @@ def run_cell(
             else:
                 flops = op.flops(B, T, H, D) * FLOP_FACTOR[mode]
                 row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, peak_mem_bytes=peak, timing=how)
+                row["tokens_per_s"] = B * T / (ms * 1e-3)
                 if how == "one call":
                     slow[key] = f"one call took {ms:.0f} ms at T={T} (over --max-ms {args.max_ms:g})"
             _release(device)
@@ -463,9 +467,34 @@ def _table(title: str, rows: list[dict], impls: list[str], cell: Callable[[dict 
     return lines
 
 
+def crossovers(rows: list[dict]) -> list[str]:
+    """For the linear ops: per (D, mode, implementation), the shortest measured ``T`` from which it is faster than
+    SDPA at every longer measured ``T``, or its ratio at the longest one."""
+    lines = []
+    linear = [r for r in rows if REGISTRY.get(r["op"]) and REGISTRY[r["op"]].linear and r["impl"] != BASELINE]
+    for key in sorted({(r["op"], r["D"], r["mode"], r["impl"]) for r in linear}):
+        series = sorted(
+            (r["T"], r["ratio_to_sdpa"])
+            for r in linear
+            if (r["op"], r["D"], r["mode"], r["impl"]) == key and r["ratio_to_sdpa"] is not None
+        )
+        if not series:
+            continue
+        faster = [T for i, (T, _) in enumerate(series) if all(ratio < 1 for _, ratio in series[i:])]
+        op_name, D, mode, impl = key
+        shown = (
+            f"faster than SDPA from T={faster[0]}"
+            if faster
+            else f"slower than SDPA up to T={series[-1][0]} ({series[-1][1]:.2f}x there)"
+        )
+        lines.append(f"{op_name}/{impl} D={D} {mode}: {shown}")
+    return lines
+
+
 def format_tables(rows: list[dict]) -> str:
     """Per op and D: the check (relative RMS of ``o`` and the largest of the gradients), then per mode the
-    milliseconds with the ratio to SDPA, then the peak memory of forward+backward. ``*``: timed by one call."""
+    milliseconds with the ratio to SDPA, then the peak memory of forward+backward; the linear ops' crossover
+    lengths; the failures. ``*``: timed by one call. (Rows also hold ``tokens_per_s``.)"""
     lines: list[str] = []
     for op_name, D in sorted({(r["op"], r["D"]) for r in rows}):
         sub = [r for r in rows if r["op"] == op_name and r["D"] == D]
@@ -482,6 +511,7 @@ def format_tables(rows: list[dict]) -> str:
             if mode == "fwdbwd" and any(r["peak_mem_bytes"] is not None for r in mode_rows):
                 title = f"{op_name} D={D} H={H} fwdbwd peak memory above inputs: MiB, x SDPA"
                 lines += _table(title, mode_rows, impls, _mem_cell) + [""]
+    lines += crossovers(rows)
     failures: dict[tuple, list[str]] = {}
     for r in rows:
         where = f"T={r['T']} D={r['D']}"

@@ -74,6 +74,26 @@ def test_ratios_and_tables():
     assert len(table) < 3000
 
 
+def test_crossover_lengths():
+    """The linear ops' tables end with the length from which each implementation stays faster than SDPA."""
+    rows = []
+    timings = [(1024, 1.0, 4.0, 0.5), (2048, 2.0, 4.0, 2.5), (4096, 4.0, 3.9, 1.0), (8192, 8.0, 4.1, 2.0)]
+    for T, sdpa, vla, fla in timings:
+        rows += [_row("sdpa", T, "fwdbwd", sdpa), _row("vla_triton", T, "fwdbwd", vla), _row("fla", T, "fwdbwd", fla)]
+    for r in rows:
+        r["op"] = "vla"
+    ops.add_ratios(rows)
+    lines = ops.crossovers(rows)
+    assert lines == [
+        "vla/fla D=64 fwdbwd: faster than SDPA from T=4096",
+        "vla/vla_triton D=64 fwdbwd: faster than SDPA from T=4096",
+    ]
+    assert ops.crossovers([r for r in rows if r["T"] < 4096])[1] == (
+        "vla/vla_triton D=64 fwdbwd: slower than SDPA up to T=2048 (2.00x there)"
+    )
+    assert ops.format_tables(rows).endswith(lines[-1])
+
+
 def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     """The whole harness on tiny shapes: an implementation that raises is recorded, the others checked and timed.
 
