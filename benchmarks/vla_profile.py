@@ -3,8 +3,8 @@ grouped by name, next to FLA's ``chunk_delta_rule`` on the same shape.
 
     python benchmarks/vla_profile.py [--batch 32] [--seq-len 1024] [--heads 16] [--head-dim 64] [--out DIR]
 
-bf16 inputs as ``benchmarks/ops.py`` makes them. First the gate kernels alone (four and eight warps, one or four
-chunks a program), then the kernels of each implementation by total GPU time (the table to read for the largest
+bf16 inputs as ``benchmarks/ops.py`` makes them. First the gate kernels alone (warps, chunks a program, rows a
+downdate block), then the kernels of each implementation by total GPU time (the table to read for the largest
 gap); writes ``DIR/vla_profile_h200.json`` after each part.
 """
 
@@ -47,8 +47,8 @@ def kernel_table(fn, leaves: list[torch.Tensor], do: torch.Tensor, steps: int = 
 
 
 def gate_sweep(B: int, T: int, H: int) -> list[dict]:
-    """The gate kernels alone at four and eight warps, one or four chunks a program (K = 64; K = 128 has no
-    shared memory for a group), K = 64 and 128 (same tokens), ms by ``do_bench``."""
+    """The gate kernels alone: warps, chunks a program (``GROUP``), rows a downdate block (``SB``; 64 = the chunk,
+    unblocked), K = 64 and 128 (same tokens), ms by ``do_bench``."""
     from triton.testing import do_bench
 
     from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
@@ -60,15 +60,18 @@ def gate_sweep(B: int, T: int, H: int) -> list[dict]:
         u = torch.nn.functional.normalize(torch.randn(B, h, T, K, device="cuda"), dim=-1) / K**0.5
         X = torch.randn(B, h, T // 64, 2 * K, K, device="cuda") / K
         lam = 0.1 * torch.eye(K, device="cuda") + X.mT @ X
-        for warps, group in [(4, 1), (8, 1), (4, 4), (8, 4)] if K == 64 else [(4, 1), (8, 1)]:
-            config = dict(num_warps=warps, num_stages=1, GROUP=group)
+        w = 4 if K == 64 else 8
+        for warps, group, sb in [(w, 1, 64), (w, 4, 64), (w, 1, 16), (w, 4, 16), (w, 4, 32), (2 * w, 4, 16)]:
+            if K == 128 and group == 4 and sb == 64:
+                continue  # 256 KB of shared memory
+            config = dict(num_warps=warps, num_stages=1, GROUP=group, SB=sb)
             saved = vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3", config)
             dalpha = torch.randn_like(k_hat)
             fwd = do_bench(lambda: vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3", config))  # noqa: B023
             bwd = do_bench(lambda: vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3", config))  # noqa: B023
-            rows.append({"K": K, "H": h, "warps": warps, "group": group, "fwd_ms": fwd, "bwd_ms": bwd})
+            rows.append({"K": K, "H": h, "warps": warps, "group": group, "SB": sb, "fwd_ms": fwd, "bwd_ms": bwd})
             shown = f"forward {fwd:.3f} ms, backward {bwd:.3f} ms"
-            print(f"  gates K={K} H={h} warps={warps} group={group}: {shown}", flush=True)
+            print(f"  gates K={K} H={h} warps={warps} group={group} SB={sb}: {shown}", flush=True)
     return rows
 
 

@@ -165,8 +165,8 @@ def test_gate_kernels_match_torch_gates(K, lam0, with_state):
 
 @pytest.mark.parametrize("group", [2, 3])
 def test_gate_groups_carry_the_inverse(group):
-    """Chunks grouped per program (``A0`` carried by ``A0 − RᵀR`` instead of a sweep per chunk, with a partial
-    last group) give what one program per chunk gives."""
+    """Chunks grouped per program and 16-row downdate blocks (``A`` carried by ``A − R_bᵀR_b`` instead of a sweep
+    per chunk, with a partial last group) give what one program per chunk and one block per chunk give."""
     from attnkit.ops.vla.triton.gates import vla_gates_fwd_fn
 
     B, H, NC, K = 1, 2, 4, 32
@@ -176,8 +176,8 @@ def test_gate_groups_carry_the_inverse(group):
     prefix = torch.cat([torch.zeros_like(U[:, :, :1, :1]).expand(B, H, 1, K, K), (U.mT @ U).cumsum(2)[:, :, :-1]], 2)
     lam = (0.1 * torch.eye(K, device=DEVICE) + prefix).contiguous()
     precision = "ieee" if DEVICE == "cpu" else "tf32x3"
-    one = vla_gates_fwd_fn(k_hat, u, lam, C, precision, dict(num_warps=4, num_stages=1, GROUP=1))
-    grouped = vla_gates_fwd_fn(k_hat, u, lam, C, precision, dict(num_warps=4, num_stages=1, GROUP=group))
+    one = vla_gates_fwd_fn(k_hat, u, lam, C, precision, dict(num_warps=4, num_stages=1, GROUP=1, SB=C))
+    grouped = vla_gates_fwd_fn(k_hat, u, lam, C, precision, dict(num_warps=4, num_stages=1, GROUP=group, SB=16))
     for name, x, y in zip(["alpha", "A0", "R", "anorm"], grouped, one):
         assert_close(name, x, y, 1e-5)
 
