@@ -221,6 +221,23 @@ def test_gate_ops_opcheck():
     assert_close("A0", a0, torch.linalg.inv(lam), 1e-4)
 
 
+def test_prepare_kernel_blocks_at_the_gpu_chunk_size():
+    """The GPU's 64-token chunks (four 16-row blocks of the triangular inverse, sums of up to three products)
+    under the interpreter: the saved ``T`` is ``(I + strict_tril(K Aᵀ))⁻¹`` and the output and final state match
+    the PyTorch delta rule, with ``beta`` near 2."""
+    from attnkit.ops.common.triton.delta_fwd import delta_fwd_fn
+
+    B, H, T, K, V = 1, 2, 70, 16, 16
+    q, k, v, a = delta_inputs(B, H, T, K, V, deltanet=True)
+    o, ht, saved = delta_fwd_fn(q, k, v, a, None, 64, "ieee")
+    o_ref, s_ref = chunk_generalized_delta_rule(q, k, v, a, None, 64)
+    assert_close("o", o, o_ref, 1e-4)
+    assert_close("S", ht, s_ref, 1e-4)
+    kc, ac = k[:, :, :64], a[:, :, :64]
+    expected = torch.linalg.inv(torch.eye(64, device=DEVICE) + (kc @ ac.mT).tril(-1))
+    assert_close("T", saved["tm"][:, :, :64], expected, 1e-5)
+
+
 def test_opcheck_and_compile():
     q, k, v, a = delta_inputs(1, 1, 21, 16, 16)
     s0 = torch.randn(1, 1, 16, 16, device=DEVICE)

@@ -46,29 +46,60 @@ def chunk_tiles(i_c, i_bh, T, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT: tl
 
 
 @triton.jit
+def t_block(i_c, i_bh, T, bi, bj, BT: tl.constexpr, SB: tl.constexpr):
+    """Offsets and mask of block ``(bi, bj)`` (``SB × SB``) of chunk ``i_c``'s ``T`` in a ``[BH, T, BT]`` tensor."""
+    o_r = i_c * BT + bi * SB + tl.arange(0, SB)
+    o_c = bj * SB + tl.arange(0, SB)
+    return (i_bh.to(tl.int64) * T + o_r)[:, None] * BT + o_c[None, :], (o_r < T)[:, None] & (o_c < BT)[None, :]
+
+
+@triton.jit
 def delta_prepare_kernel(
     k, a, v, w_out, u_out, t_out, T,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> ``W = T K`` (``w_out [BH, T, K]``), ``Ũ = T V``
-    (``u_out [BH, T, V]``) and the chunk's ``T`` itself, row by row (``t_out [BH, T, BT]``, for the backward),
-    float32. Grid ``(chunks, BH)``."""
+    """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by
+    row (``t_out [BH, T, BT]``, also for the backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
+    (``u_out [BH, T, V]``), float32. Grid ``(chunks, BH)``.
+
+    ``T`` by blocks of ``SB`` rows: the diagonal blocks by forward substitution (``SB`` steps on an ``SB × SB``
+    tile), then ``T_ij = −T_ii Σ_{j≤k<i} Z_ik T_kj`` by products, reading the earlier block rows back from
+    ``t_out`` (the program's own writes, behind a barrier)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    NB: tl.constexpr = BT // SB
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    o_s = tl.arange(0, SB)
+    for bi in tl.static_range(NB):
+        p_i, m_i, _, _ = chunk_tiles(i_c * NB + bi, i_bh, T, o_k, o_k, K, K, SB)
+        b_ki = tl.load(k + p_i, mask=m_i, other=0.0).to(tl.float32)
+        b_ai = tl.load(a + p_i, mask=m_i, other=0.0).to(tl.float32)
+        # Zᵀ of the diagonal block: a_r · k_c for r < c
+        b_zt = tl.where(o_s[:, None] < o_s[None, :], tl.dot(b_ai, tl.trans(b_ki), input_precision=PRECISION), 0.0)
+        b_tii = unit_lower_inverse(b_zt, SB)
+        p_t, m_t = t_block(i_c, i_bh, T, bi, bi, BT, SB)
+        tl.store(t_out + p_t, b_tii, mask=m_t)
+        for bj in tl.static_range(bi):
+            b_acc = tl.zeros([SB, SB], dtype=tl.float32)
+            for bk in tl.static_range(bj, bi):
+                p_kk, m_kk, _, _ = chunk_tiles(i_c * NB + bk, i_bh, T, o_k, o_k, K, K, SB)
+                b_ak = tl.load(a + p_kk, mask=m_kk, other=0.0).to(tl.float32)
+                b_zik = tl.dot(b_ki, tl.trans(b_ak), input_precision=PRECISION)  # Z_ik = K_i A_kᵀ
+                p_t, m_t = t_block(i_c, i_bh, T, bk, bj, BT, SB)
+                b_acc += tl.dot(b_zik, tl.load(t_out + p_t, mask=m_t, other=0.0), input_precision=PRECISION)
+            p_t, m_t = t_block(i_c, i_bh, T, bi, bj, BT, SB)
+            tl.store(t_out + p_t, -tl.dot(b_tii, b_acc, input_precision=PRECISION), mask=m_t)
+        for bj in tl.static_range(bi + 1, NB):
+            p_t, m_t = t_block(i_c, i_bh, T, bi, bj, BT, SB)
+            tl.store(t_out + p_t, tl.zeros([SB, SB], dtype=tl.float32), mask=m_t)
+        tl.debug_barrier()
     p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+    p_t, m_t, _, _ = chunk_tiles(i_c, i_bh, T, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
+    b_t = tl.load(t_out + p_t, mask=m_t, other=0.0)
     b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
-    rows = tl.arange(0, BT)[:, None]
-    cols = tl.arange(0, BT)[None, :]
-    # Zᵀ[j, i] = a_j · k_i for j < i
-    b_zt = tl.where(rows < cols, tl.dot(b_a, tl.trans(b_k), input_precision=PRECISION), 0.0)
-    b_t = unit_lower_inverse(b_zt, BT)
     tl.store(w_out + p_k, tl.dot(b_t, b_k, input_precision=PRECISION), mask=m_k)
     tl.store(u_out + p_v, tl.dot(b_t, b_v, input_precision=PRECISION), mask=m_v)
-    p_t, m_t, _, _ = chunk_tiles(i_c, i_bh, T, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
-    tl.store(t_out + p_t, b_t, mask=m_t)
 
 
 @triton.jit
@@ -164,7 +195,7 @@ def delta_fwd_fn(
     ht = torch.empty(B, H, V, K, **f32)
     o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
     dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, **launch_config(K))
-    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, tm, T, BV=BV, **dims)
+    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, tm, T, BV=BV, SB=16, **dims)
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
     )
