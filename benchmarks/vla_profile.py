@@ -61,7 +61,8 @@ def gate_sweep(B: int, T: int, H: int) -> list[dict]:
         X = torch.randn(B, h, T // 64, 2 * K, K, device="cuda") / K
         lam = 0.1 * torch.eye(K, device="cuda") + X.mT @ X
         w = 4 if K == 64 else 8
-        for warps, group, sb in [(w, 1, 64), (w, 4, 64), (w, 1, 16), (w, 4, 16), (w, 8, 16), (w, 4, 32), (2 * w, 4, 16)]:
+        configs = [(w, 1, 64), (w, 4, 64), (w, 1, 16), (w, 4, 16), (w, 8, 16), (w, 4, 32), (2 * w, 4, 16)]
+        for warps, group, sb in configs:
             if K == 128 and group == 4 and sb == 64:
                 continue  # 256 KB of shared memory
             config = dict(num_warps=warps, num_stages=1, GROUP=group, SB=sb)
