@@ -61,6 +61,7 @@ CASES = [  # B, T, H, K, V, with_state, lam0
     (1, 50, 2, 32, 16, True, 0.1),
     (1, 45, 1, 16, 16, True, 0.01),
     (1, 45, 1, 16, 16, False, 10.0),
+    (1, 40, 1, 128, 128, True, 0.1),  # the largest head dims: 128-wide sweeps, two value blocks
 ]
 
 
