@@ -4,9 +4,9 @@
 # take the others' share of the lease (the default steps sum to under 10 minutes, one device call). Logs and
 # JSON/PNG land in $OUT; the tables print last.
 #
-#   bash benchmarks/run_gpu.sh [tests] [tapa] [flex] [vla] [vlaseq] [vlaacc] [vlaprof] [decode] [tune]
+#   bash benchmarks/run_gpu.sh [tests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof] [decode] [tune]
 #   (default: tests tapa vla decode). Calls that fit 10 minutes: `flex` alone; `vlaprof vla vlaacc`;
-#   `tests vlaseq decode`; `tapa tune`.
+#   `tests vlaseq decode`; `tapa tapaacc tune`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -45,6 +45,8 @@ for step in $steps; do
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
             timeout 120 python3 benchmarks/ops.py --ops vla --impls vla_triton vla_sequential --seq-lens 4096 \
                 --out "$OUT" --name ops_vla_sequential_h200 > "$OUT/vlaseq.log" 2>&1 ;;
+        tapaacc)
+            timeout 240 python3 benchmarks/tapa_accuracy.py --out "$OUT" > "$OUT/tapaacc.log" 2>&1 ;;
         vlaacc)
             timeout 200 python3 benchmarks/vla_accuracy.py --out "$OUT" > "$OUT/vlaacc.log" 2>&1 ;;
         decode)
@@ -54,7 +56,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa vlaprof vla vlaseq vlaacc flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlaseq vlaacc flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -81,13 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lam0s", nargs="+", type=float, default=[0.01, 0.1, 1.0, 10.0])
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="vla_accuracy_h200")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtypes):
         for T in args.seq_lens:
             rows.append(cell(T, dtype, 0.1, device, args.heads, args.head_dim))
         T = args.seq_lens[min(1, len(args.seq_lens) - 1)]

@@ -1,0 +1,22 @@
+"""The accuracy scripts of issues 4 and 5 on tiny shapes, the kernels under the interpreter (float32: bf16
+``tl.dot`` is wrong there): every cell within its bar, and the JSON written."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import tapa_accuracy, vla_accuracy
+
+
+def test_tapa_accuracy_smoke(tmp_path):
+    argv = ["--device", "cpu", "--seq-lens", "40", "--head-dims", "16", "--dtypes", "float32", "--out", str(tmp_path)]
+    assert tapa_accuracy.main(argv) == 0
+    rows = json.loads((tmp_path / "tapa_accuracy_h200.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["errors"]["dk"] < 1e-4
+
+
+def test_vla_accuracy_smoke(tmp_path):
+    argv = ["--device", "cpu", "--seq-lens", "40", "--lam0s", "0.1", "1", "--heads", "1", "--head-dim", "16"]
+    assert vla_accuracy.main([*argv, "--dtypes", "float32", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "vla_accuracy_h200.json").read_text())["rows"]
+    assert [r["lam0"] for r in rows] == [0.1, 1.0] and all(r["ok"] and r["errors"]["du"] < 1e-4 for r in rows)
