@@ -82,6 +82,20 @@ def test_varlen_matches_torch_backend(offsets):
     check(actual, expected, 1e-4)
 
 
+def test_gradients_through_the_final_state_alone():
+    """A loss on the final state only (the output unused): the kernels' backward gets no output gradient (unused
+    outputs are not materialised as zeros) and must still match the PyTorch backend."""
+    inputs = [x.float().to(DEVICE) for x in make_inputs(1, 40, 2, 16, 16)]
+
+    def grads(backend):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        _, (S, A, n) = vla_attention(*xs, output_final_state=True, backend=backend)
+        return torch.autograd.grad(S.sum() + A.pow(2).sum() + n.sum(), xs, allow_unused=True, materialize_grads=True)
+
+    for name, x, y in zip(["dq", "dk", "dv", "du"], grads("triton"), grads("torch")):
+        assert_close(name, x, y, 1e-4)
+
+
 def test_half_inputs():
     inputs = [x.float().to(DEVICE) for x in make_inputs(2, 40, 2, 16, 16)]
     half = [x.half() for x in inputs[:3]] + [inputs[3]]

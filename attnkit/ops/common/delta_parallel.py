@@ -102,12 +102,17 @@ def _setup_context(ctx, inputs, output):
     ctx.single_pass = bool(rest and rest[0])
     _, _, w, hs, u_new, tm = output
     ctx.mark_non_differentiable(w, hs, u_new, tm)
+    # Unused outputs get None, not zero tensors (hs, w, u_new, tm would be four T-long float32 fills a step).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, a, w, hs, u_new, tm)
     ctx.state_dtype = None if initial_state is None else initial_state.dtype
 
 
 def _backward(ctx, do, dht, *_):
+    if do is None and dht is None:
+        return (None,) * 6
     q, k, v, a, w, hs, u_new, tm = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do  # the output has v's shape and dtype
     dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, tm, do, dht, ctx.single_pass)
     return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype), None
 

@@ -61,11 +61,14 @@ def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, amp_dim, alpha = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # the log-sum-exp's gradient stays None, not a zero fill
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
     ctx.amp_dim, ctx.alpha = amp_dim, alpha
 
 
 def _backward(ctx, do, dlse):
+    if do is None:
+        return (None,) * 6
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = tapa_bwd_op(do, q, k, v, o, lse, cu_seqlens, ctx.amp_dim, ctx.alpha)
     return dq, dk, dv, None, None, None

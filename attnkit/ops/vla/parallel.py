@@ -68,11 +68,14 @@ def _setup_context(ctx, inputs, output):
     _, u, _ = inputs
     alpha, a0, r, anorm = output
     ctx.mark_non_differentiable(a0, r, anorm)
+    ctx.set_materialize_grads(False)  # no zero fills for the saved tensors' gradients
     ctx.save_for_backward(u, alpha, a0, r, anorm)
     ctx.dtypes = tuple(x.dtype for x in inputs)
 
 
 def _backward(ctx, dalpha, *_):
+    if dalpha is None:
+        return None, None, None
     u, alpha, a0, r, anorm = ctx.saved_tensors
     grads = vla_gates_bwd_op(u, alpha, a0, r, anorm, dalpha)
     return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
@@ -157,12 +160,18 @@ def _setup_normalize(ctx, inputs, output):
     r, q, k, n0, eps = inputs
     _, _, den, starts = output
     ctx.mark_non_differentiable(den, starts)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(r, q, k, den, starts)
     ctx.eps, ctx.dtypes = eps, (k.dtype, n0.dtype)
 
 
 def _normalize_backward(ctx, do, dn_end, *_):
+    if do is None and dn_end is None:
+        return (None,) * 5
     r, q, k, den, starts = ctx.saved_tensors
+    if do is None:
+        B, H, T, V = r.shape
+        do = r.new_zeros(B, T, H, V)
     dr, dq, dk, dn0 = vla_normalize_bwd_op(r, q, k, den, starts, do, dn_end, ctx.eps)
     return dr, dq, dk.to(ctx.dtypes[0]), dn0.to(ctx.dtypes[1]), None
 
