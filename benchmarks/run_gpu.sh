@@ -4,8 +4,8 @@
 # take the others' share of the lease (the default steps sum to under 10 minutes, one device call). Logs and
 # JSON/PNG land in $OUT; the tables print last.
 #
-#   bash benchmarks/run_gpu.sh [tests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof] [decode] [tune]
-#   (default: tests tapa vla decode). Calls that fit 10 minutes: `flex` alone; `vlaprof vla vlaacc`;
+#   bash benchmarks/run_gpu.sh [tests] [vlatests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof] [decode] [tune]
+#   (default: tests tapa vla decode). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -24,11 +24,15 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 for step in $steps; do
     case $step in
         tests)
-            timeout 240 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
+            timeout 300 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
                 tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py tests/ops/test_path_triton.py \
                 tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
             tail -12 "$OUT/tests.log" ;;
+        vlatests)  # the VLA kernels' GPU tests alone (the 64k case takes a minute)
+            timeout 120 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
+                > "$OUT/vlatests.log" 2>&1
+            tail -12 "$OUT/vlatests.log" ;;
         tapa)
             timeout 120 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
                 > "$OUT/tapa.log" 2>&1 ;;
