@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the device tool runs it from the repository root, with $OUT for results):
 # the GPU test files, then the kernel benchmarks, each under its own time limit so that one slow step cannot
-# take the others' share of the lease (the default steps sum to under 10 minutes, one device call). Logs and
+# take the others' share of the lease (each grouping below sums to under 10 minutes, one device call). Logs and
 # JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof] [decode] [tune]
-#   (default: tests tapa vla decode). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
+#   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -18,7 +18,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-steps=${*:-tests tapa vla decode}
+steps=${*:-vlatests vlaprof vla vlaacc}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 
 for step in $steps; do
