@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.ops.common.delta import TRITON_MAX_HEAD_DIM
 from attnkit.ops.common.utils import compute_dtype
 from attnkit.ops.common.validation import check_like, check_qkv, check_scalar, check_state, resolve_backend
 
@@ -43,8 +44,9 @@ def vla_decode_step(
         lam0: ridge of the empty state, ``> 0`` (only used when ``state`` is None).
         eps: floor of the normaliser, ``> 0``.
         normalize_output: divide ``S_t q_t`` by ``max(n_tᵀ q_t, eps)``.
-        backend: ``"auto"`` (PyTorch until the kernel has run on a GPU), ``"torch"`` or ``"triton"`` (one fused
-            kernel; float16 / bfloat16 / float32 inputs, float32 states; no gradient).
+        backend: ``"auto"`` (the kernel for CUDA tensors of float16 / bfloat16 / float32, head dims up to 128,
+            when no gradient is needed; PyTorch otherwise), ``"torch"`` or ``"triton"`` (one fused kernel;
+            float32 states; no gradient).
 
     Returns:
         ``o [B, 1, H, V]`` in ``v.dtype`` and the new ``(S, A, n)`` in float32 (float64 for float64 inputs).
@@ -60,10 +62,11 @@ def vla_decode_step(
     if state is not None:
         state = check_state("state", state, ((B, H, V, K), (B, H, K, K), (B, H, K)), q.device)
     dtype, out_dtype = compute_dtype(q, k, v, u, *(state or ())), v.dtype
-    use_triton = (
-        resolve_backend(backend, "vla_decode_step", q.device, has_triton=True, auto_triton=False, dtype=dtype)
-        == "triton"
-    )
+    use_triton = resolve_backend(backend, "vla_decode_step", q.device, has_triton=True, dtype=dtype) == "triton"
+    if use_triton and backend == "auto":
+        # The kernel (validated on an H200) has no backward, and tiles of up to 128 channels.
+        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, u, *(state or ())))
+        use_triton = not needs_grad and max(K, V) <= TRITON_MAX_HEAD_DIM
     if state is None:
         S = q.new_zeros(B, H, V, K, dtype=dtype)
         A = torch.eye(K, dtype=dtype, device=q.device).expand(B, H, K, K) / lam0
