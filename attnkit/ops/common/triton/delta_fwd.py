@@ -57,7 +57,7 @@ def t_block(i_c, i_bh, T, bi, bj, BT: tl.constexpr, SB: tl.constexpr):
 def delta_prepare_kernel(
     k, a, v, w_out, u_out, t_out, T,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by
     row (``t_out [BH, T, BT]``, also for the backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
@@ -65,7 +65,9 @@ def delta_prepare_kernel(
 
     ``T`` by blocks of ``SB`` rows: the diagonal blocks by forward substitution (``SB`` steps on an ``SB × SB``
     tile), then ``T_ij = −T_ii Σ_{j≤k<i} Z_ik T_kj`` by products, reading the earlier block rows back from
-    ``t_out`` (the program's own writes, behind a barrier)."""
+    ``t_out`` (the program's own writes, behind a barrier). The solve's products are float32-accurate
+    (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its
+    entries are large."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     NB: tl.constexpr = BT // SB
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
@@ -75,7 +77,8 @@ def delta_prepare_kernel(
         b_ki = tl.load(k + p_i, mask=m_i, other=0.0).to(tl.float32)
         b_ai = tl.load(a + p_i, mask=m_i, other=0.0).to(tl.float32)
         # Zᵀ of the diagonal block: a_r · k_c for r < c
-        b_zt = tl.where(o_s[:, None] < o_s[None, :], tl.dot(b_ai, tl.trans(b_ki), input_precision=PRECISION), 0.0)
+        b_zt = tl.dot(b_ai, tl.trans(b_ki), input_precision=SOLVE_PRECISION)
+        b_zt = tl.where(o_s[:, None] < o_s[None, :], b_zt, 0.0)
         b_tii = unit_lower_inverse(b_zt, SB)
         p_t, m_t = t_block(i_c, i_bh, T, bi, bi, BT, SB)
         tl.store(t_out + p_t, b_tii, mask=m_t)
@@ -84,11 +87,12 @@ def delta_prepare_kernel(
             for bk in tl.static_range(bj, bi):
                 p_kk, m_kk, _, _ = chunk_tiles(i_c * NB + bk, i_bh, T, o_k, o_k, K, K, SB)
                 b_ak = tl.load(a + p_kk, mask=m_kk, other=0.0).to(tl.float32)
-                b_zik = tl.dot(b_ki, tl.trans(b_ak), input_precision=PRECISION)  # Z_ik = K_i A_kᵀ
+                b_zik = tl.dot(b_ki, tl.trans(b_ak), input_precision=SOLVE_PRECISION)  # Z_ik = K_i A_kᵀ
                 p_t, m_t = t_block(i_c, i_bh, T, bk, bj, BT, SB)
-                b_acc += tl.dot(b_zik, tl.load(t_out + p_t, mask=m_t, other=0.0), input_precision=PRECISION)
+                b_tkj = tl.load(t_out + p_t, mask=m_t, other=0.0)
+                b_acc += tl.dot(b_zik, b_tkj, input_precision=SOLVE_PRECISION)
             p_t, m_t = t_block(i_c, i_bh, T, bi, bj, BT, SB)
-            tl.store(t_out + p_t, -tl.dot(b_tii, b_acc, input_precision=PRECISION), mask=m_t)
+            tl.store(t_out + p_t, -tl.dot(b_tii, b_acc, input_precision=SOLVE_PRECISION), mask=m_t)
         for bj in tl.static_range(bi + 1, NB):
             p_t, m_t = t_block(i_c, i_bh, T, bi, bj, BT, SB)
             tl.store(t_out + p_t, tl.zeros([SB, SB], dtype=tl.float32), mask=m_t)
@@ -195,7 +199,8 @@ def delta_fwd_fn(
     ht = torch.empty(B, H, V, K, **f32)
     o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
     dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, **launch_config(K))
-    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, tm, T, BV=BV, SB=16, **dims)
+    solve = "ieee" if precision == "ieee" else "tf32x3"
+    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, tm, T, BV=BV, SB=16, SOLVE_PRECISION=solve, **dims)
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
     )
