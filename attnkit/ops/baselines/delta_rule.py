@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.ops.common.delta import check_triton_delta, chunk_generalized_delta_rule
+from attnkit.ops.common.delta import TRITON_MAX_HEAD_DIM, chunk_generalized_delta_rule
 from attnkit.ops.common.utils import compute_dtype, run_segments
 from attnkit.ops.common.validation import (
     check_cu_seqlens,
@@ -86,10 +86,11 @@ def delta_rule(
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K),), q.device)
-    backend = resolve_backend(backend, "delta_rule", q.device, has_triton=True, auto_triton=False, dtype=q.dtype)
+    dims = dict(head_dims=(K, V), max_head_dim=TRITON_MAX_HEAD_DIM)
+    backend = resolve_backend(
+        backend, "delta_rule", q.device, has_triton=True, auto_triton=False, dtype=q.dtype, **dims
+    )
     use_triton = backend == "triton"
-    if use_triton:
-        check_triton_delta(K, V)
 
     def dense(q, k, v, beta, state):
         return delta_rule_chunk(q, k, v, beta, scale, state, use_triton=use_triton)

@@ -67,13 +67,3 @@ def chunk_generalized_delta_rule(
 # The Triton kernels fit sm_90's shared memory up to K = V = 128 (compiled with Triton 3.6; the largest, the WY part
 # of the backward, needs ~190 KB there).
 TRITON_MAX_HEAD_DIM = 128
-
-
-def check_triton_delta(key_dim: int, value_dim: int) -> None:
-    """The head dims ``backend="triton"`` of the delta-rule ops accepts; a ``ValueError`` naming ``backend``
-    otherwise (dtypes: :func:`attnkit.ops.common.validation.resolve_backend`)."""
-    if max(key_dim, value_dim) > TRITON_MAX_HEAD_DIM:
-        raise ValueError(
-            f"backend: the Triton kernels take head dims up to {TRITON_MAX_HEAD_DIM} so far, "
-            f"got K={key_dim}, V={value_dim}"
-        )

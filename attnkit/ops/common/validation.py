@@ -112,18 +112,24 @@ def resolve_backend(
     has_triton: bool = False,
     auto_triton: bool = True,
     dtype: torch.dtype | None = None,
+    head_dims: tuple[int, ...] = (),
+    max_head_dim: int | None = None,
 ) -> str:
     """``"auto"`` picks the Triton kernel for CUDA tensors when ``op`` has one, the PyTorch backend otherwise.
 
     ``"triton"`` needs CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``, how the tests run kernels) and
     inputs of float16 / bfloat16 / float32 (``dtype``; float64 is the tests' reference precision, which only the
     PyTorch backend computes, and ``"auto"`` sends it there). ``auto_triton=False`` keeps ``"auto"`` on PyTorch
-    for kernels that have not run on a GPU yet; ``"triton"`` still reaches them.
+    for kernels that have not run on a GPU yet; ``"triton"`` still reaches them. ``head_dims`` past
+    ``max_head_dim`` (the widest the kernels are built for) send ``"auto"`` to PyTorch and make ``"triton"`` a
+    ``ValueError``.
     """
     backend = check_backend(backend)
     kernel_dtype = dtype != torch.float64
+    kernel_dims = max_head_dim is None or max(head_dims, default=0) <= max_head_dim
     if backend == "auto":
-        return "triton" if has_triton and auto_triton and kernel_dtype and device.type == "cuda" else "torch"
+        use = has_triton and auto_triton and kernel_dtype and kernel_dims and device.type == "cuda"
+        return "triton" if use else "torch"
     if backend == "triton" and not has_triton:
         raise NotImplementedError(f"{op}: the Triton backend is not implemented yet; use backend='torch'")
     if backend == "triton" and not kernel_device(device):
@@ -132,6 +138,8 @@ def resolve_backend(
         )
     if backend == "triton" and not kernel_dtype:
         raise ValueError(f"backend: {op}'s Triton kernels take float16, bfloat16 or float32, got float64")
+    if backend == "triton" and not kernel_dims:
+        raise ValueError(f"backend: {op}'s Triton kernels take head dims up to {max_head_dim}, got {list(head_dims)}")
     return backend
 
 

@@ -56,13 +56,8 @@ def tapa_attention(
     alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    if backend == "auto" and max(D, v.shape[-1]) > MAX_HEAD_DIM:
-        backend = "torch"
-    if resolve_backend(backend, "tapa_attention", q.device, has_triton=True, dtype=q.dtype) == "triton":
-        if max(D, v.shape[-1]) > MAX_HEAD_DIM:
-            raise ValueError(
-                f"backend: the Triton kernels take head dims up to {MAX_HEAD_DIM}, got D={D}, V={v.shape[-1]}"
-            )
+    dims = dict(head_dims=(D, v.shape[-1]), max_head_dim=MAX_HEAD_DIM)
+    if resolve_backend(backend, "tapa_attention", q.device, has_triton=True, dtype=q.dtype, **dims) == "triton":
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.tapa.parallel import tapa_triton
 

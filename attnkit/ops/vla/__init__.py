@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 
-from attnkit.ops.common.delta import TRITON_MAX_HEAD_DIM, check_triton_delta
+from attnkit.ops.common.delta import TRITON_MAX_HEAD_DIM
 from attnkit.ops.common.utils import run_segments
 from attnkit.ops.common.validation import (
     check_cu_seqlens,
@@ -71,11 +71,8 @@ def vla_attention(
         if torch.linalg.cholesky_ex(initial_state[1] + initial_state[1].mT).info.any():
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
     kernels = {}
-    choice = resolve_backend(backend, "vla_attention", q.device, has_triton=True, dtype=q.dtype)
-    if choice == "triton" and backend == "auto" and max(K, V) > TRITON_MAX_HEAD_DIM:
-        choice = "torch"  # "auto" falls back where the kernels stop; "triton" says why below
-    if choice == "triton":
-        check_triton_delta(K, V)
+    dims = dict(head_dims=(K, V), max_head_dim=TRITON_MAX_HEAD_DIM)
+    if resolve_backend(backend, "vla_attention", q.device, has_triton=True, dtype=q.dtype, **dims) == "triton":
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.common.delta_parallel import delta_rule_triton
         from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_triton, vla_normalize_triton
