@@ -6,6 +6,8 @@ import os
 
 import torch
 
+LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax runs on exp2, with the logit scale folded into it
+
 
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1``: kernels then run on CPU tensors through Triton's interpreter (tests)."""

@@ -21,9 +21,7 @@ from attnkit.ops.common.triton.decode_merge import (
     split_partials,
     split_plan,
 )
-from attnkit.ops.common.triton_utils import block_dim
-
-LOG2E = 1.4426950408889634
+from attnkit.ops.common.triton_utils import LOG2E, block_dim
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
-from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 from attnkit.ops.tapa.triton.common import (
     cos_cycles,
     distance_factor,
@@ -24,7 +24,6 @@ from attnkit.ops.tapa.triton.common import (
     power_args,
     sin_cycles,
 )
-from attnkit.ops.tapa.triton.forward import LOG2E
 
 TWO_PI = 6.283185307179586
 

@@ -26,10 +26,8 @@ from attnkit.ops.common.triton.decode_merge import (
     split_partials,
     split_plan,
 )
-from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.common.triton_utils import LOG2E, block_dim
 from attnkit.ops.tapa.triton.common import cos_cycles, phase_cycles
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
-from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 from attnkit.ops.tapa.triton.common import (
     cos_cycles,
     distance_factor,
@@ -20,8 +20,6 @@ from attnkit.ops.tapa.triton.common import (
     phase_cycles,
     power_args,
 )
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
