@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.delta_fwd import chunk_tiles, launch_config
-from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.common.triton.delta_fwd import chunk_tiles, launch_config, launch_dims
 
 
 @triton.jit
@@ -145,15 +144,12 @@ def delta_bwd_fn(
     ``saved`` from :func:`delta_fwd_fn`, ``do [B, H, T, V]`` contiguous, ``dht`` the gradient of ``S_T`` or None."""
     B, H, T, K = k.shape
     V = v.shape[-1]
-    BT = chunk_size
-    NC = triton.cdiv(T, BT)
-    BK, BV = block_dim(K), block_dim(V)
-    BV_STATE = min(BV, 64)
+    NC = triton.cdiv(T, chunk_size)
+    BV_STATE, dims = launch_dims(K, V, chunk_size, precision)
     f32 = dict(dtype=torch.float32, device=k.device)
     dhs = torch.empty(B, H, NC, K, V, **f32)
     du = torch.empty(B, H, T, V, **f32)
     dh0 = torch.empty(B, H, V, K, **f32)
-    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, **launch_config(K))
     delta_bwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         q, a, saved["w"], do, dht, dhs, du, dh0, T, NC, BV=BV_STATE, USE_DHT=dht is not None, **dims
     )

@@ -171,6 +171,13 @@ def launch_config(key_dim: int, wide: bool = False) -> dict[str, int]:
     return dict(num_warps=8 if eight else 4, num_stages=1)
 
 
+def launch_dims(key_dim: int, value_dim: int, chunk_size: int, precision: str) -> tuple[int, dict]:
+    """What every delta-rule launch shares: the state passes' value-block width (at most 64: the ``[K, V]`` state
+    tiles of ``K = V = 128`` would not fit shared memory) and the kernels' common constexprs and warps."""
+    dims = dict(K=key_dim, V=value_dim, BK=block_dim(key_dim), BT=chunk_size, PRECISION=precision)
+    return min(block_dim(value_dim), 64), dims | launch_config(key_dim)
+
+
 def delta_fwd_fn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -185,21 +192,18 @@ def delta_fwd_fn(
     and each chunk's ``T`` for the backward (float32, ``T·(V + BT + K·V/BT)`` numbers per head: linear in ``T``)."""
     B, H, T, K = k.shape
     V = v.shape[-1]
-    BT = chunk_size
-    NC = triton.cdiv(T, BT)
-    BK, BV = block_dim(K), block_dim(V)
-    # Value blocks of at most 64: the [K, V] state tiles of K = V = 128 would not fit shared memory.
-    BV_STATE = min(BV, 64)
+    NC = triton.cdiv(T, chunk_size)
+    BV_STATE, dims = launch_dims(K, V, chunk_size, precision)
     f32 = dict(dtype=torch.float32, device=k.device)
     w = torch.empty(B, H, T, K, **f32)
     u = torch.empty(B, H, T, V, **f32)
-    tm = torch.empty(B, H, T, BT, **f32)
+    tm = torch.empty(B, H, T, chunk_size, **f32)
     hs = torch.empty(B, H, NC, K, V, **f32)
     u_new = torch.empty(B, H, T, V, **f32)
     ht = torch.empty(B, H, V, K, **f32)
     o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
-    dims = dict(K=K, V=V, BK=BK, BT=BT, PRECISION=precision, **launch_config(K))
     solve = "ieee" if precision == "ieee" else "tf32x3"
+    BV = block_dim(V)
     delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, tm, T, BV=BV, SB=16, SOLVE_PRECISION=solve, **dims)
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
         w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
