@@ -1,14 +1,16 @@
 """GPU kernel benchmarks (SPEC §8): every op's implementations against SDPA's flash backend, in one run.
 
-    python benchmarks/ops.py [--ops tapa vla] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--modes fwd fwdbwd]
-                             [--impls sdpa tapa_triton tapa_flex] [--quick] [--out DIR] [--name NAME]
+    python benchmarks/ops.py [--ops tapa vla path path_fox] [--seq-lens 1024 ... 32768] [--head-dims 64 128]
+                             [--modes fwd fwdbwd] [--impls sdpa tapa_triton tapa_flex] [--quick] [--out DIR]
+                             [--name NAME]
     python -m attnkit bench --gpu -- [the same arguments]
 
 bf16, causal, 32768 tokens per batch (``B = max(1, 32768 // T)``), ``H·D = 1024`` (H=16 at D=64, H=8 at D=128).
 Per (op, D, T) cell: first each implementation's output (and, up to ``--grad-check-max-t``, its gradients) is held
 to the op's PyTorch backend by relative RMS error; then each one is timed, forward (under ``no_grad``) and
 forward+backward, by the median of ``triton.testing.do_bench``, with the peak memory of one call above its
-inputs. TFLOP/s count the causal half of ``QKᵀ`` and ``PV``: ``2·B·H·T²·D`` forward, 2.5× that backward.
+inputs. TFLOP/s count the causal half of ``QKᵀ`` and ``PV``: ``2·B·H·T²·D`` forward, 2.5× that backward, for
+every op (SDPA-equivalent: PaTH's carries and the linear ops' states are not counted).
 An implementation whose single call takes longer than ``--max-ms`` is recorded from that one call and skipped
 at longer ``T`` (FlexAttention's backward accumulates the captured phase channels' gradients with atomics).
 A failure (not implemented, out of memory, compile error) is recorded in its row and the run goes on.
@@ -46,7 +48,7 @@ if str(ROOT) not in sys.path:
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
-from attnkit.ops import tapa_attention, vla_attention  # noqa: E402
+from attnkit.ops import path_attention, tapa_attention, vla_attention  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
 from attnkit.ops.vla.naive import vla_naive  # noqa: E402
 from benchmarks.flex_tapa import causal_block_mask, compiled_flex_attention, tapa_flex  # noqa: E402
@@ -145,7 +147,28 @@ def _tapa_reference(x: dict[str, torch.Tensor]) -> torch.Tensor:
     return tapa_attention(x["q"], x["k"], x["v"], theta=THETA, alpha=ALPHA, backend="torch")
 
 
-# PaTH (issue 3) and VLA (issue 5) join as further entries; a kernel variant joins its op's ``impls``.
+def _path(backend: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    """PaTH, or PaTH-FoX when the inputs hold a log forget gate ``g``."""
+
+    def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return path_attention(x["q"], x["k"], x["v"], x["w"], x["beta"], x.get("g"), backend=backend)
+
+    return fn
+
+
+def _fla_parallel_path_attn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """FLA's PaTH(-FoX) kernel, the same function: FLA multiplies the gate's ``G_i − G_j`` by ``scale`` with the
+    dot product, ours adds it unscaled, hence ``g / scale``. FLA asserts float32 ``w``, ``beta`` and ``g``; the
+    bf16 values upcast exactly, so it sees the inputs the others do."""
+    from fla.ops.path_attn.parallel import parallel_path_attn
+
+    scale = x["q"].shape[-1] ** -0.5
+    g = None if x.get("g") is None else x["g"].float() / scale
+    return parallel_path_attn(x["q"], x["k"], x["v"], x["w"].float(), x["beta"].float(), g, scale=scale)[0]
+
+
+# One entry per op of the issues (TAPA 4, VLA 5, PaTH 3 with its gated form PaTH-FoX); a kernel variant joins its
+# op's ``impls``.
 REGISTRY: dict[str, Op] = {
     "tapa": Op(
         make_inputs=lambda B, T, H, D: make_inputs("tapa", B, T, H, D),
@@ -172,6 +195,28 @@ REGISTRY: dict[str, Op] = {
         },
         flops=causal_attention_flops,
         linear=True,
+    ),
+    # PaTH's carries (the Householder products that move queries and keys between chunks) are not counted:
+    # TFLOP/s are SDPA-equivalent, so the ratio to SDPA is what the extra work costs.
+    "path": Op(
+        make_inputs=lambda B, T, H, D: make_inputs("path", B, T, H, D),
+        reference=_path("torch"),
+        impls={
+            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
+            "path_triton": Impl(_path("triton")),
+            "fla_parallel_path_attn": Impl(_fla_parallel_path_attn),
+        },
+        flops=causal_attention_flops,
+    ),
+    "path_fox": Op(
+        make_inputs=lambda B, T, H, D: make_inputs("path_fox", B, T, H, D),
+        reference=_path("torch"),
+        impls={
+            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
+            "path_triton": Impl(_path("triton")),
+            "fla_parallel_path_attn": Impl(_fla_parallel_path_attn),
+        },
+        flops=causal_attention_flops,
     ),
 }
 

@@ -4,9 +4,10 @@
 # take the others' share of the lease (each grouping below sums to under 10 minutes, one device call). Logs and
 # JSON/PNG land in $OUT; the tables print last.
 #
-#   bash benchmarks/run_gpu.sh [tests] [vlatests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof] [decode] [tune]
+#   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof]
+#                              [path] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
-#   `tests vlaseq decode`; `tapa tapaacc tune`.
+#   `tests vlaseq decode`; `tapa tapaacc tune`; `pathtests path`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -33,6 +34,10 @@ for step in $steps; do
             timeout 120 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
                 > "$OUT/vlatests.log" 2>&1
             tail -12 "$OUT/vlatests.log" ;;
+        pathtests)  # the PaTH kernels' GPU tests alone
+            timeout 120 python3 -m pytest -q -rf tests/ops/test_path_triton.py tests/ops/test_path_decoding_triton.py \
+                > "$OUT/pathtests.log" 2>&1
+            tail -12 "$OUT/pathtests.log" ;;
         tapa)
             timeout 120 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
                 > "$OUT/tapa.log" 2>&1 ;;
@@ -44,13 +49,17 @@ for step in $steps; do
             timeout 220 python3 benchmarks/ops.py --ops vla --seq-lens 1024 2048 4096 8192 16384 32768 65536 \
                 --impls sdpa vla_triton fla_chunk_delta_rule fla_chunk_linear_attn \
                 --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
+        path)  # PaTH and PaTH-FoX forward against FLA's kernel
+            timeout 220 python3 benchmarks/ops.py --ops path path_fox --impls sdpa path_triton fla_parallel_path_attn \
+                --modes fwd --seq-lens 2048 4096 8192 32768 --out "$OUT" --name ops_path_h200 \
+                > "$OUT/path.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
             timeout 120 python3 benchmarks/ops.py --ops vla --impls vla_triton vla_sequential --seq-lens 4096 \
                 --out "$OUT" --name ops_vla_sequential_h200 > "$OUT/vlaseq.log" 2>&1 ;;
         tapaacc)
-            timeout 240 python3 benchmarks/tapa_accuracy.py --out "$OUT" > "$OUT/tapaacc.log" 2>&1 ;;
+            timeout 200 python3 benchmarks/tapa_accuracy.py --seq-lens 1024 16384 65536 --out "$OUT" > "$OUT/tapaacc.log" 2>&1 ;;
         vlaacc)
             timeout 200 python3 benchmarks/vla_accuracy.py --out "$OUT" > "$OUT/vlaacc.log" 2>&1 ;;
         decode)
@@ -60,7 +69,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlaseq vlaacc flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlaseq vlaacc path flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

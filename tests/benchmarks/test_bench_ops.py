@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import pytest
+import torch
 
+from attnkit.ops import path_attention
 from benchmarks import ops
 
 
@@ -18,7 +22,7 @@ def test_causal_flops():
 def test_parse_args_defaults_and_quick():
     args = ops.parse_args([])
     assert args.seq_lens == list(ops.SEQ_LENS) and args.head_dims == [64, 128]
-    assert args.modes == ["fwd", "fwdbwd"] and args.ops == ["tapa", "vla"] and args.impls is None
+    assert args.modes == ["fwd", "fwdbwd"] and args.ops == ["tapa", "vla", "path", "path_fox"] and args.impls is None
     assert (args.warmup, args.rep, args.name) == (25, 100, "ops")
     quick = ops.parse_args(["--quick", "--rep", "7", "--impls", "sdpa", "tapa_flex"])
     assert quick.seq_lens == list(ops.QUICK_SEQ_LENS) and (quick.warmup, quick.rep) == (10, 7)
@@ -131,6 +135,44 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     # what failed is not run again at a longer T
     assert rows[("broken", 32, "fwd")]["error"] == "skipped: failed at T=16"
     assert rows[("broken", 32, "fwd")]["check_error"] is None
+
+
+def test_smoke_run_path_on_cpu(tmp_path, monkeypatch):
+    """PaTH and PaTH-FoX through the harness: the PyTorch backend stands in for the kernels (Triton and FLA run on
+    the GPU only) and is held to the reference with every input's gradient, ``g`` included."""
+    for name in ("path", "path_fox"):
+        monkeypatch.setitem(ops.REGISTRY[name].impls, "torch", ops.Impl(ops._path("torch")))
+    argv = ["--device", "cpu", "--ops", "path", "path_fox", "--tokens", "32", "--seq-lens", "16", "--head-dims", "64"]
+    argv += ["--impls", "sdpa", "torch", "--max-ms", "1e4", "--out", str(tmp_path), "--name", "smoke_path"]
+    assert ops.main(argv) == 0
+    rows = {(r["op"], r["impl"], r["mode"]): r for r in json.loads((tmp_path / "smoke_path.json").read_text())["rows"]}
+    assert set(rows) == {(o, i, m) for o in ("path", "path_fox") for i in ("sdpa", "torch") for m in ("fwd", "fwdbwd")}
+    assert all(r["error"] is None and r["ms"] > 0 and r["ratio_to_sdpa"] > 0 for r in rows.values())
+    inputs = {"o", "dq", "dk", "dv", "dw", "dbeta"}
+    for op_name, names in (("path", inputs), ("path_fox", inputs | {"dg"})):
+        errors = rows[(op_name, "torch", "fwdbwd")]["errors"]
+        assert set(errors) == names and max(errors.values()) < 1e-2, (op_name, errors)
+
+
+def test_fla_path_gate_convention(monkeypatch):
+    """FLA's ``parallel_path_attn`` scales ``G_i − G_j`` with the dot product, so the harness passes ``g / scale``.
+
+    A stand-in with FLA's signature, float32 asserts and gate convention (ours with the gate times ``scale``)
+    takes the place of the package, which only the GPU machine has.
+    """
+
+    def parallel_path_attn(q, k, v, w, beta, g=None, scale=None, cu_seqlens=None, use_cache=False):
+        assert w.dtype == beta.dtype == torch.float32 and (g is None or g.dtype == torch.float32)
+        gate = None if g is None else g * scale
+        return path_attention(q, k, v, w, beta, gate, scale=scale, backend="torch"), None
+
+    module = types.ModuleType("fla.ops.path_attn.parallel")
+    module.parallel_path_attn = parallel_path_attn
+    monkeypatch.setitem(sys.modules, "fla.ops.path_attn.parallel", module)
+    for name in ("path", "path_fox"):
+        x = {n: t.to(torch.bfloat16) for n, t in ops.REGISTRY[name].make_inputs(1, 24, 2, 16).items()}
+        expected = ops.REGISTRY[name].reference(x)
+        torch.testing.assert_close(ops._fla_parallel_path_attn(x), expected)
 
 
 def test_slow_implementation_is_timed_once_then_skipped(tmp_path, monkeypatch, capsys):

@@ -243,8 +243,3 @@ def test_cu_seqlens_needs_batch_one():
     args = [torch.cat([x, x]) for x in good().values()]
     with pytest.raises(ValueError, match="^cu_seqlens"):
         path_attention(*args, cu_seqlens=torch.tensor([0, 4, 8]))
-
-
-def test_triton_backend_not_yet_available():
-    with pytest.raises(NotImplementedError, match="path_attention"):
-        path_attention(*good().values(), backend="triton")

@@ -10,6 +10,11 @@ from ..common.validation import check_cu_seqlens, check_like, check_qkv, check_s
 from .decoding import path_carry_keys, path_decode_step, path_decode_step_
 from .torch_impl import chunk_path_fwd
 
+# The fused forward runs under "auto" (CUDA, no gradient) once it has passed its GPU tests.
+AUTO_TRITON = False
+# Widest head dims the fused kernels are built for (a [64, K] float32 carried query per program).
+TRITON_MAX_HEAD_DIM = 128
+
 __all__ = ["path_attention", "path_carry_keys", "path_decode_step", "path_decode_step_"]
 
 
@@ -28,7 +33,8 @@ def path_attention(
     """Causal PaTH attention; PaTH-FoX when a log forget gate ``g`` is given.
 
     Logit for ``j <= i``: ``scale · k_jᵀ (H_{j+1} ··· H_i) q_i + G_i − G_j`` with ``H_s = I − beta_s w_s w_sᵀ``
-    and ``G = cumsum(g)`` (not multiplied by ``scale``: FLA's PaTH-FoX with ``g·scale`` is the same function).
+    and ``G = cumsum(g)``, not multiplied by ``scale`` (FLA multiplies its gates by ``scale``: FLA given
+    ``g / scale`` computes this function).
 
     Args:
         q: ``[B, T, HQ, K]`` queries.
@@ -39,7 +45,10 @@ def path_attention(
         g: ``[B, T, HQ]`` log forget gates (``<= 0``), or None for PaTH without a gate.
         scale: multiplies the dot-product part of the logit; ``K ** -0.5`` by default.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (requires ``B == 1``).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``;
+            ``q, k, v`` float16 / bfloat16 / float32, head dims up to 128): the fused forward (UT transform per
+            chunk, right-to-left scan over key chunks, online softmax); its backward is, for now, autograd
+            through the PyTorch backend, which recomputes the forward. ``"auto"`` is the PyTorch backend.
 
     Returns:
         ``[B, T, HQ, V]`` in the dtype of ``v``.
@@ -54,10 +63,19 @@ def path_attention(
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    resolve_backend(backend, "path_attention", q.device)
-
+    # "auto" takes the fused forward for inference only: with gradients, the Triton backend's backward is still
+    # autograd through the PyTorch backend (it recomputes the forward), so training stays on PyTorch.
+    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, w, beta, g))
+    dims = dict(head_dims=(K, v.shape[-1]), max_head_dim=TRITON_MAX_HEAD_DIM)
+    auto = AUTO_TRITON and not needs_grad
+    use = resolve_backend(backend, "path_attention", q.device, has_triton=True, auto_triton=auto, dtype=q.dtype, **dims)
     if T == 0:
         return v.new_zeros(B, 0, HQ, v.shape[-1])
+    if use == "triton":
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
+        from .parallel import path_fwd_op
+
+        return path_fwd_op(q, k, v, w, beta, g, cu_seqlens, float(scale))
     if cu_seqlens is None:
         return chunk_path_fwd(q, k, v, w, beta, g, scale)
     outs = []
