@@ -167,6 +167,20 @@ def _fla_parallel_path_attn(x: dict[str, torch.Tensor]) -> torch.Tensor:
     return parallel_path_attn(x["q"], x["k"], x["v"], x["w"].float(), x["beta"].float(), g, scale=scale)[0]
 
 
+def _path_op(name: str) -> Op:
+    """PaTH (``"path"``) or PaTH-FoX (``"path_fox"``, inputs with a gate): the same implementations."""
+    return Op(
+        make_inputs=lambda B, T, H, D: make_inputs(name, B, T, H, D),
+        reference=_path("torch"),
+        impls={
+            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
+            "path_triton": Impl(_path("triton")),
+            "fla_parallel_path_attn": Impl(_fla_parallel_path_attn),
+        },
+        flops=causal_attention_flops,
+    )
+
+
 # One entry per op of the issues (TAPA 4, VLA 5, PaTH 3 with its gated form PaTH-FoX); a kernel variant joins its
 # op's ``impls``.
 REGISTRY: dict[str, Op] = {
@@ -198,26 +212,8 @@ REGISTRY: dict[str, Op] = {
     ),
     # PaTH's carries (the Householder products that move queries and keys between chunks) are not counted:
     # TFLOP/s are SDPA-equivalent, so the ratio to SDPA is what the extra work costs.
-    "path": Op(
-        make_inputs=lambda B, T, H, D: make_inputs("path", B, T, H, D),
-        reference=_path("torch"),
-        impls={
-            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
-            "path_triton": Impl(_path("triton")),
-            "fla_parallel_path_attn": Impl(_fla_parallel_path_attn),
-        },
-        flops=causal_attention_flops,
-    ),
-    "path_fox": Op(
-        make_inputs=lambda B, T, H, D: make_inputs("path_fox", B, T, H, D),
-        reference=_path("torch"),
-        impls={
-            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
-            "path_triton": Impl(_path("triton")),
-            "fla_parallel_path_attn": Impl(_fla_parallel_path_attn),
-        },
-        flops=causal_attention_flops,
-    ),
+    "path": _path_op("path"),
+    "path_fox": _path_op("path_fox"),
 }
 
 
