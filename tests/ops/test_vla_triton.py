@@ -178,7 +178,7 @@ def test_gate_kernels_match_torch_gates(K, lam0, with_state):
         assert_close(name, x.double().cpu(), y, 1e-4)
 
 
-@pytest.mark.parametrize("group", [2, 3])
+@pytest.mark.parametrize("group", [2, 3, 8])
 def test_gate_groups_carry_the_inverse(group):
     """Chunks grouped per program and 16-row downdate blocks (``A`` carried by ``A − R_bᵀR_b`` instead of a sweep
     per chunk, with a partial last group) give what one program per chunk and one block per chunk give."""

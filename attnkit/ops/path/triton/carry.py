@@ -76,7 +76,7 @@ def path_carry_fn(
     if longest == 0:
         return out
     carry = "ieee" if k.dtype == torch.float32 or interpreting() else "tf32x3"
-    launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=8, num_stages=1)
+    launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=k.device)
     kt = torch.empty_like(k)
     is_varlen = cu_seqlens is not None

@@ -153,13 +153,14 @@ def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
     """Warps, stages, ``GROUP`` (chunks per program) and ``SB`` (rows per downdate block) of the gate kernels.
 
     The ``[K, K]`` tiles live in registers through the sweeps, so eight warps from ``K = 128``; no loop to
-    pipeline over loads. ``chunks`` (all heads' chunks together): four chunks a program once that still leaves
-    2048 programs. Local sm_90a compiles (Triton 3.6) of the forward, per 64-token chunk: 64 sweep steps of ~410
-    instructions (K = 64), and downdates of 334 instructions a row unblocked against ~100 in 16-row blocks;
-    with ``GROUP = 4, SB = 16`` a chunk issues ~3.7× fewer instructions than with ``1, 64``, and shared memory
-    stays at 32 KB (K = 64) / 131 KB (K = 128). The backward kernel ignores ``GROUP`` and ``SB``. Not yet timed
-    on a GPU: ``benchmarks/vla_profile.py`` sweeps them."""
-    return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1, GROUP=4 if chunks >= 4 * 2048 else 1, SB=16)
+    pipeline over loads. ``chunks`` (all heads' chunks together): the largest ``GROUP`` of 8, 4, 2 that still
+    leaves 512 programs. The H200 sweep of ``benchmarks/vla_profile.py`` (``vla_profile_h200.txt``, T = 1k, 32768
+    tokens) set it: the forward gate kernel took 1.50 ms with ``GROUP = 8`` against 1.71 (4) and 2.93 (1) at
+    K = 64 (8192 chunks), and 4.07 ms against 5.20 (4) and 11.9 (1) at K = 128 (4096 chunks); ``SB = 16`` beat
+    32 and 64 at both, and eight warps at K = 64 were 2.2× slower than four. The backward kernel ignores
+    ``GROUP`` and ``SB``."""
+    group = next((g for g in (8, 4, 2) if chunks // g >= 512), 1)
+    return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1, GROUP=group, SB=16)
 
 
 def vla_gates_fwd_fn(
