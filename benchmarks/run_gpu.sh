@@ -49,9 +49,9 @@ for step in $steps; do
             timeout 220 python3 benchmarks/ops.py --ops vla --seq-lens 1024 2048 4096 8192 16384 32768 65536 \
                 --impls sdpa vla_triton fla_chunk_delta_rule fla_chunk_linear_attn \
                 --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
-        path)  # PaTH and PaTH-FoX forward against FLA's kernel
-            timeout 220 python3 benchmarks/ops.py --ops path path_fox --impls sdpa path_triton fla_parallel_path_attn \
-                --modes fwd --seq-lens 2048 4096 8192 32768 --out "$OUT" --name ops_path_h200 \
+        path)  # PaTH and PaTH-FoX, forward and forward+backward, against FLA's kernel (a call with pathtests)
+            timeout 420 python3 benchmarks/ops.py --ops path path_fox --impls sdpa path_triton fla_parallel_path_attn \
+                --seq-lens 2048 4096 8192 32768 --out "$OUT" --name ops_path_h200 \
                 > "$OUT/path.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;

@@ -7,5 +7,15 @@ from .softmax import FoXAttention, NoPEAttention, RoPEAttention
 from .tapa import TAPAAttention
 from .vla import VLAAttention
 
-__all__ = ["State", "TokenMixer", "DeltaNetAttention", "LinearAttention", "VLAAttention",
-           "PaTHAttention", "RoPEAttention", "NoPEAttention", "FoXAttention", "TAPAAttention"]
+__all__ = [
+    "State",
+    "TokenMixer",
+    "DeltaNetAttention",
+    "LinearAttention",
+    "VLAAttention",
+    "PaTHAttention",
+    "RoPEAttention",
+    "NoPEAttention",
+    "FoXAttention",
+    "TAPAAttention",
+]

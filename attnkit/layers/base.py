@@ -164,9 +164,7 @@ class TokenMixer(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def prefill(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool
-    ) -> tuple[torch.Tensor, State, State]:
+    def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
         """``use_cache`` False: the states may be left empty (training needs no cache)."""
         raise NotImplementedError
 

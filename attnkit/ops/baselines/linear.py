@@ -50,9 +50,7 @@ def linear_attention_chunk(
     qc, kc, vc = (F.pad(x, (0, 0, 0, pad)).reshape(*x.shape[:3], NC, C, x.shape[-1]) for x in (q, k, v))
     kv = vc.transpose(-1, -2) @ kc
     # State at the start of each chunk: S0 plus an exclusive prefix sum of the chunks' writes.
-    starts = S0[:, :, None, None] + torch.cat(
-        [torch.zeros_like(kv[:, :, :, :1]), kv[:, :, :, :-1]], 3
-    ).cumsum(3)
+    starts = S0[:, :, None, None] + torch.cat([torch.zeros_like(kv[:, :, :, :1]), kv[:, :, :, :-1]], 3).cumsum(3)
     o = qc @ starts.transpose(-1, -2) + (qc @ kc.transpose(-1, -2)).tril() @ vc
     o = o.reshape(B, H, G, NC * C, V)[:, :, :, :T]
     n = n0[:, :, None, None] + k.cumsum(3)

@@ -80,9 +80,7 @@ def softmax_attention(
     if T == 0:
         return v.new_zeros(B, 0, HQ, v.shape[-1])
     outputs = [
-        _softmax_dense(
-            q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], None if g is None else g[:, bos:eos], scale
-        )
+        _softmax_dense(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], None if g is None else g[:, bos:eos], scale)
         for bos, eos in segment_bounds(cu_seqlens, T)
         if eos > bos
     ]

@@ -10,7 +10,7 @@ from ..common.validation import check_cu_seqlens, check_like, check_qkv, check_s
 from .decoding import path_carry_keys, path_decode_step, path_decode_step_
 from .torch_impl import chunk_path_fwd
 
-# The fused forward runs under "auto" (CUDA, no gradient) once it has passed its GPU tests.
+# "auto" takes the fused kernels on CUDA once they have passed their GPU tests (the backward has not run there yet).
 AUTO_TRITON = False
 # Widest head dims the fused kernels are built for (a [64, K] float32 carried query per program).
 TRITON_MAX_HEAD_DIM = 128
@@ -47,8 +47,9 @@ def path_attention(
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (requires ``B == 1``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``;
             ``q, k, v`` float16 / bfloat16 / float32, head dims up to 128): the fused forward (UT transform per
-            chunk, right-to-left scan over key chunks, online softmax); its backward is, for now, autograd
-            through the PyTorch backend, which recomputes the forward. ``"auto"`` is the PyTorch backend.
+            chunk, right-to-left scan over key chunks, online softmax) and backward (the chunk-local terms by
+            autograd, the gradients between chunks by two kernels, O(T) memory). ``"auto"`` is the PyTorch
+            backend until the kernels have passed their GPU tests.
 
     Returns:
         ``[B, T, HQ, V]`` in the dtype of ``v``.
@@ -63,19 +64,17 @@ def path_attention(
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    # "auto" takes the fused forward for inference only: with gradients, the Triton backend's backward is still
-    # autograd through the PyTorch backend (it recomputes the forward), so training stays on PyTorch.
-    needs_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, w, beta, g))
     dims = dict(head_dims=(K, v.shape[-1]), max_head_dim=TRITON_MAX_HEAD_DIM)
-    auto = AUTO_TRITON and not needs_grad
-    use = resolve_backend(backend, "path_attention", q.device, has_triton=True, auto_triton=auto, dtype=q.dtype, **dims)
+    use = resolve_backend(
+        backend, "path_attention", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
+    )
     if T == 0:
         return v.new_zeros(B, 0, HQ, v.shape[-1])
     if use == "triton":
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from .parallel import path_fwd_op
 
-        return path_fwd_op(q, k, v, w, beta, g, cu_seqlens, float(scale))
+        return path_fwd_op(q, k, v, w, beta, g, cu_seqlens, float(scale))[0]
     if cu_seqlens is None:
         return chunk_path_fwd(q, k, v, w, beta, g, scale)
     outs = []

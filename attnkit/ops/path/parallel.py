@@ -1,16 +1,21 @@
 """PaTH's Triton kernels as PyTorch operators: ``attnkit::path_fwd`` (the fused forward, with an autograd
-registration) and ``attnkit::path_decode_`` (the in-place fused decode step).
+registration), ``attnkit::path_bwd_between`` (the backward kernels) and ``attnkit::path_decode_`` (the in-place
+fused decode step).
 
 ``torch.library.custom_op`` with fake (meta) implementations, so that ``torch.compile`` traces through the kernels
-and ``torch.library.opcheck`` can hold the registrations to them. The backward of ``attnkit::path_fwd`` is, for
-now, autograd through the PyTorch backend (the fused O(T)-memory backward is the
-open part of issue 3; ``README.md`` beside this file has its design).
+and ``torch.library.opcheck`` can hold the registrations to them. The backward formula of ``attnkit::path_fwd``
+recomputes the chunk-local terms with autograd (``T·C`` numbers a head), takes the gradients between chunks from
+``attnkit::path_bwd_between`` and the diagonal blocks from PyTorch, and runs autograd back through the chunk-local
+terms (``triton/backward.py``, ``README.md``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from attnkit.ops.common.utils import segment_bounds
+from attnkit.ops.path.torch_impl import _chunk, chunk_local_terms
+from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.decode import path_decode_fn
 from attnkit.ops.path.triton.forward import path_fwd_fn
 
@@ -48,9 +53,9 @@ def path_fwd_op(
     g: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     scale: float,
-) -> torch.Tensor:
-    """``o [B,T,HQ,V]`` in ``v.dtype`` through the fused forward (validated inputs; CPU tensors run through
-    Triton's interpreter)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [B,T,HQ,V] in v.dtype, lse [B,T,HQ] float32)`` through the fused forward (validated inputs; CPU
+    tensors run through Triton's interpreter)."""
     q, k, v, w, beta = (x.contiguous() for x in (q, k, v, w, beta))
     return path_fwd_fn(q, k, v, w, beta, None if g is None else g.contiguous(), scale, cu_seqlens)
 
@@ -58,31 +63,125 @@ def path_fwd_op(
 @path_fwd_op.register_fake
 def _(q, k, v, w, beta, g, cu_seqlens, scale):
     B, T, HQ, _ = q.shape
-    return q.new_empty(B, T, HQ, v.shape[-1], dtype=v.dtype)
+    return q.new_empty(B, T, HQ, v.shape[-1], dtype=v.dtype), q.new_empty(B, T, HQ, dtype=torch.float32)
+
+
+@torch.library.custom_op("attnkit::path_bwd_between", mutates_args=(), device_types=("cuda", "cpu"))
+def path_bwd_between_op(
+    x: torch.Tensor,
+    kt: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    m: torch.Tensor,
+    gcum: torch.Tensor | None,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels (:func:`attnkit.ops.path.triton.backward.path_bwd_between_fn`): float32
+    ``(dkt, dv, dx, dw, dm, dgcum)`` of the logits between chunks."""
+    x, kt, v, w, m, do = (t.contiguous() for t in (x, kt, v, w, m, do))
+    return backward.path_bwd_between_fn(x, kt, v, w, m, gcum, do, lse, delta, scale, cu_seqlens, chunk)
+
+
+@path_bwd_between_op.register_fake
+def _(x, kt, v, w, m, gcum, do, lse, delta, cu_seqlens, scale, chunk):
+    B, T, HQ, K = x.shape
+    f32 = dict(dtype=torch.float32)
+    return (x.new_empty(B, T, HQ, K, **f32), x.new_empty(B, T, HQ, v.shape[-1], **f32), x.new_empty(B, T, HQ, K, **f32),
+            x.new_empty(w.shape, **f32), x.new_empty(m.shape, **f32), x.new_empty(B, T, HQ, **f32))  # fmt: skip
 
 
 def _setup_fwd(ctx, inputs, output):
     q, k, v, w, beta, g, cu_seqlens, scale = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens)
+    ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens, o, lse)
     ctx.scale = scale
 
 
-def _fwd_backward(ctx, do):
-    """The interim backward of ``backend="triton"`` until the fused one lands (issue 3): autograd through the
-    PyTorch backend, recomputing the forward. Exact, with the PyTorch backend's time and memory. It runs in the
-    autograd engine rather than as an operator, because autograd does not record inside an operator's kernel."""
+def _chunk_terms(q, k, w, beta, g, scale, cu_seqlens, chunk):
+    """The chunk-local terms of every sequence, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``,
+    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]`` (float32), and per sequence its intra-chunk logits ``[B,HQ,N,C,C]``."""
+    B, T, HQ, K = q.shape
+    H = k.shape[2]
+    xs, kts, ms, logits = [], [], [], []
+    for bos, eos in segment_bounds(cu_seqlens, T):
+        if eos == bos:
+            continue
+        sl = slice(bos, eos)
+        terms = chunk_local_terms(
+            q[:, sl], k[:, sl], w[:, sl], beta[:, sl], None if g is None else g[:, sl], scale, chunk, torch.float32
+        )
+        n = terms["M"].shape[2]
+        xs.append(terms["x"].movedim(1, 3).reshape(B, n * chunk, HQ, K)[:, : eos - bos])
+        kts.append(terms["kt"].movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
+        ms.append(terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk))
+        logits.append(terms["s"])
+    return torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), logits
+
+
+def _diagonal_grads(logits, lse, do, v, delta, cu_seqlens, chunk):
+    """Within each chunk, in PyTorch: ``dS = P (dO Vᵀ − Δ)`` with ``P = exp(S − lse)``, and ``dV = Pᵀ dO``
+    (per query head, ``[B,T,HQ,V]`` float32)."""
+    B, T, HQ = lse.shape
+    groups = HQ // v.shape[2]
+    dss, dvs = [], []
+    for s, (bos, eos) in zip(logits, [b for b in segment_bounds(cu_seqlens, T) if b[1] > b[0]]):
+        sl = slice(bos, eos)
+        n = s.shape[2]
+        vq = v[:, sl].float().repeat_interleave(groups, dim=2) if groups > 1 else v[:, sl].float()
+        doc, vc = _chunk(do[:, sl], chunk, torch.float32), _chunk(vq, chunk, torch.float32)
+        p = torch.exp(s - _chunk(lse[:, sl], chunk, torch.float32)[..., None])
+        ds = p * (doc @ vc.transpose(-1, -2) - _chunk(delta[:, sl], chunk, torch.float32)[..., None])
+        dss.append(ds)
+        dvs.append((p.transpose(-1, -2) @ doc).movedim(1, 3).reshape(B, n * chunk, HQ, -1)[:, : eos - bos])
+    return dss, torch.cat(dvs, 1)
+
+
+def _fwd_backward(ctx, do, dlse):
+    """The fused backward: the chunk-local terms recomputed with autograd (``T·C`` numbers a head), the gradients
+    between chunks from the kernels (O(T) memory), the diagonal blocks in PyTorch, and autograd back through the
+    chunk-local terms. It runs in the autograd engine rather than inside an operator because autograd does not
+    record inside an operator's kernel."""
     if do is None:
         return (None,) * 8
-    from attnkit.ops.path import path_attention
-
-    q, k, v, w, beta, g, cu_seqlens = ctx.saved_tensors
+    q, k, v, w, beta, g, cu_seqlens, o, lse = ctx.saved_tensors
+    B, T, HQ, K = q.shape
+    H = k.shape[2]
+    groups = HQ // H
+    chunk = backward.backward_config(K)[0]
+    do = do.contiguous()
     with torch.enable_grad():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v, w, beta)]
+        leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
         gate = None if g is None else g.detach().requires_grad_()
-        o = path_attention(*leaves, gate, scale=ctx.scale, cu_seqlens=cu_seqlens, backend="torch")
-        grads = torch.autograd.grad(o, leaves + ([] if gate is None else [gate]), do)
-    return *grads[:5], (grads[5] if gate is not None else None), None, None
+        x, kt, m, logits = _chunk_terms(*leaves, gate, ctx.scale, cu_seqlens, chunk)
+    delta = (do.float() * o.float()).sum(-1)
+    gcum = None if g is None else g.float().cumsum(1).contiguous()
+    dkt, dv, dx, dw_between, dm, dgcum = path_bwd_between_op(
+        x.detach(), kt.detach(), v, w, m.detach(), gcum, do, lse, delta, cu_seqlens, ctx.scale, chunk
+    )
+    dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, cu_seqlens, chunk)
+    if groups > 1:
+        dkt = dkt.view(B, T, H, groups, K).sum(3)
+    inputs = leaves + ([] if gate is None else [gate])
+    grads = torch.autograd.grad([x, kt, m, *logits], inputs, [dx, dkt, dm, *dss], allow_unused=True)
+    grads = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads)]
+    dq, dk, dw, dbeta = grads[:4]
+    dw = dw + dw_between
+    dv = dv + dv_diag
+    if groups > 1:
+        dv = dv.view(B, T, H, groups, -1).sum(3)
+    dg = None
+    if gate is not None:
+        # gcum is a cumulative sum over the packed tokens: its gradient sums from each token to the end.
+        dg = grads[4] + dgcum.flip(1).cumsum(1).flip(1)
+    out = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype), dbeta.to(beta.dtype)]
+    return *out, (None if dg is None else dg.to(g.dtype)), None, None
 
 
 path_fwd_op.register_autograd(_fwd_backward, setup_context=_setup_fwd)

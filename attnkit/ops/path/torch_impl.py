@@ -39,6 +39,48 @@ def ut_transform(w: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(L, torch.diag_embed(beta), upper=False, unitriangular=True)
 
 
+def chunk_local_terms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    scale: float,
+    C: int,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor | None]:
+    """What each chunk contributes on its own, in ``dtype`` and ``[B, H*, N, C, ·]``: the UT matrix ``M``
+    ``[B,H,N,C,C]``, the keys carried to their chunk's end ``kt`` ``[B,H,N,C,K]``, the queries carried to their
+    chunk's start ``x`` ``[B,HQ,N,C,K]``, the intra-chunk logits ``s`` ``[B,HQ,N,C,C]`` (scaled, gated, causally
+    masked with ``-inf``) and the cumulative gates ``G`` ``[B,HQ,N,C]`` (None without ``g``). Differentiable; the
+    PyTorch forward and the Triton backward (which differentiates through these) share it."""
+    HQ, H = q.shape[2], k.shape[2]
+    groups = HQ // H
+    qc, kc, wc = (_chunk(x, C, dtype) for x in (q, k, w))
+    M = ut_transform(wc, _chunk(beta, C, dtype))  # [B, H, N, C, C]
+    WK = wc @ kc.transpose(-1, -2)  # (w_s · k_j)
+    # keys carried to the end of their chunk: k̃_j = H_C ··· H_{j+1} k_j
+    kt = kc - (WK.tril(-1).transpose(-1, -2) @ M.transpose(-1, -2)) @ wc
+
+    def per_query_head(x: torch.Tensor) -> torch.Tensor:
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+    wq, Mq, kq, WKq = (per_query_head(x) for x in (wc, M, kc, WK))
+    QWM = (qc @ wq.transpose(-1, -2)).tril() @ Mq  # (q_i · w_t) for t <= i, times M
+    # intra-chunk logits: k_jᵀ (H_{j+1} ··· H_i) q_i, every run read off the block of M
+    s = (qc @ kq.transpose(-1, -2) - QWM @ WKq.tril(-1)) * scale
+    # queries carried to the start of their chunk, q̃_i = H_1 ··· H_i q_i
+    x = qc - QWM @ wq
+    G = None
+    if g is not None:
+        G = _chunk(g, C, dtype)  # [B, HQ, N, C]
+        G = G.flatten(2).cumsum(-1).view_as(G)
+        s = s + G[..., :, None] - G[..., None, :]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    return dict(M=M, kt=kt, x=x, s=s, G=G)
+
+
 def chunk_path_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -56,33 +98,15 @@ def chunk_path_fwd(
     groups = HQ // H
     dtype = compute_dtype(q, k, v, w, beta, g)
     C = min(chunk_size, T)
-    qc, kc, vc, wc = (_chunk(x, C, dtype) for x in (q, k, v, w))
-    bc = _chunk(beta, C, dtype)
-    N = qc.shape[2]
-
-    M = ut_transform(wc, bc)  # [B, H, N, C, C]
-    WK = wc @ kc.transpose(-1, -2)  # (w_s · k_j)
-    # keys carried to the end of their chunk: k̃_j = H_C ··· H_{j+1} k_j
-    kt = kc - (WK.tril(-1).transpose(-1, -2) @ M.transpose(-1, -2)) @ wc
+    terms = chunk_local_terms(q, k, w, beta, g, scale, C, dtype)
+    s, G = terms["s"], terms["G"]
+    N = s.shape[2]
 
     def per_query_head(x: torch.Tensor) -> torch.Tensor:
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
-    wq, Mq, kq, ktq, vq, WKq = (per_query_head(x) for x in (wc, M, kc, kt, vc, WK))
-    QW = (qc @ wq.transpose(-1, -2)).tril()  # (q_i · w_t), t <= i
-    QWM = QW @ Mq
-    # intra-chunk logits: k_jᵀ (H_{j+1} ··· H_i) q_i, every run read off the block of M
-    s = (qc @ kq.transpose(-1, -2) - QWM @ WKq.tril(-1)) * scale
-    # queries carried to the start of their chunk, q̃_i = H_1 ··· H_i q_i; chunk 0 has no earlier keys
-    x = (qc - QWM @ wq)[:, :, 1:]
-
-    G = None
-    if g is not None:
-        G = _chunk(g, C, dtype)  # [B, HQ, N, C]
-        G = G.flatten(2).cumsum(-1).view_as(G)
-        s = s + G[..., :, None] - G[..., None, :]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    s = s.masked_fill(~causal, float("-inf"))
+    wq, Mq, ktq, vq = (per_query_head(x) for x in (_chunk(w, C, dtype), terms["M"], terms["kt"], _chunk(v, C, dtype)))
+    x = terms["x"][:, :, 1:]  # chunk 0 has no earlier keys
 
     # online softmax over key chunks, right to left; the running max is a constant for autograd
     m = s.amax(-1).detach()
@@ -109,9 +133,7 @@ def chunk_path_fwd(
     return o.to(v.dtype)
 
 
-def chunk_path_carry_keys(
-    k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64
-) -> torch.Tensor:
+def chunk_path_carry_keys(k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
     """Every key multiplied by all later transitions of its sequence: ``H_T ··· H_{j+1} k_j``.
 
     k/w ``[B,T,H,K]``, beta ``[B,T,H]`` -> ``[B,T,H,K]`` in the dtype of ``k``. Linear in ``T``: one

@@ -139,9 +139,7 @@ def _tapa_bwd(
     for start in range(0, T, block):
         end = min(start + block, T)
         rows = end - start
-        amp, phase, cos, probs, d_logits = (
-            x[: B * H * G * rows * end].view(B * H, G * rows, end) for x in buffers
-        )
+        amp, phase, cos, probs, d_logits = (x[: B * H * G * rows * end].view(B * H, G * rows, end) for x in buffers)
         qa = q_amp[:, :, :, start:end].reshape(B * H, G * rows, -1)
         qp = q_phase[:, :, :, start:end].reshape(B * H, G * rows, -1)
         b_do = do[:, :, :, start:end].reshape(B * H, G * rows, -1)

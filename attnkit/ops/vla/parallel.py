@@ -39,9 +39,12 @@ def vla_gates_fwd_op(
 def _(k_hat, u, lam):
     B, H, T, K = k_hat.shape
     f32 = dict(dtype=torch.float32)
-    return k_hat.new_empty(B, H, T, K, **f32), lam.new_empty(lam.shape, **f32), k_hat.new_empty(
-        B, H, T, K, **f32
-    ), k_hat.new_empty(B, H, T, **f32)
+    return (
+        k_hat.new_empty(B, H, T, K, **f32),
+        lam.new_empty(lam.shape, **f32),
+        k_hat.new_empty(B, H, T, K, **f32),
+        k_hat.new_empty(B, H, T, **f32),
+    )
 
 
 @torch.library.custom_op("attnkit::vla_gates_bwd", mutates_args=(), device_types=("cuda", "cpu"))

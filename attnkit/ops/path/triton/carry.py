@@ -16,7 +16,7 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton.forward import chunk_size
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, path_prepare_kernel
+from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel
 
 
 @triton.jit
@@ -30,10 +30,7 @@ def path_carry_kernel(
     i_kc, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    if IS_VARLEN:
-        chunk0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        chunk0 = i_n.to(tl.int64) * NC
+    chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_c = i_kc * BC + tl.arange(0, BC)
     o_t = tl.arange(0, BT)

@@ -15,18 +15,19 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, path_prepare_kernel
+from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel
 
 
 @triton.jit
 def path_fwd_kernel(
-    q, k, v, w, kt, m, gcum, o, cu_seqlens, chunk_offsets, T, NC, scale,
+    q, k, v, w, kt, m, gcum, o, lse, cu_seqlens, chunk_offsets, T, NC, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``gcum [*, HQ]``
-    float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]``. Grid ``(chunks of the longest sequence,
+    float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]`` and ``lse [*, HQ]`` float32 (the natural
+    log-sum-exp of each query's logits, for the backward). Grid ``(chunks of the longest sequence,
     N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one rank-``BT``
     update per chunk of history."""
     i_c = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -37,10 +38,7 @@ def path_fwd_kernel(
     start = i_c * BT
     if start >= L:
         return
-    if IS_VARLEN:
-        chunk0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        chunk0 = i_n.to(tl.int64) * NC
+    chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     o_t = tl.arange(0, BT)
@@ -99,6 +97,7 @@ def path_fwd_kernel(
 
     b_o = b_acc / b_sum[:, None]
     tl.store(o + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_i[:, None] & m_v)
+    tl.store(lse + p_i * HQ + i_hq, b_max + tl.log(b_sum), mask=m_i)
 
 
 def chunk_size(K: int) -> int:
@@ -115,10 +114,10 @@ def path_fwd_fn(
     g: torch.Tensor | None,
     scale: float,
     cu_seqlens: torch.Tensor | None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PaTH(-FoX) forward through the kernels. ``q [B,T,HQ,K]``, ``k, w [B,T,H,K]``, ``v [B,T,H,V]``,
     ``beta [B,T,H]``, ``g [B,T,HQ]`` or None, contiguous; ``q, k, v`` share one float dtype (not float64).
-    Returns ``o [B,T,HQ,V]`` in ``v.dtype``."""
+    Returns ``o [B,T,HQ,V]`` in ``v.dtype`` and ``lse [B,T,HQ]`` float32."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     BT = chunk_size(K)
@@ -131,8 +130,9 @@ def path_fwd_fn(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     carry = "ieee" if q.dtype == torch.float32 or interpreting() else "tf32x3"
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
+    lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     if longest == 0:
-        return o
+        return o, lse
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=q.device)
     kt = torch.empty_like(k)
     is_varlen = cu_seqlens is not None
@@ -149,8 +149,8 @@ def path_fwd_fn(
     # Gates enter as differences within a sequence, so one cumulative sum over the packed tokens serves all.
     gcum = g.float().cumsum(1).contiguous() if g is not None else None
     path_fwd_kernel[(grid_chunks, N * HQ)](
-        q, k, v, w, kt, m, gcum, o, cu_seqlens, offsets, T, NC, scale,
+        q, k, v, w, kt, m, gcum, o, lse, cu_seqlens, offsets, T, NC, scale,
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
         PRECISION=precision, CARRY_PRECISION=carry, **launch,
     )  # fmt: skip
-    return o
+    return o, lse

@@ -16,6 +16,15 @@ from attnkit.ops.common.triton_seq import seq_bounds
 
 
 @triton.jit
+def first_chunk(chunk_offsets, i_n, NC, IS_VARLEN: tl.constexpr):
+    """The row of sequence ``i_n``'s first chunk in the per-chunk arrays (``M``), int64: ``chunk_offsets[i_n]``
+    for packed sequences, ``i_n * NC`` for a dense batch."""
+    if IS_VARLEN:
+        return tl.load(chunk_offsets + i_n).to(tl.int64)
+    return i_n.to(tl.int64) * NC
+
+
+@triton.jit
 def path_prepare_kernel(
     k, w, beta, m_out, kt_out, cu_seqlens, chunk_offsets, T, NC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -30,10 +39,7 @@ def path_prepare_kernel(
     start = i_c * BT
     if start >= L:
         return
-    if IS_VARLEN:
-        i_chunk = tl.load(chunk_offsets + i_n).to(tl.int64) + i_c
-    else:
-        i_chunk = i_n.to(tl.int64) * NC + i_c
+    i_chunk = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN) + i_c
     o_t = start + tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = o_t < L

@@ -1,0 +1,249 @@
+"""PaTH backward: the gradients of the logits between chunks, by two kernels with O(T) memory.
+
+The chunk-local terms (the UT matrices ``M``, the keys carried to their chunk's end ``K̃``, the queries carried to
+their chunk's start ``x``, the logits inside each chunk) are recomputed in PyTorch with autograd
+(:func:`attnkit.ops.path.torch_impl.chunk_local_terms`, ``T·C`` numbers a head); the kernels give the gradients
+of what lies between chunks, and autograd takes them back through the chunk-local terms. With
+``A_m = I − W_mᵀ M_m W_m`` the carry across chunk ``m``, query chunk ``c`` meets key chunk ``m < c`` with the
+logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··· A_{m+1}`` (``README.md`` beside the op):
+
+- ``path_bwd_kv_kernel``, one program per (key chunk ``m``, query head), walks ``c = m+1, m+2, …`` carrying the
+  ``K × K`` product ``Π = A_{c−1} ··· A_{m+1}`` (``Π ← Π − W_cᵀ (M_c (W_c Π))``): ``S_cm = scale · x_c (K̃_m Πᵀ)ᵀ``,
+  ``dK̃_m += scale · dS_cmᵀ x_c Π``, ``dV_m += P_cmᵀ dO_c`` and the key side of the gates' gradient.
+- ``path_bwd_q_kernel``, one program per (query chunk ``c``, query head), runs the carried query right to left
+  once, keeping ``L_{c,m}`` for every ``m`` in a scratch slot, then left to right with the gradient ``Γ`` of the
+  carried query (``Γ ← Γ A_mᵀ + scale · dS_cm K̃_m``): ``dA_m += L_{c,m}ᵀ Γ`` lands in ``dM_m = −Uᵀ V`` and
+  ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``) by atomic adds, and ``dx_c = Γ`` at the end.
+  The scratch is ``c`` tiles a program; the launcher runs the query chunks in waves so that it stays under a
+  fixed budget (linear in ``T`` however long the sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_seq import seq_bounds
+from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk
+
+SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
+
+
+def backward_config(key_dim: int) -> tuple[int, int]:
+    """``(chunk, warps)`` of the backward kernels, whose chunking is independent of the forward's (they recompute
+    the chunk-local terms, and the log-sum-exp does not depend on it). Compiled for sm_90a with Triton 3.6, the
+    key kernel's shared memory is 112 KB at ``K = 64`` with 64-position chunks, but 288 KB (over the 227 KB an
+    H200 block may have) at ``K = 128``; with 32-position chunks it is 208 KB there. Four warps at ``K <= 64``,
+    eight above (half the spills). Not yet timed on a GPU. Under the interpreter: 16 positions, one warp."""
+    from attnkit.ops.common.triton_utils import interpreting
+
+    if interpreting():
+        return 16, 1
+    return (64, 4) if key_dim <= 64 else (32, 8)
+
+
+@triton.jit
+def path_bwd_kv_kernel(
+    x, kt, v, w, m, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, chunk_offsets, T, NC, scale,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``x [*, HQ, K]`` float32 (queries carried to their chunk's start), ``kt [*, H, K]`` float32, ``v [*, H, V]``,
+    ``w [*, H, K]``, ``m [chunks, H, BT, BT]`` float32, ``gcum [*, HQ]``, ``do [*, HQ, V]``, ``lse, delta [*, HQ]``
+    float32 -> ``dkt [*, HQ, K]``, ``dv [*, HQ, V]``, ``dgk [*, HQ]`` float32 (per query head, from the later
+    chunks only; zero-initialised). Grid ``(chunks of the longest sequence, N * HQ)``."""
+    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    i_h = i_hq // (HQ // H)
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    n_chunks = tl.cdiv(L, BT)
+    if i_m + 1 >= n_chunks:
+        return
+    chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
+    rows, cols = o_t[:, None], o_t[None, :]
+
+    # Key chunk m is never a sequence's last chunk here, so its rows are all real.
+    p_m = bos + (i_m * BT + o_t).to(tl.int64)
+    b_kt = tl.load(kt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+    b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+    if USE_G:
+        b_gk = tl.load(gcum + p_m * HQ + i_hq)
+    b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
+    b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    b_dg = tl.zeros([BT], dtype=tl.float32)
+    for i_c in range(i_m + 1, n_chunks):
+        o_i = i_c * BT + o_t
+        m_i = o_i < L
+        p_i = bos + o_i.to(tl.int64)
+        b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
+        b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
+        b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
+        b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
+        # The key chunk carried to the start of chunk c: y = K̃_m Πᵀ.
+        b_y = tl.dot(b_kt, tl.trans(b_pi), input_precision=CARRY_PRECISION)
+        b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
+        if USE_G:
+            b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
+            b_s = b_s + b_gq[:, None] - b_gk[None, :]
+        b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
+        b_dy = tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION) * scale
+        b_dkt += tl.dot(b_dy, b_pi, input_precision=CARRY_PRECISION)
+        b_dg -= tl.sum(b_ds, 0)
+        # Π ← A_c Π = Π − W_cᵀ (M_c (W_c Π)); the padding rows of a last chunk have w = 0 (identity).
+        p_w = p_i[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_w = tl.load(w + p_w, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
+        b_mc = tl.load(m + ((chunk0 + i_c) * H + i_h) * (BT * BT) + rows * BT + cols)
+        b_wp = tl.dot(b_w, b_pi, input_precision=CARRY_PRECISION)
+        b_mwp = tl.dot(b_mc, b_wp, input_precision=CARRY_PRECISION)
+        b_pi -= tl.dot(tl.trans(b_w), b_mwp, input_precision=CARRY_PRECISION)
+    tl.store(dkt + p_m[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_dkt, mask=m_k)
+    tl.store(dv + p_m[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_dv, mask=m_v)
+    tl.store(dgk + p_m * HQ + i_hq, b_dg)
+
+
+@triton.jit
+def path_bwd_q_kernel(
+    x, kt, v, w, m, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, chunk_offsets, T, NC, c_base,
+    NCS, scale,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and ``dw [*, H, K]``,
+    ``dm [chunks, H, BT, BT]`` (atomic adds), all float32 and zero-initialised. Grid ``(chunks of this wave,
+    N * HQ)``: program ``(j, ·)`` takes query chunk ``c_base + j`` and the scratch slots
+    ``scratch[j, i_nh, :c]`` (``NCS`` slots of ``[BT, BK]`` float32 a program)."""
+    i_j, i_nh = tl.program_id(0), tl.program_id(1)
+    i_c = c_base + i_j
+    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    i_h = i_hq // (HQ // H)
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    if i_c == 0 or i_c * BT >= L:
+        return
+    chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
+    rows, cols = o_t[:, None], o_t[None, :]
+    p_slot = scratch + ((i_j * tl.num_programs(1) + i_nh).to(tl.int64) * NCS) * (BT * BK) + rows * BK + o_k[None, :]
+
+    o_i = i_c * BT + o_t
+    m_i = o_i < L
+    p_i = bos + o_i.to(tl.int64)
+    # Right to left: L_{c,c-1} = x_c, then L_{c,m-1} = L_{c,m} A_m, each kept in slot m-1.
+    b_l = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
+    tl.store(p_slot + (i_c - 1) * (BT * BK), b_l)
+    for i_back in range(1, i_c):
+        i_m = i_c - i_back
+        p_m = bos + (i_m * BT + o_t).to(tl.int64)
+        b_w = tl.load(w + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
+        b_lw = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
+        b_l -= tl.dot(tl.dot(b_lw, b_mm, input_precision=CARRY_PRECISION), b_w, input_precision=CARRY_PRECISION)
+        tl.store(p_slot + (i_m - 1) * (BT * BK), b_l)
+
+    b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
+    b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
+    b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
+    if USE_G:
+        b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
+    b_gam = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dg = tl.zeros([BT], dtype=tl.float32)
+    # Left to right: Γ is the gradient of L_{c,m-1}; crossing chunk m adds L_{c,m}ᵀ Γ to dA_m.
+    for i_m in range(0, i_c):
+        b_l = tl.load(p_slot + i_m * (BT * BK))
+        p_m = bos + (i_m * BT + o_t).to(tl.int64)
+        p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
+        b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+        if i_m > 0:
+            b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
+            b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
+            b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
+            b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
+            b_dmm = -tl.dot(tl.trans(b_u), b_vg, input_precision=CARRY_PRECISION)
+            b_mv = tl.dot(b_mm, tl.trans(b_vg), input_precision=CARRY_PRECISION)  # M Vᵀ
+            b_mu = tl.dot(tl.trans(b_mm), tl.trans(b_u), input_precision=CARRY_PRECISION)  # Mᵀ Uᵀ
+            b_dw = -(
+                tl.dot(b_mv, b_l, input_precision=CARRY_PRECISION)
+                + tl.dot(b_mu, b_gam, input_precision=CARRY_PRECISION)
+            )
+            tl.atomic_add(dm + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols, b_dmm)
+            tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
+            b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
+                            input_precision=CARRY_PRECISION)  # fmt: skip
+        b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
+        if USE_G:
+            b_gk = tl.load(gcum + p_m * HQ + i_hq)
+            b_s = b_s + b_gq[:, None] - b_gk[None, :]
+        b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
+        b_dg += tl.sum(b_ds, 1)
+    tl.store(dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
+    tl.store(dgq + p_i * HQ + i_hq, b_dg, mask=m_i)
+
+
+def path_bwd_between_fn(
+    x: torch.Tensor,
+    kt: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    m: torch.Tensor,
+    gcum: torch.Tensor | None,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of the logits between chunks. ``x [B,T,HQ,K]``, ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
+    ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]`` float32, ``gcum``, ``lse``, ``delta [B,T,HQ]`` float32 (or ``gcum``
+    None), ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dkt [B,T,HQ,K], dv [B,T,HQ,V], dx [B,T,HQ,K],
+    dw [B,T,H,K], dm [chunks,H,BT,BT], dg [B,T,HQ])`` (``dkt``, ``dv`` per query head; ``dg`` the gradient of
+    ``gcum``)."""
+    from attnkit.ops.common.triton_seq import seq_layout
+    from attnkit.ops.common.triton_utils import block_dim, interpreting
+
+    B, T, HQ, K = x.shape
+    H, V = kt.shape[2], v.shape[-1]
+    BT, BK, BV = chunk, block_dim(K), block_dim(V)
+    N, longest = seq_layout(cu_seqlens, B, T)
+    offsets, _ = chunk_offsets_of(cu_seqlens, BT)
+    NC = triton.cdiv(T, BT)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    dkt, dv, dx = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, HQ, V, **f32), torch.zeros(B, T, HQ, K, **f32)
+    dgk, dgq = torch.zeros(B, T, HQ, **f32), torch.zeros(B, T, HQ, **f32)
+    dw, dm = torch.zeros(B, T, H, K, **f32), torch.zeros_like(m)
+    n_long = triton.cdiv(longest, BT)
+    if n_long < 2:
+        return dkt, dv, dx, dw, dm, dgk
+    precision = "ieee" if v.dtype == torch.float32 else "tf32"
+    carry = "ieee" if v.dtype == torch.float32 or interpreting() else "tf32x3"
+    launch = dict(num_warps=backward_config(K)[1], num_stages=1)
+    common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
+                  PRECISION=precision, CARRY_PRECISION=carry, **launch)  # fmt: skip
+    path_bwd_kv_kernel[(n_long - 1, N * HQ)](
+        x, kt, v, w, m, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, offsets, T, NC, scale, **common
+    )
+    # Query chunks in waves: each program keeps its carried query at every earlier chunk (n_long tiles).
+    per_program = n_long * BT * BK * 4
+    wave = max(1, min(n_long - 1, SCRATCH_BYTES // (per_program * N * HQ)))
+    scratch = torch.empty(wave * N * HQ * n_long * BT * BK, **f32)
+    for c_base in range(1, n_long, wave):
+        path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
+            x, kt, v, w, m, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, offsets, T, NC, c_base,
+            n_long, scale, **common,
+        )  # fmt: skip
+    return dkt, dv, dx, dw, dm, dgk + dgq
