@@ -73,6 +73,7 @@ def path_bwd_between_op(
     v: torch.Tensor,
     w: torch.Tensor,
     m: torch.Tensor,
+    mw: torch.Tensor,
     gcum: torch.Tensor | None,
     do: torch.Tensor,
     lse: torch.Tensor,
@@ -83,12 +84,12 @@ def path_bwd_between_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels (:func:`attnkit.ops.path.triton.backward.path_bwd_between_fn`): float32
     ``(dkt, dv, dx, dw, dm, dgcum)`` of the logits between chunks."""
-    x, kt, v, w, m, do = (t.contiguous() for t in (x, kt, v, w, m, do))
-    return backward.path_bwd_between_fn(x, kt, v, w, m, gcum, do, lse, delta, scale, cu_seqlens, chunk)
+    x, kt, v, w, m, mw, do = (t.contiguous() for t in (x, kt, v, w, m, mw, do))
+    return backward.path_bwd_between_fn(x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk)
 
 
 @path_bwd_between_op.register_fake
-def _(x, kt, v, w, m, gcum, do, lse, delta, cu_seqlens, scale, chunk):
+def _(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk):
     B, T, HQ, K = x.shape
     f32 = dict(dtype=torch.float32)
     return (x.new_empty(B, T, HQ, K, **f32), x.new_empty(B, T, HQ, v.shape[-1], **f32), x.new_empty(B, T, HQ, K, **f32),
@@ -106,10 +107,11 @@ def _setup_fwd(ctx, inputs, output):
 
 def _chunk_terms(q, k, w, beta, g, scale, cu_seqlens, chunk):
     """The chunk-local terms of every sequence, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``,
-    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]`` (float32), and per sequence its intra-chunk logits ``[B,HQ,N,C,C]``."""
+    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]`` (float32), per sequence its intra-chunk logits ``[B,HQ,N,C,C]``, and
+    ``M W`` per chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for the carries)."""
     B, T, HQ, K = q.shape
     H = k.shape[2]
-    xs, kts, ms, logits = [], [], [], []
+    xs, kts, ms, mws, logits = [], [], [], [], []
     for bos, eos in segment_bounds(cu_seqlens, T):
         if eos == bos:
             continue
@@ -121,8 +123,10 @@ def _chunk_terms(q, k, w, beta, g, scale, cu_seqlens, chunk):
         xs.append(terms["x"].movedim(1, 3).reshape(B, n * chunk, HQ, K)[:, : eos - bos])
         kts.append(terms["kt"].movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
         ms.append(terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk))
+        mw = terms["M"].detach() @ _chunk(w[:, sl].detach(), chunk, torch.float32)
+        mws.append(mw.movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
         logits.append(terms["s"])
-    return torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), logits
+    return torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), logits, torch.cat(mws, 1)
 
 
 def _diagonal_grads(logits, lse, do, v, delta, cu_seqlens, chunk):
@@ -159,11 +163,11 @@ def _fwd_backward(ctx, do, dlse):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
         gate = None if g is None else g.detach().requires_grad_()
-        x, kt, m, logits = _chunk_terms(*leaves, gate, ctx.scale, cu_seqlens, chunk)
+        x, kt, m, logits, mw = _chunk_terms(*leaves, gate, ctx.scale, cu_seqlens, chunk)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     dkt, dv, dx, dw_between, dm, dgcum = path_bwd_between_op(
-        x.detach(), kt.detach(), v, w, m.detach(), gcum, do, lse, delta, cu_seqlens, ctx.scale, chunk
+        x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta, cu_seqlens, ctx.scale, chunk
     )
     dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, cu_seqlens, chunk)
     if groups > 1:

@@ -45,15 +45,15 @@ def backward_config(key_dim: int) -> tuple[int, int]:
 
 @triton.jit
 def path_bwd_kv_kernel(
-    x, kt, v, w, m, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, chunk_offsets, T, NC, scale,
+    x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``x [*, HQ, K]`` float32 (queries carried to their chunk's start), ``kt [*, H, K]`` float32, ``v [*, H, V]``,
-    ``w [*, H, K]``, ``m [chunks, H, BT, BT]`` float32, ``gcum [*, HQ]``, ``do [*, HQ, V]``, ``lse, delta [*, HQ]``
-    float32 -> ``dkt [*, HQ, K]``, ``dv [*, HQ, V]``, ``dgk [*, HQ]`` float32 (per query head, from the later
-    chunks only; zero-initialised). Grid ``(chunks of the longest sequence, N * HQ)``."""
+    ``w [*, H, K]``, ``mw [*, H, K]`` float32 (``M W`` per chunk), ``gcum [*, HQ]``, ``do [*, HQ, V]``,
+    ``lse, delta [*, HQ]`` float32 -> ``dkt [*, HQ, K]``, ``dv [*, HQ, V]``, ``dgk [*, HQ]`` float32 (per query
+    head, from the later chunks only; zero-initialised). Grid ``(chunks of the longest sequence, N * HQ)``."""
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hq = i_nh // HQ, i_nh % HQ
     i_h = i_hq // (HQ // H)
@@ -61,11 +61,9 @@ def path_bwd_kv_kernel(
     n_chunks = tl.cdiv(L, BT)
     if i_m + 1 >= n_chunks:
         return
-    chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
-    rows, cols = o_t[:, None], o_t[None, :]
 
     # Key chunk m is never a sequence's last chunk here, so its rows are all real.
     p_m = bos + (i_m * BT + o_t).to(tl.int64)
@@ -98,13 +96,13 @@ def path_bwd_kv_kernel(
         b_dy = tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION) * scale
         b_dkt += tl.dot(b_dy, b_pi, input_precision=CARRY_PRECISION)
         b_dg -= tl.sum(b_ds, 0)
-        # Π ← A_c Π = Π − W_cᵀ (M_c (W_c Π)); the padding rows of a last chunk have w = 0 (identity).
+        # Π ← A_c Π = Π − W_cᵀ ((M_c W_c) Π); the padding rows of a last chunk have w = 0 (identity).
         p_w = p_i[:, None] * (H * K) + i_h * K + o_k[None, :]
         b_w = tl.load(w + p_w, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
-        b_mc = tl.load(m + ((chunk0 + i_c) * H + i_h) * (BT * BT) + rows * BT + cols)
-        b_wp = tl.dot(b_w, b_pi, input_precision=CARRY_PRECISION)
-        b_mwp = tl.dot(b_mc, b_wp, input_precision=CARRY_PRECISION)
-        b_pi -= tl.dot(tl.trans(b_w), b_mwp, input_precision=CARRY_PRECISION)
+        b_mw = tl.load(mw + p_w, mask=m_i[:, None] & m_k, other=0.0)
+        b_pi -= tl.dot(
+            tl.trans(b_w), tl.dot(b_mw, b_pi, input_precision=CARRY_PRECISION), input_precision=CARRY_PRECISION
+        )
     tl.store(dkt + p_m[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_dkt, mask=m_k)
     tl.store(dv + p_m[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_dv, mask=m_v)
     tl.store(dgk + p_m * HQ + i_hq, b_dg)
@@ -112,7 +110,7 @@ def path_bwd_kv_kernel(
 
 @triton.jit
 def path_bwd_q_kernel(
-    x, kt, v, w, m, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, chunk_offsets, T, NC, c_base,
+    x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, chunk_offsets, T, NC, c_base,
     NCS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
@@ -145,10 +143,12 @@ def path_bwd_q_kernel(
     for i_back in range(1, i_c):
         i_m = i_c - i_back
         p_m = bos + (i_m * BT + o_t).to(tl.int64)
-        b_w = tl.load(w + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
-        b_lw = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
-        b_l -= tl.dot(tl.dot(b_lw, b_mm, input_precision=CARRY_PRECISION), b_w, input_precision=CARRY_PRECISION)
+        p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
+        b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
+        b_l -= tl.dot(
+            tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION), b_mw, input_precision=CARRY_PRECISION
+        )
         tl.store(p_slot + (i_m - 1) * (BT * BK), b_l)
 
     b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
@@ -200,6 +200,7 @@ def path_bwd_between_fn(
     v: torch.Tensor,
     w: torch.Tensor,
     m: torch.Tensor,
+    mw: torch.Tensor,
     gcum: torch.Tensor | None,
     do: torch.Tensor,
     lse: torch.Tensor,
@@ -209,10 +210,10 @@ def path_bwd_between_fn(
     chunk: int,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of the logits between chunks. ``x [B,T,HQ,K]``, ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
-    ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]`` float32, ``gcum``, ``lse``, ``delta [B,T,HQ]`` float32 (or ``gcum``
-    None), ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dkt [B,T,HQ,K], dv [B,T,HQ,V], dx [B,T,HQ,K],
-    dw [B,T,H,K], dm [chunks,H,BT,BT], dg [B,T,HQ])`` (``dkt``, ``dv`` per query head; ``dg`` the gradient of
-    ``gcum``)."""
+    ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
+    ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
+    ``(dkt [B,T,HQ,K], dv [B,T,HQ,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], dg [B,T,HQ])``
+    (``dkt``, ``dv`` per query head; ``dg`` the gradient of ``gcum``)."""
     from attnkit.ops.common.triton_seq import seq_layout
     from attnkit.ops.common.triton_utils import block_dim, interpreting
 
@@ -235,7 +236,7 @@ def path_bwd_between_fn(
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry, **launch)  # fmt: skip
     path_bwd_kv_kernel[(n_long - 1, N * HQ)](
-        x, kt, v, w, m, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, offsets, T, NC, scale, **common
+        x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale, **common
     )
     # Query chunks in waves: each program keeps its carried query at every earlier chunk (n_long tiles).
     per_program = n_long * BT * BK * 4
@@ -243,7 +244,7 @@ def path_bwd_between_fn(
     scratch = torch.empty(wave * N * HQ * n_long * BT * BK, **f32)
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
-            x, kt, v, w, m, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, offsets, T, NC, c_base,
+            x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, offsets, T, NC, c_base,
             n_long, scale, **common,
         )  # fmt: skip
     return dkt, dv, dx, dw, dm, dgk + dgq

@@ -78,8 +78,8 @@ def path_carry_fn(
     kt = torch.empty_like(k)
     is_varlen = cu_seqlens is not None
     path_prepare_kernel[(triton.cdiv(longest, BT), N * H)](
-        k, w, beta, m, kt, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen, PRECISION=carry,
-        **launch,
+        k, w, beta, m, kt, None, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
+        PRECISION=carry, WRITE_MW=False, **launch,
     )  # fmt: skip
     path_carry_kernel[(triton.cdiv(K, BC), N * H)](
         w, kt, m, out, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BC=BC, BT=BT, IS_VARLEN=is_varlen,

@@ -3,7 +3,8 @@
 Within its own chunk a query sees ``s_ij = q_iᵀ k_j − (tril(Q Wᵀ) M strict_tril(W Kᵀ))_ij``; the query is then
 carried to the chunk's start, ``x = Q − tril(Q Wᵀ) M W``. For each earlier chunk ``j`` (right to left) the
 logits are ``x k̃_jᵀ`` with the keys carried to the end of chunk ``j`` (``prepare.py``), and the query is carried
-across the chunk, ``x ← x − ((x W_jᵀ) M_j) W_j``. FlashAttention's online softmax runs along the scan; the
+across the chunk, ``x ← x − (x W_jᵀ)(M_j W_j)`` (two products: the prepare kernel writes ``M_j W_j``).
+FlashAttention's online softmax runs along the scan; the
 FoX gate adds ``G_i − G_j``. Derivation: ``README.md`` of the op.
 """
 
@@ -20,16 +21,16 @@ from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_
 
 @triton.jit
 def path_fwd_kernel(
-    q, k, v, w, kt, m, gcum, o, lse, cu_seqlens, chunk_offsets, T, NC, scale,
+    q, k, v, w, kt, m, mw, gcum, o, lse, cu_seqlens, chunk_offsets, T, NC, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``gcum [*, HQ]``
-    float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]`` and ``lse [*, HQ]`` float32 (the natural
-    log-sum-exp of each query's logits, for the backward). Grid ``(chunks of the longest sequence,
-    N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one rank-``BT``
-    update per chunk of history."""
+    """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``mw [*, H, K]``
+    float32 (``M W`` per chunk), ``gcum [*, HQ]`` float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]`` and
+    ``lse [*, HQ]`` float32 (the natural log-sum-exp of each query's logits, for the backward). Grid ``(chunks of
+    the longest sequence, N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one
+    rank-``BT`` update per chunk of history."""
     i_c = tl.num_programs(0) - 1 - tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n, i_hq = i_nh // HQ, i_nh % HQ
@@ -81,7 +82,7 @@ def path_fwd_kernel(
         b_kt = tl.load(kt + p_kvj, mask=m_k, other=0.0)
         b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
         b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-        b_mj = tl.load(m + ((chunk0 + j) * H + i_h) * (BT * BT) + rows * BT + cols)
+        b_mwj = tl.load(mw + p_kvj, mask=m_k, other=0.0)
         b_s = tl.dot(b_x.to(b_kt.dtype), tl.trans(b_kt), input_precision=PRECISION) * scale
         if USE_G:
             b_gk = tl.load(gcum + p_j * HQ + i_hq)
@@ -93,7 +94,7 @@ def path_fwd_kernel(
         b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_vj.dtype), b_vj, input_precision=PRECISION)
         b_max = b_max_new
         b_xw = tl.dot(b_x, tl.trans(b_wj), input_precision=CARRY_PRECISION)
-        b_x = b_x - tl.dot(tl.dot(b_xw, b_mj, input_precision=CARRY_PRECISION), b_wj, input_precision=CARRY_PRECISION)
+        b_x = b_x - tl.dot(b_xw, b_mwj, input_precision=CARRY_PRECISION)
 
     b_o = b_acc / b_sum[:, None]
     tl.store(o + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_i[:, None] & m_v)
@@ -135,6 +136,7 @@ def path_fwd_fn(
         return o, lse
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=q.device)
     kt = torch.empty_like(k)
+    mw = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     is_varlen = cu_seqlens is not None
     grid_chunks = triton.cdiv(longest, BT)
     # Not tuned yet. Compiled for sm_90a with Triton 3.6, both kernels fit shared memory at K = 128 only without
@@ -143,13 +145,13 @@ def path_fwd_fn(
     # (the float32 and the bf16 K = 64/128 cases were right); four pass every GPU test that ran.
     launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
     path_prepare_kernel[(grid_chunks, N * H)](
-        k, w, beta, m, kt, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen, PRECISION=carry,
-        **launch,
+        k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
+        PRECISION=carry, WRITE_MW=True, **launch,
     )  # fmt: skip
     # Gates enter as differences within a sequence, so one cumulative sum over the packed tokens serves all.
     gcum = g.float().cumsum(1).contiguous() if g is not None else None
     path_fwd_kernel[(grid_chunks, N * HQ)](
-        q, k, v, w, kt, m, gcum, o, lse, cu_seqlens, offsets, T, NC, scale,
+        q, k, v, w, kt, m, mw, gcum, o, lse, cu_seqlens, offsets, T, NC, scale,
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
         PRECISION=precision, CARRY_PRECISION=carry, **launch,
     )  # fmt: skip

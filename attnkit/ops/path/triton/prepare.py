@@ -26,13 +26,14 @@ def first_chunk(chunk_offsets, i_n, NC, IS_VARLEN: tl.constexpr):
 
 @triton.jit
 def path_prepare_kernel(
-    k, w, beta, m_out, kt_out, cu_seqlens, chunk_offsets, T, NC,
+    k, w, beta, m_out, kt_out, mw_out, cu_seqlens, chunk_offsets, T, NC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WRITE_MW: tl.constexpr,
 ):  # fmt: skip
     """``k, w [*, H, K]``, ``beta [*, H]`` (``*`` the packed tokens) -> ``m_out [chunks, H, BT, BT]`` float32
     and ``kt_out [*, H, K]``. Grid ``(chunks of the longest sequence, N * H)``; chunk ``c`` of sequence ``n``
-    is row ``chunk_offsets[n] + c`` of ``m_out`` (``n * NC + c`` for a dense batch)."""
+    is row ``chunk_offsets[n] + c`` of ``m_out`` (``n * NC + c`` for a dense batch). With ``WRITE_MW`` also
+    ``mw_out [*, H, K]`` float32, ``M W`` of each chunk (the carry across it is then ``x − (x Wᵀ)(M W)``)."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -63,6 +64,9 @@ def path_prepare_kernel(
         b_m = tl.where(rows == i, b_m - b_row[None, :], b_m)
     p_m = m_out + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols
     tl.store(p_m, b_m)
+    if WRITE_MW:
+        b_mw = tl.dot(b_m, b_w, input_precision=PRECISION)
+        tl.store(mw_out + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], b_mw, mask=m_tk)
 
     b_wk = tl.dot(b_w, tl.trans(b_k.to(tl.float32)), input_precision=PRECISION)  # (w_s · k_j)
     b_z = tl.dot(b_m, tl.where(rows > cols, b_wk, 0.0), input_precision=PRECISION)
