@@ -5,9 +5,9 @@
 # JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof]
-#                              [path] [decode] [tune]
+#                              [path] [pathtune] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
-#   `tests vlaseq decode`; `tapa tapaacc tune`; `pathtests path`.
+#   `tests vlaseq decode`; `tapa tapaacc tune`; `pathtests path`; `pathtune`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -53,6 +53,8 @@ for step in $steps; do
             timeout 420 python3 benchmarks/ops.py --ops path path_fox --impls sdpa path_triton fla_parallel_path_attn \
                 --seq-lens 2048 4096 8192 32768 --out "$OUT" --name ops_path_h200 \
                 > "$OUT/path.log" 2>&1 ;;
+        pathtune)  # PaTH: forward warps/stages, backward chunk/warps at T = 4k, D = 64 and 128
+            timeout 300 python3 benchmarks/path_tune.py --out "$OUT" > "$OUT/pathtune.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
@@ -69,7 +71,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlaseq vlaacc path flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlaseq vlaacc path pathtune flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -1,0 +1,140 @@
+"""Tuning sweep of the PaTH Triton kernels on a GPU: warps and stages of the forward, chunk size and warps of the
+backward kernels — each held to the default configuration and timed against SDPA (flash) in one run.
+
+    python benchmarks/path_tune.py [--seq-lens 4096] [--head-dims 64 128] [--out DIR]
+
+bf16 PaTH-FoX inputs as ``benchmarks/ops.py`` makes them, causal, 32768 tokens per batch, H·D = 1024 (SPEC §8).
+Prints a table per cell and writes ``path_tune.json``. The chosen configurations live in the launchers
+(``path_fwd_fn``'s launch, ``backward_config``). ``--device cpu`` runs the same sweep on tiny shapes under
+``TRITON_INTERPRET=1`` with wall-clock timing (the tests' smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnkit.cpu_bench import make_inputs  # noqa: E402
+from attnkit.experiments.output import write_json  # noqa: E402
+from attnkit.ops import path_attention  # noqa: E402
+from attnkit.ops.common.utils import rel_rms  # noqa: E402
+from attnkit.ops.path.triton import backward  # noqa: E402
+from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
+from benchmarks.ops import environment  # noqa: E402
+
+FWD = [(4, 1), (8, 1), (4, 2), (8, 2), (2, 1)]  # (num_warps, num_stages) of the prepare and forward kernels
+BWD = [(64, 4), (64, 8), (32, 4), (32, 8), (16, 4)]  # (chunk, num_warps) of the backward kernels
+
+
+def bench(fn, device: torch.device) -> float:
+    """Median milliseconds: ``triton.testing.do_bench`` on the GPU, three wall-clock calls on CPU."""
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def attempt(fn):
+    """``(result, None)`` or ``(None, one line)``: a configuration that does not compile or launch is recorded."""
+    try:
+        return fn(), None
+    except Exception as error:  # noqa: BLE001 - any failure is a result of the sweep
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def grads_of(x: dict[str, torch.Tensor], do: torch.Tensor) -> list[torch.Tensor]:
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    o = path_attention(**leaves, backend="triton")
+    o.backward(do)
+    return [o] + [leaves[n].grad for n in ("q", "k", "v", "w", "beta", "g")]
+
+
+def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list) -> dict:
+    H = max(1, 1024 // D) if device.type == "cuda" else 2
+    B = max(1, 32768 // T) if device.type == "cuda" else 1
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = {n: t.to(device=device, dtype=dtype) for n, t in make_inputs("path_fox", B, T, H, D).items()}
+    do = torch.randn(B, T, H, D, device=device, dtype=dtype)
+    cell = dict(D=D, T=T, B=B, H=H, fwd=[], bwd=[])
+    if device.type == "cuda":
+        qt, kt, vt = (x[n].transpose(1, 2).detach().requires_grad_() for n in ("q", "k", "v"))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa = functools.partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
+            cell["sdpa_fwd"] = bench(sdpa, device)
+            cell["sdpa_fwdbwd"] = bench(lambda: sdpa().backward(do.transpose(1, 2)), device)
+    args = [x[n] for n in ("q", "k", "v", "w", "beta", "g")] + [D**-0.5, None]
+    reference, _ = path_fwd_fn(*args)
+    for warps, stages in fwd:
+        fn = functools.partial(path_fwd_fn, *args, config=dict(num_warps=warps, num_stages=stages))
+        out, error = attempt(fn)
+        row = dict(num_warps=warps, num_stages=stages, error=error)
+        if out is not None:
+            row.update(err=rel_rms(out[0], reference), ms=bench(fn, device))
+        cell["fwd"].append(row)
+        print(f"  fwd D={D} T={T} warps={warps} stages={stages}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+    default = grads_of(x, do)
+    config = backward.backward_config
+    for chunk, warps in bwd:
+        backward.backward_config = lambda key_dim, c=chunk, w=warps: (c, w)
+        try:
+            out, error = attempt(lambda: grads_of(x, do))
+            row = dict(chunk=chunk, num_warps=warps, error=error)
+            if out is not None:
+                row.update(
+                    err=max(rel_rms(a, b) for a, b in zip(out, default)), ms=bench(lambda: grads_of(x, do), device)
+                )
+        finally:
+            backward.backward_config = config
+        cell["bwd"].append(row)
+        print(f"  fwd+bwd D={D} T={T} chunk={chunk} warps={warps}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+    return cell
+
+
+def table(cells: list[dict]) -> str:
+    lines = []
+    for cell in cells:
+        head = f"D={cell['D']} T={cell['T']} (B={cell['B']}, H={cell['H']})"
+        if "sdpa_fwd" in cell:
+            head += f": SDPA fwd {cell['sdpa_fwd']:.3f} ms, fwd+bwd {cell['sdpa_fwdbwd']:.3f} ms"
+        lines.append(head)
+        for kind, keys in (("fwd", ("num_warps", "num_stages")), ("bwd", ("chunk", "num_warps"))):
+            for row in sorted(cell[kind], key=lambda r: r.get("ms", float("inf"))):
+                setting = " ".join(f"{k}={row[k]}" for k in keys)
+                result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
+                lines.append(f"  {'fwd' if kind == 'fwd' else 'fwd+bwd'} {setting}: {result}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="two configurations of each kind (smoke runs)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    fwd, bwd = (FWD[:2], BWD[2:4]) if args.quick else (FWD, BWD)
+    cells = [time_cell(D, T, device, fwd, bwd) for D in args.head_dims for T in args.seq_lens]
+    write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
+    print(table(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""The PaTH tuning sweep's CPU smoke run: every configuration runs through the interpreter, is held to the
+default one and lands in the JSON."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import path_tune
+
+
+def test_smoke_run_on_cpu(tmp_path, capsys):
+    assert (
+        path_tune.main(["--device", "cpu", "--quick", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)])
+        == 0
+    )
+    cells = json.loads((tmp_path / "path_tune.json").read_text())["cells"]
+    assert [(c["D"], c["T"]) for c in cells] == [(16, 40)]
+    rows = cells[0]["fwd"] + cells[0]["bwd"]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-5
+    # The sweep patches the backward's configuration and must put it back.
+    from attnkit.ops.path.triton import backward
+
+    assert backward.backward_config(16) == (16, 1)
+    assert "fwd+bwd chunk=32" in capsys.readouterr().out
