@@ -4,10 +4,10 @@
 # take the others' share of the lease (each grouping below sums to under 10 minutes, one device call). Logs and
 # JSON/PNG land in $OUT; the tables print last.
 #
-#   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlaseq] [vlaacc] [vlaprof]
-#                              [path] [pathtune] [decode] [tune]
+#   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
+#                              [vlaacc] [vlaprof] [path] [pathtune] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
-#   `tests vlaseq decode`; `tapa tapaacc tune`; `pathtests path`; `pathtune`.
+#   `tests vlaseq decode`; `tapa tapaacc tune`; `pathtests path`; `pathtune vlalong`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -42,13 +42,22 @@ for step in $steps; do
             timeout 120 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
                 > "$OUT/tapa.log" 2>&1 ;;
         flex)
-            # issue 4's bar cells (D=128, T 2k-32k); one compile per length and grad mode, ~40 s each: a call of its own
-            timeout 560 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton tapa_flex --head-dims 128 \
-                --seq-lens 2048 4096 8192 16384 32768 --out "$OUT" --name ops_tapa_flex_h200 > "$OUT/flex.log" 2>&1 ;;
+            # issue 4's bar cells (D=128, T 2k-32k), a call of its own. Forward first: with gradients checked too,
+            # the first cell (T=2k) did not finish compiling in 560 s on the H200 (500e7d2). Then forward+backward
+            # at 2k alone, without the gradient check, in the time left.
+            timeout 330 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton tapa_flex --head-dims 128 \
+                --modes fwd --seq-lens 2048 4096 8192 16384 32768 --out "$OUT" --name ops_tapa_flex_fwd_h200 \
+                > "$OUT/flex.log" 2>&1
+            timeout 230 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton tapa_flex --head-dims 128 \
+                --modes fwdbwd --grad-check-max-t 0 --seq-lens 2048 --out "$OUT" --name ops_tapa_flex_fwdbwd_h200 \
+                >> "$OUT/flex.log" 2>&1 ;;
         vla)
             timeout 220 python3 benchmarks/ops.py --ops vla --seq-lens 1024 2048 4096 8192 16384 32768 65536 \
                 --impls sdpa vla_triton fla_chunk_delta_rule fla_chunk_linear_attn \
                 --out "$OUT" --name ops_vla_h200 > "$OUT/vla.log" 2>&1 ;;
+        vlalong)  # the long-T cells (B = 1 from 32k), which the `vla` step's time limit cuts
+            timeout 240 python3 benchmarks/ops.py --ops vla --seq-lens 16384 32768 65536 \
+                --impls sdpa vla_triton fla_chunk_delta_rule --out "$OUT" --name ops_vla_long_h200 > "$OUT/vlalong.log" 2>&1 ;;
         path)  # PaTH and PaTH-FoX, forward and forward+backward, against FLA's kernel (a call with pathtests)
             timeout 420 python3 benchmarks/ops.py --ops path path_fox --impls sdpa path_triton fla_parallel_path_attn \
                 --seq-lens 2048 4096 8192 32768 --out "$OUT" --name ops_path_h200 \
@@ -71,7 +80,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlaseq vlaacc path pathtune flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathtune flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0
