@@ -177,14 +177,16 @@ def test_backward_in_waves(monkeypatch, chunk):
         assert_close(name, a, e, 1e-5)
 
 
-def test_triton_backend_float16_gradients():
-    """float16 q, k, v (float32 w, beta, g): every gradient within 1e-2 of the PyTorch backend on the same rounded
-    inputs, in the inputs' dtypes."""
+@pytest.mark.parametrize("side_dtype", [torch.float32, torch.float16], ids=["side-fp32", "side-fp16"])
+def test_triton_backend_float16_gradients(side_dtype):
+    """float16 q, k, v (w, beta, g in float32 or float16): every gradient within 1e-2 of the PyTorch backend on the
+    same rounded inputs, in the inputs' dtypes."""
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 90, 2, 2, 32, 16, gate=True, dtype=torch.float32))
+    w, beta, g = (x.to(side_dtype) for x in (w, beta, g))
     q, k, v = (x.half() for x in (q, k, v))
     do = torch.randn(1, 90, 2, 16, device=DEVICE).half()
     actual = backend_grads([q, k, v, w, beta, g], do, "triton")
-    expected = backend_grads([q.float(), k.float(), v.float(), w, beta, g], do.float(), "torch")
+    expected = backend_grads([x.float() for x in (q, k, v, w, beta, g)], do.float(), "torch")
     for name, a, e, x in zip(GRAD_NAMES, actual, expected, [v, q, k, v, w, beta, g]):
         assert a.dtype == x.dtype, name
         assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
