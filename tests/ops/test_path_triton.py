@@ -177,6 +177,20 @@ def test_backward_in_waves(monkeypatch, chunk):
         assert_close(name, a, e, 1e-5)
 
 
+@pytest.mark.parametrize("every", [1, 2, 100], ids=["segments-of-1", "segments-of-2", "one-segment"])
+def test_backward_checkpoint_segments(monkeypatch, every):
+    """The query kernel's checkpoints every ``every`` key chunks (one tile a segment, two, or all in one segment)
+    give the gradients of the default ``⌈√chunks⌉``."""
+    from attnkit.ops.path.triton import backward
+
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 100, 2, 1, 16, 16, gate=True, dtype=torch.float32)]
+    do = torch.randn(1, 100, 2, 16, device=DEVICE)
+    default = backend_grads(inputs, do, "triton")
+    monkeypatch.setattr(backward, "checkpoint_every", lambda chunks: every)
+    for name, a, e in zip(GRAD_NAMES, backend_grads(inputs, do, "triton"), default):
+        assert_close(name, a, e, 1e-6)
+
+
 @pytest.mark.parametrize("side_dtype", [torch.float32, torch.float16], ids=["side-fp32", "side-fp16"])
 def test_triton_backend_float16_gradients(side_dtype):
     """float16 q, k, v (w, beta, g in float32 or float16): every gradient within 1e-2 of the PyTorch backend on the

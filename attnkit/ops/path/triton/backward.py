@@ -11,14 +11,17 @@ logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··
   ``K × K`` product ``Π = A_{c−1} ··· A_{m+1}`` (``Π ← Π − W_cᵀ (M_c (W_c Π))``): ``S_cm = scale · x_c (K̃_m Πᵀ)ᵀ``,
   ``dK̃_m += scale · dS_cmᵀ x_c Π``, ``dV_m += P_cmᵀ dO_c`` and the key side of the gates' gradient.
 - ``path_bwd_q_kernel``, one program per (query chunk ``c``, query head), runs the carried query right to left
-  once, keeping ``L_{c,m}`` for every ``m`` in a scratch slot, then left to right with the gradient ``Γ`` of the
-  carried query (``Γ ← Γ A_mᵀ + scale · dS_cm K̃_m``): ``dA_m += L_{c,m}ᵀ Γ`` lands in ``dM_m = −Uᵀ V`` and
-  ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``) by atomic adds, and ``dx_c = Γ`` at the end.
-  The scratch is ``c`` tiles a program; the launcher runs the query chunks in waves so that it stays under a
-  fixed budget (linear in ``T`` however long the sequence).
+  once, checkpointing ``L_{c,m}`` at the right end of every segment of ``⌈√c⌉`` key chunks, then walks the
+  segments left to right: each segment's ``L`` recomputed from its checkpoint into scratch, then the gradient
+  ``Γ`` of the carried query (``Γ ← Γ A_mᵀ + scale · dS_cm K̃_m``): ``dA_m += L_{c,m}ᵀ Γ`` lands in
+  ``dM_m = −Uᵀ V`` and ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``) by atomic adds, and
+  ``dx_c = Γ`` at the end. Scratch: ``2√N`` tiles a program, for one extra pass of carries; the launcher runs
+  the query chunks in waves that fit a fixed budget (linear in ``T`` however long the sequence).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -28,6 +31,12 @@ from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk
 
 SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
+
+
+def checkpoint_every(chunks: int) -> int:
+    """Key chunks per segment of the query kernel's checkpoints: ``⌈√chunks⌉`` balances the checkpoints
+    (``chunks / every`` tiles) against one segment's tiles (``every``), for one extra carry pass."""
+    return max(1, math.isqrt(chunks - 1) + 1) if chunks > 1 else 1
 
 
 def backward_config(key_dim: int) -> tuple[int, int]:
@@ -109,17 +118,30 @@ def path_bwd_kv_kernel(
 
 
 @triton.jit
+def carry_across(
+    b_l, w, mw, bos, i_m, i_h, o_t, o_k, m_k,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``L A_m = L − (L W_mᵀ)(M_m W_m)``: carried query rows moved across chunk ``i_m`` (right to left)."""
+    p_mk = (bos + (i_m * BT + o_t).to(tl.int64))[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
+    b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
+    return b_l - tl.dot(tl.dot(b_l, tl.trans(b_w), input_precision=PRECISION), b_mw, input_precision=PRECISION)
+
+
+@triton.jit
 def path_bwd_q_kernel(
     x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, chunk_offsets, T, NC, c_base,
-    NCS, scale,
+    EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and ``dw [*, H, K]``,
     ``dm [chunks, H, BT, BT]`` (atomic adds), all float32 and zero-initialised. Grid ``(chunks of this wave,
-    N * HQ)``: program ``(j, ·)`` takes query chunk ``c_base + j`` and the scratch slots
-    ``scratch[j, i_nh, :c]`` (``NCS`` slots of ``[BT, BK]`` float32 a program)."""
+    N * HQ)``: program ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]``
+    float32: the carried query at the right end of every segment of ``EVERY`` key chunks (checkpoints), then
+    one segment's worth, recomputed from its checkpoint before the segment is walked left to right."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_c = c_base + i_j
     i_n, i_hq = i_nh // HQ, i_nh % HQ
@@ -132,24 +154,21 @@ def path_bwd_q_kernel(
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
     rows, cols = o_t[:, None], o_t[None, :]
-    p_slot = scratch + ((i_j * tl.num_programs(1) + i_nh).to(tl.int64) * NCS) * (BT * BK) + rows * BK + o_k[None, :]
+    p_slot = scratch + ((i_j * tl.num_programs(1) + i_nh).to(tl.int64) * SLOTS) * (BT * BK) + rows * BK + o_k[None, :]
+    p_seg = p_slot + (SLOTS - EVERY) * (BT * BK)  # the segment's tiles follow the checkpoints
 
     o_i = i_c * BT + o_t
     m_i = o_i < L
     p_i = bos + o_i.to(tl.int64)
-    # Right to left: L_{c,c-1} = x_c, then L_{c,m-1} = L_{c,m} A_m, each kept in slot m-1.
+    # Right to left: L_{c,c-1} = x_c, then L_{c,m-1} = L_{c,m} A_m; checkpoint L_{c,m} at each segment's right end.
     b_l = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
-    tl.store(p_slot + (i_c - 1) * (BT * BK), b_l)
-    for i_back in range(1, i_c):
-        i_m = i_c - i_back
-        p_m = bos + (i_m * BT + o_t).to(tl.int64)
-        p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
-        b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
-        b_l -= tl.dot(
-            tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION), b_mw, input_precision=CARRY_PRECISION
-        )
-        tl.store(p_slot + (i_m - 1) * (BT * BK), b_l)
+    for i_back in range(0, i_c):
+        i_m = i_c - 1 - i_back
+        if (i_m == i_c - 1) or (i_m % EVERY == EVERY - 1):
+            tl.store(p_slot + (i_m // EVERY) * (BT * BK), b_l)
+        if i_m > 0:
+            b_l = carry_across(b_l, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION)
+    tl.debug_barrier()
 
     b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
     b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
@@ -158,38 +177,47 @@ def path_bwd_q_kernel(
         b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
     b_gam = tl.zeros([BT, BK], dtype=tl.float32)
     b_dg = tl.zeros([BT], dtype=tl.float32)
-    # Left to right: Γ is the gradient of L_{c,m-1}; crossing chunk m adds L_{c,m}ᵀ Γ to dA_m.
-    for i_m in range(0, i_c):
-        b_l = tl.load(p_slot + i_m * (BT * BK))
-        p_m = bos + (i_m * BT + o_t).to(tl.int64)
-        p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
-        b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-        if i_m > 0:
-            b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
-            b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
-            b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
-            b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
-            b_dmm = -tl.dot(tl.trans(b_u), b_vg, input_precision=CARRY_PRECISION)
-            b_mv = tl.dot(b_mm, tl.trans(b_vg), input_precision=CARRY_PRECISION)  # M Vᵀ
-            b_mu = tl.dot(tl.trans(b_mm), tl.trans(b_u), input_precision=CARRY_PRECISION)  # Mᵀ Uᵀ
-            b_dw = -(
-                tl.dot(b_mv, b_l, input_precision=CARRY_PRECISION)
-                + tl.dot(b_mu, b_gam, input_precision=CARRY_PRECISION)
-            )
-            tl.atomic_add(dm + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols, b_dmm)
-            tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
-            b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
-                            input_precision=CARRY_PRECISION)  # fmt: skip
-        b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
-        if USE_G:
-            b_gk = tl.load(gcum + p_m * HQ + i_hq)
-            b_s = b_s + b_gq[:, None] - b_gk[None, :]
-        b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
-        b_dg += tl.sum(b_ds, 1)
+    # Left to right, a segment at a time: Γ is the gradient of L_{c,m-1}; crossing chunk m adds L_{c,m}ᵀ Γ to dA_m.
+    for i_s in range(0, tl.cdiv(i_c, EVERY)):
+        lo = i_s * EVERY
+        top = tl.minimum(lo + EVERY - 1, i_c - 1)
+        b_l = tl.load(p_slot + i_s * (BT * BK))
+        tl.store(p_seg + (top - lo) * (BT * BK), b_l)
+        for i_back in range(0, top - lo):
+            b_l = carry_across(b_l, w, mw, bos, top - i_back, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION)
+            tl.store(p_seg + (top - i_back - 1 - lo) * (BT * BK), b_l)
+        tl.debug_barrier()
+        for i_m in range(lo, top + 1):
+            b_l = tl.load(p_seg + (i_m - lo) * (BT * BK))
+            p_m = bos + (i_m * BT + o_t).to(tl.int64)
+            p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
+            b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
+            b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+            if i_m > 0:
+                b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
+                b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
+                b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
+                b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
+                b_dmm = -tl.dot(tl.trans(b_u), b_vg, input_precision=CARRY_PRECISION)
+                b_mv = tl.dot(b_mm, tl.trans(b_vg), input_precision=CARRY_PRECISION)  # M Vᵀ
+                b_mu = tl.dot(tl.trans(b_mm), tl.trans(b_u), input_precision=CARRY_PRECISION)  # Mᵀ Uᵀ
+                b_dw = -(
+                    tl.dot(b_mv, b_l, input_precision=CARRY_PRECISION)
+                    + tl.dot(b_mu, b_gam, input_precision=CARRY_PRECISION)
+                )
+                tl.atomic_add(dm + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols, b_dmm)
+                tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
+                b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
+                                input_precision=CARRY_PRECISION)  # fmt: skip
+            b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
+            if USE_G:
+                b_gk = tl.load(gcum + p_m * HQ + i_hq)
+                b_s = b_s + b_gq[:, None] - b_gk[None, :]
+            b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
+            b_dg += tl.sum(b_ds, 1)
     tl.store(dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
     tl.store(dgq + p_i * HQ + i_hq, b_dg, mask=m_i)
 
@@ -238,13 +266,14 @@ def path_bwd_between_fn(
     path_bwd_kv_kernel[(n_long - 1, N * HQ)](
         x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale, **common
     )
-    # Query chunks in waves: each program keeps its carried query at every earlier chunk (n_long tiles).
-    per_program = n_long * BT * BK * 4
-    wave = max(1, min(n_long - 1, SCRATCH_BYTES // (per_program * N * HQ)))
-    scratch = torch.empty(wave * N * HQ * n_long * BT * BK, **f32)
+    # Query chunks in waves: a program keeps its carried query at every segment's end plus one segment.
+    every = checkpoint_every(n_long)
+    slots = triton.cdiv(n_long, every) + every
+    wave = max(1, min(n_long - 1, SCRATCH_BYTES // (slots * BT * BK * 4 * N * HQ)))
+    scratch = torch.empty(wave * N * HQ * slots * BT * BK, **f32)
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
             x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, offsets, T, NC, c_base,
-            n_long, scale, **common,
+            every, slots, scale, **common,
         )  # fmt: skip
     return dkt, dv, dx, dw, dm, dgk + dgq
