@@ -31,7 +31,9 @@ from attnkit.ops.path.triton import backward  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
 from benchmarks.ops import environment  # noqa: E402
 
-FWD = [(4, 1), (8, 1), (4, 2), (8, 2), (2, 1)]  # (num_warps, num_stages) of the prepare and forward kernels
+# (num_warps, num_stages, carry precision) of the prepare and forward kernels; None keeps the default (3xTF32 for
+# 16-bit inputs). "tf32" is one TF32 pass for the carried query: ~3x fewer tensor-core passes, error read off `err`.
+FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32")]
 BWD = [(64, 4), (64, 8), (32, 4), (32, 8), (16, 4)]  # (chunk, num_warps) of the backward kernels
 
 
@@ -79,14 +81,15 @@ def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list) -> dic
             cell["sdpa_fwdbwd"] = bench(lambda: sdpa().backward(do.transpose(1, 2)), device)
     args = [x[n] for n in ("q", "k", "v", "w", "beta", "g")] + [D**-0.5, None]
     reference, _ = path_fwd_fn(*args)
-    for warps, stages in fwd:
-        fn = functools.partial(path_fwd_fn, *args, config=dict(num_warps=warps, num_stages=stages))
+    for warps, stages, carry in fwd:
+        config = dict(num_warps=warps, num_stages=stages) | ({} if carry is None else dict(carry_precision=carry))
+        fn = functools.partial(path_fwd_fn, *args, config=config)
         out, error = attempt(fn)
-        row = dict(num_warps=warps, num_stages=stages, error=error)
+        row = dict(num_warps=warps, num_stages=stages, carry_precision=carry or "default", error=error)
         if out is not None:
             row.update(err=rel_rms(out[0], reference), ms=bench(fn, device))
         cell["fwd"].append(row)
-        print(f"  fwd D={D} T={T} warps={warps} stages={stages}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+        print(f"  fwd D={D} T={T} {config}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
     config = backward.backward_config
     for chunk, warps in bwd:
@@ -112,7 +115,7 @@ def table(cells: list[dict]) -> str:
         if "sdpa_fwd" in cell:
             head += f": SDPA fwd {cell['sdpa_fwd']:.3f} ms, fwd+bwd {cell['sdpa_fwdbwd']:.3f} ms"
         lines.append(head)
-        for kind, keys in (("fwd", ("num_warps", "num_stages")), ("bwd", ("chunk", "num_warps"))):
+        for kind, keys in (("fwd", ("num_warps", "num_stages", "carry_precision")), ("bwd", ("chunk", "num_warps"))):
             for row in sorted(cell[kind], key=lambda r: r.get("ms", float("inf"))):
                 setting = " ".join(f"{k}={row[k]}" for k in keys)
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
@@ -122,16 +125,19 @@ def table(cells: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096])
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 32768])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="two configurations of each kind (smoke runs)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    fwd, bwd = (FWD[:2], BWD[2:4]) if args.quick else (FWD, BWD)
-    cells = [time_cell(D, T, device, fwd, bwd) for D in args.head_dims for T in args.seq_lens]
-    write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
+    fwd, bwd = ([FWD[0], FWD[-1]], BWD[2:4]) if args.quick else (FWD, BWD)
+    cells = []
+    for T in args.seq_lens:  # every D at the shortest T first: a time limit cuts the long cells
+        for D in args.head_dims:
+            cells.append(time_cell(D, T, device, fwd, bwd))
+            write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
     print(table(cells))
     return 0
 

@@ -120,7 +120,8 @@ def path_fwd_fn(
     """PaTH(-FoX) forward through the kernels. ``q [B,T,HQ,K]``, ``k, w [B,T,H,K]``, ``v [B,T,H,V]``,
     ``beta [B,T,H]``, ``g [B,T,HQ]`` or None, contiguous; ``q, k, v`` share one float dtype (not float64).
     Returns ``o [B,T,HQ,V]`` in ``v.dtype`` and ``lse [B,T,HQ]`` float32. ``config``: ``num_warps`` and
-    ``num_stages`` of both kernels instead of the defaults (``benchmarks/path_tune.py``'s sweep)."""
+    ``num_stages`` of both kernels instead of the defaults, and optionally ``carry_precision`` (the carries' and
+    the UT solve's ``input_precision``; ``benchmarks/path_tune.py``'s sweep)."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     BT = chunk_size(K)
@@ -146,7 +147,8 @@ def path_fwd_fn(
     # the H200 (Triton 3.6), eight warps gave illegal memory accesses and wrong outputs for float16 at K = 16/32
     # (the float32 and the bf16 K = 64/128 cases were right); four pass every GPU test that ran.
     launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
-    launch = config or launch
+    launch = dict(config or launch)
+    carry = launch.pop("carry_precision", carry)
     path_prepare_kernel[(grid_chunks, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
         PRECISION=carry, WRITE_MW=True, **launch,
