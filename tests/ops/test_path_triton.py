@@ -131,6 +131,7 @@ GRAD_NAMES = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
 BACKWARD_CASES = [
     (2, 37, 4, 2, 16, 24, True, None, 1.5),  # GQA, PaTH-FoX, a partial last chunk
     (1, 45, 2, 1, 16, 16, False, None, 1.5),  # MQA
+    (1, 40, 3, 1, 16, 16, True, None, 1.5),  # a group of three query heads (not a power of two)
     (2, 3, 2, 2, 16, 16, True, None, 1.5),  # three tokens (one token has zero dq, dk: nothing to compare)
     (1, 16, 2, 2, 16, 16, True, None, 1.5),  # exactly one chunk: only the diagonal block
     (1, 50, 2, 2, 24, 40, True, None, 1.5),  # K, V not powers of two
@@ -143,7 +144,7 @@ BACKWARD_CASES = [
 @pytest.mark.parametrize(
     "B, T, HQ, H, K, V, gate, offsets, beta_low",
     BACKWARD_CASES,
-    ids=["gqa-fox", "mqa", "T3", "one-chunk", "K24-V40", "beta-1.99", "varlen", "varlen-lead"],
+    ids=["gqa-fox", "mqa", "group3", "T3", "one-chunk", "K24-V40", "beta-1.99", "varlen", "varlen-lead"],
 )
 def test_triton_backend_forward_and_gradients(B, T, HQ, H, K, V, gate, offsets, beta_low):
     """``path_attention(backend="triton")``, the fused forward and backward kernels: the output and every gradient

@@ -94,9 +94,7 @@ def test_linear_varlen(with_state):
     o, final = linear_attention(*inputs, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens)
     for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg_state = None if state is None else tuple(s[i : i + 1] for s in state)
-        o_ref, final_ref = linear_attention_naive(
-            *(x[:, bos:eos] for x in inputs), True, 1e-4, seg_state, True
-        )
+        o_ref, final_ref = linear_attention_naive(*(x[:, bos:eos] for x in inputs), True, 1e-4, seg_state, True)
         if eos > bos:
             assert_close(f"o[{i}]", o[:, bos:eos], o_ref, 1e-10)
         for x, x_ref in zip(final, final_ref, strict=True):
@@ -237,9 +235,7 @@ LINEAR_BAD = {
     ),
     "initial_state-N-vs-cu_seqlens": (
         {},
-        dict(
-            initial_state=(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 4)), cu_seqlens=torch.tensor([0, 2, 8])
-        ),
+        dict(initial_state=(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 4)), cu_seqlens=torch.tensor([0, 2, 8])),
         r"^initial_state\[0\]",
     ),
 }

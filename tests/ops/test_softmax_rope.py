@@ -36,9 +36,7 @@ SHAPES = [(2, 1, 4, 2, 16, 16), (2, 63, 4, 2, 32, 32), (1, 100, 4, 1, 16, 24), (
 
 @pytest.mark.parametrize("gated", [False, True], ids=["softmax", "fox"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize(
-    "shape", SHAPES, ids=[f"B{b}-T{t}-HQ{hq}-H{h}-K{k}-V{v}" for b, t, hq, h, k, v in SHAPES]
-)
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"B{b}-T{t}-HQ{hq}-H{h}-K{k}-V{v}" for b, t, hq, h, k, v in SHAPES])
 def test_softmax_matches_naive(shape, dtype, gated):
     B, T, HQ, H, K, V = shape
     q, k, v, g = make_inputs(*shape)
@@ -228,9 +226,7 @@ def test_default_matches_transformers():
 @pytest.mark.parametrize("seq_len", [None, 1024, 1536, 2048, 4000], ids=lambda s: f"L{s}")
 def test_dynamic_matches_transformers(seq_len):
     """transformers reads the trained length from ``max_position_embeddings``; ours from the dict."""
-    expected, _ = hf_inv_freq(
-        64, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, 1024, seq_len
-    )
+    expected, _ = hf_inv_freq(64, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, 1024, seq_len)
     scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 1024}
     inv_freq, attention_factor = rope_inv_freq(64, scaling=scaling, seq_len=seq_len)
     assert_close("inv_freq", inv_freq, expected, 1e-6)
@@ -245,9 +241,7 @@ def test_static_ntk_is_dynamic_at_its_length():
     )
     inv_freq, _ = rope_inv_freq(dim, scaling={"rope_type": "ntk", "factor": factor})
     assert_close("inv_freq", inv_freq, expected, 1e-6)
-    closed_form = (10000.0 * factor ** (dim / (dim - 2))) ** (
-        -torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    )
+    closed_form = (10000.0 * factor ** (dim / (dim - 2))) ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     assert_close("inv_freq", inv_freq, closed_form, 1e-7)
 
 

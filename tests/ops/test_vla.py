@@ -35,9 +35,7 @@ def leaf_copy(xs, dtype):
     return tuple(x.detach().to(dtype).requires_grad_() for x in xs)
 
 
-def check_against_naive(
-    B, T, H, K, V, dtype, lam0=0.1, with_state=False, normalize_output=True, chunk_size=None
-):
+def check_against_naive(B, T, H, K, V, dtype, lam0=0.1, with_state=False, normalize_output=True, chunk_size=None):
     """Output, final state and gradients of every input in ``dtype`` vs the float64 loop, same inputs."""
     inputs = make_inputs(B, T, H, K, V)
     state = make_state(B, H, K, V, lam0) if with_state else ()
@@ -73,9 +71,7 @@ SHAPES = [(2, 1, 2, 16, 32), (2, 2, 2, 16, 32), (2, 63, 4, 16, 32), (1, 100, 2, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize(
-    "B, T, H, K, V", SHAPES, ids=[f"B{b}-T{t}-H{h}-K{k}-V{v}" for b, t, h, k, v in SHAPES]
-)
+@pytest.mark.parametrize("B, T, H, K, V", SHAPES, ids=[f"B{b}-T{t}-H{h}-K{k}-V{v}" for b, t, h, k, v in SHAPES])
 def test_matches_naive(B, T, H, K, V, dtype):
     check_against_naive(B, T, H, K, V, dtype, with_state=T in (2, 100))
 
@@ -104,9 +100,7 @@ def test_varlen_matches_separate_sequences(dtype, with_state):
     N = len(bounds) - 1
     q, k, v, u = make_inputs(1, bounds[-1], H, K, V, requires_grad=True)
     state = make_state(N, H, K, V, lam0, requires_grad=True) if with_state else None
-    o, final = vla_attention(
-        q, k, v, u, lam0=lam0, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens
-    )
+    o, final = vla_attention(q, k, v, u, lam0=lam0, initial_state=state, output_final_state=True, cu_seqlens=cu_seqlens)
     assert o.shape == v.shape and final[0].shape == (N, H, V, K) and final[1].shape == (N, H, K, K)
     for i, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         seg = tuple(x[:, bos:eos] for x in (q, k, v, u))

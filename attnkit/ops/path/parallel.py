@@ -92,7 +92,7 @@ def path_bwd_between_op(
 def _(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk):
     B, T, HQ, K = x.shape
     f32 = dict(dtype=torch.float32)
-    return (x.new_empty(B, T, HQ, K, **f32), x.new_empty(B, T, HQ, v.shape[-1], **f32), x.new_empty(B, T, HQ, K, **f32),
+    return (x.new_empty(kt.shape, **f32), x.new_empty(v.shape, **f32), x.new_empty(B, T, HQ, K, **f32),
             x.new_empty(w.shape, **f32), x.new_empty(m.shape, **f32), x.new_empty(B, T, HQ, **f32))  # fmt: skip
 
 
@@ -170,16 +170,12 @@ def _fwd_backward(ctx, do, dlse):
         x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta, cu_seqlens, ctx.scale, chunk
     )
     dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, cu_seqlens, chunk)
-    if groups > 1:
-        dkt = dkt.view(B, T, H, groups, K).sum(3)
     inputs = leaves + ([] if gate is None else [gate])
     grads = torch.autograd.grad([x, kt, m, *logits], inputs, [dx, dkt, dm, *dss], allow_unused=True)
     grads = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads)]
     dq, dk, dw, dbeta = grads[:4]
     dw = dw + dw_between
-    dv = dv + dv_diag
-    if groups > 1:
-        dv = dv.view(B, T, H, groups, -1).sum(3)
+    dv = dv + (dv_diag if groups == 1 else dv_diag.view(B, T, H, groups, -1).sum(3))
     dg = None
     if gate is not None:
         # gcum is a cumulative sum over the packed tokens: its gradient sums from each token to the end.

@@ -7,9 +7,10 @@ of what lies between chunks, and autograd takes them back through the chunk-loca
 ``A_m = I − W_mᵀ M_m W_m`` the carry across chunk ``m``, query chunk ``c`` meets key chunk ``m < c`` with the
 logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··· A_{m+1}`` (``README.md`` beside the op):
 
-- ``path_bwd_kv_kernel``, one program per (key chunk ``m``, query head), walks ``c = m+1, m+2, …`` carrying the
-  ``K × K`` product ``Π = A_{c−1} ··· A_{m+1}`` (``Π ← Π − W_cᵀ (M_c (W_c Π))``): ``S_cm = scale · x_c (K̃_m Πᵀ)ᵀ``,
-  ``dK̃_m += scale · dS_cmᵀ x_c Π``, ``dV_m += P_cmᵀ dO_c`` and the key side of the gates' gradient.
+- ``path_bwd_kv_kernel``, one program per (key chunk ``m``, key/value head), walks ``c = m+1, m+2, …`` carrying
+  the ``K × K`` product ``Π = A_{c−1} ··· A_{m+1}`` (``Π ← Π − W_cᵀ ((M_c W_c) Π)``) once for the query heads of
+  its group: ``S_cm = scale · x_c (K̃_m Πᵀ)ᵀ``, ``dK̃_m += scale · Σ_heads dS_cmᵀ x_c Π``, ``dV_m += Σ P_cmᵀ dO_c``
+  and the key side of the gates' gradient.
 - ``path_bwd_q_kernel``, one program per (query chunk ``c``, query head), runs the carried query right to left
   once, checkpointing ``L_{c,m}`` at the right end of every segment of ``⌈√c⌉`` key chunks, then walks the
   segments left to right: each segment's ``L`` recomputed from its checkpoint into scratch, then the gradient
@@ -56,55 +57,59 @@ def backward_config(key_dim: int) -> tuple[int, int]:
 def path_bwd_kv_kernel(
     x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    BT: tl.constexpr, BG: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``x [*, HQ, K]`` float32 (queries carried to their chunk's start), ``kt [*, H, K]`` float32, ``v [*, H, V]``,
     ``w [*, H, K]``, ``mw [*, H, K]`` float32 (``M W`` per chunk), ``gcum [*, HQ]``, ``do [*, HQ, V]``,
-    ``lse, delta [*, HQ]`` float32 -> ``dkt [*, HQ, K]``, ``dv [*, HQ, V]``, ``dgk [*, HQ]`` float32 (per query
-    head, from the later chunks only; zero-initialised). Grid ``(chunks of the longest sequence, N * HQ)``."""
+    ``lse, delta [*, HQ]`` float32 -> ``dkt [*, H, K]``, ``dv [*, H, V]``, ``dgk [*, HQ]`` float32 (from the later
+    chunks only; zero-initialised). Grid ``(chunks of the longest sequence, N * H)``: a program takes a key chunk
+    and every query head of its group (``BG``: the group size rounded up to a power of two), so the carried
+    product and the key chunk carried forward are computed once for the group."""
+    G: tl.constexpr = HQ // H
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hq = i_nh // HQ, i_nh % HQ
-    i_h = i_hq // (HQ // H)
+    i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     n_chunks = tl.cdiv(L, BT)
     if i_m + 1 >= n_chunks:
         return
     o_t = tl.arange(0, BT)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    o_k, o_v, o_g = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BG)
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
 
     # Key chunk m is never a sequence's last chunk here, so its rows are all real.
     p_m = bos + (i_m * BT + o_t).to(tl.int64)
     b_kt = tl.load(kt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
     b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-    if USE_G:
-        b_gk = tl.load(gcum + p_m * HQ + i_hq)
     b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
     b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
-    b_dg = tl.zeros([BT], dtype=tl.float32)
+    b_dg = tl.zeros([BG, BT], dtype=tl.float32)  # row j: query head i_h * G + j
     for i_c in range(i_m + 1, n_chunks):
         o_i = i_c * BT + o_t
         m_i = o_i < L
         p_i = bos + o_i.to(tl.int64)
-        b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
-        b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
-        b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
-        b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
         # The key chunk carried to the start of chunk c: y = K̃_m Πᵀ.
         b_y = tl.dot(b_kt, tl.trans(b_pi), input_precision=CARRY_PRECISION)
-        b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
-        if USE_G:
-            b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
-            b_s = b_s + b_gq[:, None] - b_gk[None, :]
-        b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
-        b_dy = tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION) * scale
-        b_dkt += tl.dot(b_dy, b_pi, input_precision=CARRY_PRECISION)
-        b_dg -= tl.sum(b_ds, 0)
+        b_dy = tl.zeros([BT, BK], dtype=tl.float32)
+        for j in tl.static_range(G):
+            i_hq = i_h * G + j
+            b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
+            b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
+            b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
+            b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
+            b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
+            if USE_G:
+                b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
+                b_gk = tl.load(gcum + p_m * HQ + i_hq)
+                b_s = b_s + b_gq[:, None] - b_gk[None, :]
+            b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
+            b_dy += tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION)
+            b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
+        b_dkt += tl.dot(b_dy * scale, b_pi, input_precision=CARRY_PRECISION)
         # Π ← A_c Π = Π − W_cᵀ ((M_c W_c) Π); the padding rows of a last chunk have w = 0 (identity).
         p_w = p_i[:, None] * (H * K) + i_h * K + o_k[None, :]
         b_w = tl.load(w + p_w, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
@@ -112,9 +117,9 @@ def path_bwd_kv_kernel(
         b_pi -= tl.dot(
             tl.trans(b_w), tl.dot(b_mw, b_pi, input_precision=CARRY_PRECISION), input_precision=CARRY_PRECISION
         )
-    tl.store(dkt + p_m[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_dkt, mask=m_k)
-    tl.store(dv + p_m[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_dv, mask=m_v)
-    tl.store(dgk + p_m * HQ + i_hq, b_dg)
+    tl.store(dkt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], b_dkt, mask=m_k)
+    tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv, mask=m_v)
+    tl.store(dgk + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None])
 
 
 @triton.jit
@@ -240,8 +245,8 @@ def path_bwd_between_fn(
     """The gradients of the logits between chunks. ``x [B,T,HQ,K]``, ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
-    ``(dkt [B,T,HQ,K], dv [B,T,HQ,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], dg [B,T,HQ])``
-    (``dkt``, ``dv`` per query head; ``dg`` the gradient of ``gcum``)."""
+    ``(dkt [B,T,H,K], dv [B,T,H,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], dg [B,T,HQ])``
+    (``dg`` the gradient of ``gcum``)."""
     from attnkit.ops.common.triton_seq import seq_layout
     from attnkit.ops.common.triton_utils import block_dim, interpreting
 
@@ -252,7 +257,7 @@ def path_bwd_between_fn(
     offsets, _ = chunk_offsets_of(cu_seqlens, BT)
     NC = triton.cdiv(T, BT)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dkt, dv, dx = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, HQ, V, **f32), torch.zeros(B, T, HQ, K, **f32)
+    dkt, dv, dx = torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, K, **f32)
     dgk, dgq = torch.zeros(B, T, HQ, **f32), torch.zeros(B, T, HQ, **f32)
     dw, dm = torch.zeros(B, T, H, K, **f32), torch.zeros_like(m)
     n_long = triton.cdiv(longest, BT)
@@ -263,9 +268,10 @@ def path_bwd_between_fn(
     launch = dict(num_warps=backward_config(K)[1], num_stages=1)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry, **launch)  # fmt: skip
-    path_bwd_kv_kernel[(n_long - 1, N * HQ)](
-        x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale, **common
-    )
+    path_bwd_kv_kernel[(n_long - 1, N * H)](
+        x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale,
+        BG=triton.next_power_of_2(HQ // H), **common,
+    )  # fmt: skip
     # Query chunks in waves: a program keeps its carried query at every segment's end plus one segment.
     every = checkpoint_every(n_long)
     slots = triton.cdiv(n_long, every) + every
