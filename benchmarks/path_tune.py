@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ from attnkit.ops import path_attention  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
 from attnkit.ops.path.triton import backward  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
-from benchmarks.ops import environment  # noqa: E402
+from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 
 # (num_warps, num_stages, carry precision) of the prepare and forward kernels; None keeps the default (3xTF32 for
 # 16-bit inputs). "tf32" is one TF32 pass for the carried query: ~3x fewer tensor-core passes, error read off `err`.
@@ -38,17 +37,7 @@ BWD = [(64, 4), (64, 8), (32, 4), (32, 8), (16, 4)]  # (chunk, num_warps) of the
 
 
 def bench(fn, device: torch.device) -> float:
-    """Median milliseconds: ``triton.testing.do_bench`` on the GPU, three wall-clock calls on CPU."""
-    if device.type == "cuda":
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
+    return bench_ms(fn, [], device, warmup=25, rep=100)
 
 
 def attempt(fn):
@@ -56,7 +45,7 @@ def attempt(fn):
     try:
         return fn(), None
     except Exception as error:  # noqa: BLE001 - any failure is a result of the sweep
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        return None, describe(error)
 
 
 def grads_of(x: dict[str, torch.Tensor], do: torch.Tensor) -> list[torch.Tensor]:
