@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.ops.common.utils import segment_bounds
+from attnkit.ops.common.utils import repeat_kv, segment_bounds
 from attnkit.ops.path.torch_impl import _chunk, chunk_local_terms
 from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.decode import path_decode_fn
@@ -105,16 +105,14 @@ def _setup_fwd(ctx, inputs, output):
     ctx.scale = scale
 
 
-def _chunk_terms(q, k, w, beta, g, scale, cu_seqlens, chunk):
+def _chunk_terms(q, k, w, beta, g, scale, segments, chunk):
     """The chunk-local terms of every sequence, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``,
     ``kt [B,T,H,K]``, ``m [chunks,H,C,C]`` (float32), per sequence its intra-chunk logits ``[B,HQ,N,C,C]``, and
     ``M W`` per chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for the carries)."""
-    B, T, HQ, K = q.shape
+    B, _, HQ, K = q.shape
     H = k.shape[2]
     xs, kts, ms, mws, logits = [], [], [], [], []
-    for bos, eos in segment_bounds(cu_seqlens, T):
-        if eos == bos:
-            continue
+    for bos, eos in segments:
         sl = slice(bos, eos)
         terms = chunk_local_terms(
             q[:, sl], k[:, sl], w[:, sl], beta[:, sl], None if g is None else g[:, sl], scale, chunk, torch.float32
@@ -123,23 +121,22 @@ def _chunk_terms(q, k, w, beta, g, scale, cu_seqlens, chunk):
         xs.append(terms["x"].movedim(1, 3).reshape(B, n * chunk, HQ, K)[:, : eos - bos])
         kts.append(terms["kt"].movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
         ms.append(terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk))
-        mw = terms["M"].detach() @ _chunk(w[:, sl].detach(), chunk, torch.float32)
+        mw = terms["M"].detach() @ terms["w"].detach()
         mws.append(mw.movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
         logits.append(terms["s"])
     return torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), logits, torch.cat(mws, 1)
 
 
-def _diagonal_grads(logits, lse, do, v, delta, cu_seqlens, chunk):
+def _diagonal_grads(logits, lse, do, v, delta, segments, chunk):
     """Within each chunk, in PyTorch: ``dS = P (dO Vᵀ − Δ)`` with ``P = exp(S − lse)``, and ``dV = Pᵀ dO``
     (per query head, ``[B,T,HQ,V]`` float32)."""
-    B, T, HQ = lse.shape
+    B, _, HQ = lse.shape
     groups = HQ // v.shape[2]
     dss, dvs = [], []
-    for s, (bos, eos) in zip(logits, [b for b in segment_bounds(cu_seqlens, T) if b[1] > b[0]]):
+    for s, (bos, eos) in zip(logits, segments):
         sl = slice(bos, eos)
         n = s.shape[2]
-        vq = v[:, sl].float().repeat_interleave(groups, dim=2) if groups > 1 else v[:, sl].float()
-        doc, vc = _chunk(do[:, sl], chunk, torch.float32), _chunk(vq, chunk, torch.float32)
+        doc, vc = _chunk(do[:, sl], chunk, torch.float32), _chunk(repeat_kv(v[:, sl], groups), chunk, torch.float32)
         p = torch.exp(s - _chunk(lse[:, sl], chunk, torch.float32)[..., None])
         ds = p * (doc @ vc.transpose(-1, -2) - _chunk(delta[:, sl], chunk, torch.float32)[..., None])
         dss.append(ds)
@@ -159,17 +156,18 @@ def _fwd_backward(ctx, do, dlse):
     H = k.shape[2]
     groups = HQ // H
     chunk = backward.backward_config(K)[0]
+    segments = [(bos, eos) for bos, eos in segment_bounds(cu_seqlens, T) if eos > bos]  # one host sync
     do = do.contiguous()
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
         gate = None if g is None else g.detach().requires_grad_()
-        x, kt, m, logits, mw = _chunk_terms(*leaves, gate, ctx.scale, cu_seqlens, chunk)
+        x, kt, m, logits, mw = _chunk_terms(*leaves, gate, ctx.scale, segments, chunk)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     dkt, dv, dx, dw_between, dm, dgcum = path_bwd_between_op(
         x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta, cu_seqlens, ctx.scale, chunk
     )
-    dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, cu_seqlens, chunk)
+    dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, segments, chunk)
     inputs = leaves + ([] if gate is None else [gate])
     grads = torch.autograd.grad([x, kt, m, *logits], inputs, [dx, dkt, dm, *dss], allow_unused=True)
     grads = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads)]

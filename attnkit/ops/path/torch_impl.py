@@ -39,6 +39,18 @@ def ut_transform(w: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(L, torch.diag_embed(beta), upper=False, unitriangular=True)
 
 
+def chunk_keys(
+    k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, C: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kc, wc, M, WK, kt)`` per chunk (``[B, H, N, C, ·]``): the chunked keys and directions, the UT matrix, the
+    products ``(w_s · k_j)`` and the keys carried to their chunk's end, ``k̃_j = H_C ··· H_{j+1} k_j``."""
+    kc, wc = _chunk(k, C, dtype), _chunk(w, C, dtype)
+    M = ut_transform(wc, _chunk(beta, C, dtype))  # [B, H, N, C, C]
+    WK = wc @ kc.transpose(-1, -2)
+    kt = kc - (WK.tril(-1).transpose(-1, -2) @ M.transpose(-1, -2)) @ wc
+    return kc, wc, M, WK, kt
+
+
 def chunk_local_terms(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,17 +62,15 @@ def chunk_local_terms(
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor | None]:
     """What each chunk contributes on its own, in ``dtype`` and ``[B, H*, N, C, ·]``: the UT matrix ``M``
-    ``[B,H,N,C,C]``, the keys carried to their chunk's end ``kt`` ``[B,H,N,C,K]``, the queries carried to their
-    chunk's start ``x`` ``[B,HQ,N,C,K]``, the intra-chunk logits ``s`` ``[B,HQ,N,C,C]`` (scaled, gated, causally
-    masked with ``-inf``) and the cumulative gates ``G`` ``[B,HQ,N,C]`` (None without ``g``). Differentiable; the
-    PyTorch forward and the Triton backward (which differentiates through these) share it."""
+    ``[B,H,N,C,C]``, the chunked directions ``w`` ``[B,H,N,C,K]``, the keys carried to their chunk's end ``kt``
+    ``[B,H,N,C,K]``, the queries carried to their chunk's start ``x`` ``[B,HQ,N,C,K]``, the intra-chunk logits
+    ``s`` ``[B,HQ,N,C,C]`` (scaled, gated, causally masked with ``-inf``) and the cumulative gates ``G``
+    ``[B,HQ,N,C]`` (None without ``g``). Differentiable; the PyTorch forward and the Triton backward (which
+    differentiates through these) share it."""
     HQ, H = q.shape[2], k.shape[2]
     groups = HQ // H
-    qc, kc, wc = (_chunk(x, C, dtype) for x in (q, k, w))
-    M = ut_transform(wc, _chunk(beta, C, dtype))  # [B, H, N, C, C]
-    WK = wc @ kc.transpose(-1, -2)  # (w_s · k_j)
-    # keys carried to the end of their chunk: k̃_j = H_C ··· H_{j+1} k_j
-    kt = kc - (WK.tril(-1).transpose(-1, -2) @ M.transpose(-1, -2)) @ wc
+    qc = _chunk(q, C, dtype)
+    kc, wc, M, WK, kt = chunk_keys(k, w, beta, C, dtype)
 
     def per_query_head(x: torch.Tensor) -> torch.Tensor:
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -78,7 +88,7 @@ def chunk_local_terms(
         s = s + G[..., :, None] - G[..., None, :]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~causal, float("-inf"))
-    return dict(M=M, kt=kt, x=x, s=s, G=G)
+    return dict(M=M, w=wc, kt=kt, x=x, s=s, G=G)
 
 
 def chunk_path_fwd(
@@ -105,7 +115,7 @@ def chunk_path_fwd(
     def per_query_head(x: torch.Tensor) -> torch.Tensor:
         return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
-    wq, Mq, ktq, vq = (per_query_head(x) for x in (_chunk(w, C, dtype), terms["M"], terms["kt"], _chunk(v, C, dtype)))
+    wq, Mq, ktq, vq = (per_query_head(x) for x in (terms["w"], terms["M"], terms["kt"], _chunk(v, C, dtype)))
     x = terms["x"][:, :, 1:]  # chunk 0 has no earlier keys
 
     # online softmax over key chunks, right to left; the running max is a constant for autograd
@@ -142,10 +152,7 @@ def chunk_path_carry_keys(k: torch.Tensor, w: torch.Tensor, beta: torch.Tensor, 
     B, T, H, K = k.shape
     dtype = compute_dtype(k, w, beta)
     C = min(chunk_size, T)
-    kc, wc = _chunk(k, C, dtype), _chunk(w, C, dtype)
-    M = ut_transform(wc, _chunk(beta, C, dtype))
-    WK = wc @ kc.transpose(-1, -2)
-    kt = kc - (WK.tril(-1).transpose(-1, -2) @ M.transpose(-1, -2)) @ wc
+    kc, wc, M, _, kt = chunk_keys(k, w, beta, C, dtype)
     N = kc.shape[2]
     eye = torch.eye(K, dtype=dtype, device=k.device)
     suffix = eye.expand(B, H, K, K)
