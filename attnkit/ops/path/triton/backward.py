@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk
+from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
+from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, precisions
 
 SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
 
@@ -37,7 +38,7 @@ SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of q
 def checkpoint_every(chunks: int) -> int:
     """Key chunks per segment of the query kernel's checkpoints: ``⌈√chunks⌉`` balances the checkpoints
     (``chunks / every`` tiles) against one segment's tiles (``every``), for one extra carry pass."""
-    return max(1, math.isqrt(chunks - 1) + 1) if chunks > 1 else 1
+    return math.isqrt(max(chunks, 1) - 1) + 1
 
 
 def backward_config(key_dim: int) -> tuple[int, int]:
@@ -46,8 +47,6 @@ def backward_config(key_dim: int) -> tuple[int, int]:
     key kernel's shared memory is 112 KB at ``K = 64`` with 64-position chunks, but 288 KB (over the 227 KB an
     H200 block may have) at ``K = 128``; with 32-position chunks it is 208 KB there. Four warps at ``K <= 64``,
     eight above (half the spills). Not yet timed on a GPU. Under the interpreter: 16 positions, one warp."""
-    from attnkit.ops.common.triton_utils import interpreting
-
     if interpreting():
         return 16, 1
     return (64, 4) if key_dim <= 64 else (32, 8)
@@ -247,9 +246,6 @@ def path_bwd_between_fn(
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
     ``(dkt [B,T,H,K], dv [B,T,H,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], dg [B,T,HQ])``
     (``dg`` the gradient of ``gcum``)."""
-    from attnkit.ops.common.triton_seq import seq_layout
-    from attnkit.ops.common.triton_utils import block_dim, interpreting
-
     B, T, HQ, K = x.shape
     H, V = kt.shape[2], v.shape[-1]
     BT, BK, BV = chunk, block_dim(K), block_dim(V)
@@ -263,8 +259,7 @@ def path_bwd_between_fn(
     n_long = triton.cdiv(longest, BT)
     if n_long < 2:
         return dkt, dv, dx, dw, dm, dgk
-    precision = "ieee" if v.dtype == torch.float32 else "tf32"
-    carry = "ieee" if v.dtype == torch.float32 or interpreting() else "tf32x3"
+    precision, carry = precisions(v.dtype)
     launch = dict(num_warps=backward_config(K)[1], num_stages=1)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry, **launch)  # fmt: skip

@@ -16,7 +16,7 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton.forward import chunk_size
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel
+from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel, precisions
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def path_carry_fn(
     out = torch.empty_like(k)
     if longest == 0:
         return out
-    carry = "ieee" if k.dtype == torch.float32 or interpreting() else "tf32x3"
+    carry = precisions(k.dtype)[1]
     launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=k.device)
     kt = torch.empty_like(k)

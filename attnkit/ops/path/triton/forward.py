@@ -16,7 +16,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel
+from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel, precisions
 
 
 @triton.jit
@@ -131,8 +131,7 @@ def path_fwd_fn(
     NC = triton.cdiv(T, BT)
     if cu_seqlens is None:
         chunks = B * NC
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    carry = "ieee" if q.dtype == torch.float32 or interpreting() else "tf32x3"
+    precision, carry = precisions(q.dtype)
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     if longest == 0:

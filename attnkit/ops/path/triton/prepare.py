@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds
+from attnkit.ops.common.triton_utils import interpreting
 
 
 @triton.jit
@@ -72,6 +73,15 @@ def path_prepare_kernel(
     b_z = tl.dot(b_m, tl.where(rows > cols, b_wk, 0.0), input_precision=PRECISION)
     b_kt = b_k.to(tl.float32) - tl.dot(tl.trans(b_z), b_w, input_precision=PRECISION)
     tl.store(kt_out + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], b_kt.to(kt_out.dtype.element_ty), mask=m_tk)
+
+
+def precisions(dtype: torch.dtype) -> tuple[str, str]:
+    """``input_precision`` of the PaTH kernels' dots for inputs of ``dtype``: ``(products, carries)``. The
+    attention products run in the inputs' precision (one TF32 pass for float32 operands holding 16-bit values);
+    the carries and the UT solve are float32-accurate (3×TF32; exact ``ieee`` for float32 inputs and under the
+    interpreter, which has no TF32)."""
+    exact = dtype == torch.float32
+    return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else "tf32x3")
 
 
 def chunk_offsets_of(cu_seqlens: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor | None, int]:
