@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
-from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.forward import chunk_size
+from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.path.triton.forward import chunk_size, launch_config
 from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel, precisions
 
 
@@ -73,7 +73,7 @@ def path_carry_fn(
     if longest == 0:
         return out
     carry = precisions(k.dtype)[1]
-    launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
+    launch = launch_config()
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=k.device)
     kt = torch.empty_like(k)
     is_varlen = cu_seqlens is not None

@@ -106,6 +106,15 @@ def chunk_size(K: int) -> int:
     return 16 if interpreting() else 64
 
 
+def launch_config() -> dict[str, int]:
+    """Warps and stages of the prepare and forward kernels (and of the carried-key pass). Not tuned yet
+    (``benchmarks/path_tune.py``). Compiled for sm_90a with Triton 3.6 they fit shared memory at K = 128 only
+    without software pipelining, and spill registers (the float32 carried query and its 3xTF32 dots). Four warps:
+    on the H200 (Triton 3.6), eight gave illegal memory accesses and wrong outputs for float16 at K = 16/32 (the
+    float32 and the bf16 K = 64/128 cases were right); four pass every GPU test that ran."""
+    return dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
+
+
 def path_fwd_fn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,12 +150,7 @@ def path_fwd_fn(
     mw = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     is_varlen = cu_seqlens is not None
     grid_chunks = triton.cdiv(longest, BT)
-    # Not tuned yet. Compiled for sm_90a with Triton 3.6, both kernels fit shared memory at K = 128 only without
-    # software pipelining, and they spill registers (the float32 carried query and its 3xTF32 dots). Four warps: on
-    # the H200 (Triton 3.6), eight warps gave illegal memory accesses and wrong outputs for float16 at K = 16/32
-    # (the float32 and the bf16 K = 64/128 cases were right); four pass every GPU test that ran.
-    launch = dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
-    launch = dict(config or launch)
+    launch = dict(config or launch_config())
     carry = launch.pop("carry_precision", carry)
     path_prepare_kernel[(grid_chunks, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
