@@ -25,6 +25,7 @@ import argparse
 import gc
 import hashlib
 import importlib.metadata
+import json
 import math
 import platform
 import statistics
@@ -623,6 +624,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the harness on tiny shapes (smoke test)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for NAME.json, NAME.png")
     parser.add_argument("--name", default="ops", help="file stem of the outputs, e.g. ops_tapa_h200")
+    parser.add_argument(
+        "--replot", metavar="JSON", help="measure nothing: the table and TFLOP/s plot of a run's JSON (one cut short)"
+    )
     args = parser.parse_args(argv)
     if args.seq_lens is None:
         args.seq_lens = list(QUICK_SEQ_LENS if args.quick else SEQ_LENS)
@@ -639,8 +643,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def replot(path: Path) -> int:
+    """The table and the plot (``path`` with ``.png``) of a JSON written by an earlier run."""
+    payload = json.loads(path.read_text())
+    rows, env = payload["rows"], payload["environment"]
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path.with_suffix('.png')}")
+    print(f"\n{env['device']}, bf16, causal, {payload['settings']['tokens']} tokens per batch")
+    print(format_tables(rows))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("benchmarks/ops.py needs a CUDA device (or --device cpu for a smoke run); none is available here.")

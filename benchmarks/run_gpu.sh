@@ -5,9 +5,10 @@
 # JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
-#                              [vlaacc] [vlaprof] [path] [pathtune] [decode] [tune]
+#                              [vlaacc] [vlaprof] [path] [pathprof] [pathtune] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
-#   `tests vlaseq decode`; `tapa tapaacc tune`; `pathtests path`; `pathtune vlalong`.
+#   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests pathprof`;
+#   `pathtune vlalong`; `vlalong pathprof decode`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -34,10 +35,14 @@ for step in $steps; do
             timeout 120 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
                 > "$OUT/vlatests.log" 2>&1
             tail -12 "$OUT/vlatests.log" ;;
-        pathtests)  # the PaTH kernels' GPU tests alone
-            timeout 120 python3 -m pytest -q -rf tests/ops/test_path_triton.py tests/ops/test_path_decoding_triton.py \
-                > "$OUT/pathtests.log" 2>&1
-            tail -12 "$OUT/pathtests.log" ;;
+        pathtests)  # the PaTH kernels' GPU tests alone: the small cases, then the real-size gradients, then the
+            # real-size forwards (whose float32 PyTorch references at 32k take minutes; 120 s for the whole file cut
+            # it after 16 tests at 9d16e14)
+            files="tests/ops/test_path_triton.py tests/ops/test_path_decoding_triton.py"
+            timeout 90 python3 -m pytest -q -rf $files -k "not real_size" > "$OUT/pathtests.log" 2>&1
+            timeout 150 python3 -m pytest -q -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
+            timeout 150 python3 -m pytest -q -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
+            grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
         tapa)
             timeout 120 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
                 > "$OUT/tapa.log" 2>&1 ;;
@@ -64,6 +69,9 @@ for step in $steps; do
                 > "$OUT/path.log" 2>&1 ;;
         pathtune)  # PaTH: forward warps/stages, backward chunk/warps at T = 4k, D = 64 and 128
             timeout 300 python3 benchmarks/path_tune.py --out "$OUT" > "$OUT/pathtune.log" 2>&1 ;;
+        pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128
+            timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
+                --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
@@ -80,7 +88,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathtune flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathprof pathtune flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

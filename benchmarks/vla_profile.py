@@ -16,7 +16,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -24,26 +23,8 @@ if str(ROOT) not in sys.path:
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
+from benchmarks.kernel_profile import kernel_table, print_table  # noqa: E402
 from benchmarks.ops import REGISTRY, environment  # noqa: E402
-
-
-def kernel_table(fn, leaves: list[torch.Tensor], do: torch.Tensor, steps: int = 3) -> list[dict]:
-    """GPU kernels of ``steps`` forward+backward calls of ``fn``, µs per call, largest first."""
-    for _ in range(2):  # compile and warm up
-        torch.autograd.backward(fn(), do)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            torch.autograd.backward(fn(), do)
-        torch.cuda.synchronize()
-    rows = [
-        {"kernel": e.key[:90], "us": e.device_time_total / steps, "calls": e.count // steps}
-        for e in prof.key_averages()
-        if e.device_time_total > 0
-    ]
-    for t in leaves:
-        t.grad = None
-    return sorted(rows, key=lambda r: -r["us"])
 
 
 def gate_sweep(B: int, T: int, H: int) -> list[dict]:
@@ -94,13 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json(f"{args.out}/{args.name}.json", payload)
     for name in args.impls:  # FLA's first call autotunes for a minute: last, and written after each
         leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
-        table = kernel_table(partial(op.impls[name].fn, leaves), list(leaves.values()), do)
+        table, wall_ms = kernel_table(partial(op.impls[name].fn, leaves), list(leaves.values()), do)
         payload["tables"][name] = table
         write_json(f"{args.out}/{args.name}.json", payload)
-        total = sum(r["us"] for r in table)
-        print(f"\n{name}: B={B} T={T} H={H} D={D} bf16, forward+backward, {total / 1e3:.3f} ms of GPU kernels")
-        for r in table[:25]:
-            print(f"  {r['us']:9.1f} us  {r['calls']:3d}x  {r['kernel']}")
+        print_table(name, f"B={B} T={T} H={H} D={D}", table, wall_ms)
     return 0
 
 

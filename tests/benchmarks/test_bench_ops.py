@@ -136,6 +136,13 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     assert rows[("broken", 32, "fwd")]["error"] == "skipped: failed at T=16"
     assert rows[("broken", 32, "fwd")]["check_error"] is None
 
+    # --replot: the same tables and a new plot from the JSON alone, nothing measured again
+    tables = out[out.index("tapa D=64") : out.index("tapa/broken check failed")]
+    (tmp_path / "smoke.png").unlink()
+    assert ops.main(["--replot", str(tmp_path / "smoke.json")]) == 0
+    assert tables.strip() in capsys.readouterr().out
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+
 
 def test_smoke_run_path_on_cpu(tmp_path, monkeypatch):
     """PaTH and PaTH-FoX through the harness: the PyTorch backend stands in for the kernels (Triton and FLA run on

@@ -1,0 +1,92 @@
+"""Where one forward+backward's GPU time goes: the kernels of each implementation of an op under
+``torch.profiler``, grouped by name, largest first, next to the step's wall time (the gap between the two is
+time the GPU waits on the host: launches, syncs, allocation).
+
+    python benchmarks/kernel_profile.py --op path [--impls path_triton fla_parallel_path_attn]
+        [--batch 8] [--seq-len 4096] [--head-dims 64 128] [--out DIR] [--name NAME]
+
+bf16 inputs as ``benchmarks/ops.py`` makes them (H = 1024 // D); writes ``DIR/NAME.json`` after each table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from attnkit.experiments.output import write_json  # noqa: E402
+from benchmarks.ops import REGISTRY, WIDTH, _layout, _leaves, environment  # noqa: E402
+
+
+def kernel_table(fn, leaves: list[torch.Tensor], do: torch.Tensor, steps: int = 3) -> tuple[list[dict], float]:
+    """GPU kernels of ``steps`` forward+backward calls of ``fn`` (µs per call, largest first) and the wall ms of
+    one call."""
+    for _ in range(2):  # compile and warm up
+        torch.autograd.backward(fn(), do)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        torch.autograd.backward(fn(), do)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.autograd.backward(fn(), do)
+        torch.cuda.synchronize()
+    rows = [
+        {"kernel": e.key[:90], "us": e.device_time_total / steps, "calls": e.count // steps}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    for t in leaves:
+        t.grad = None
+    return sorted(rows, key=lambda r: -r["us"]), wall_ms
+
+
+def print_table(name: str, shape: str, table: list[dict], wall_ms: float | None = None, top: int = 25) -> None:
+    total = sum(r["us"] for r in table)
+    wall = "" if wall_ms is None else f", {wall_ms:.3f} ms wall"
+    print(f"\n{name}: {shape} bf16, forward+backward, {total / 1e3:.3f} ms of GPU kernels{wall}")
+    for r in table[:top]:
+        print(f"  {r['us']:9.1f} us  {r['calls']:3d}x  {r['kernel']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", required=True, choices=sorted(REGISTRY))
+    parser.add_argument("--impls", nargs="+", help="default: every implementation of the op")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--name", help="default: profile_OP_h200")
+    args = parser.parse_args(argv)
+    op = REGISTRY[args.op]
+    name = args.name or f"profile_{args.op}_h200"
+    payload = {"environment": environment(torch.device("cuda")), "tables": []}
+    for D in args.head_dims:
+        B, T, H = args.batch, args.seq_len, WIDTH // D
+        x = {n: t.cuda().bfloat16() for n, t in op.make_inputs(B, T, H, D).items()}
+        do = torch.randn_like(x["v"])
+        for impl in args.impls or list(op.impls):  # FLA's first call autotunes for a minute
+            leaves = _leaves(x, op.impls[impl], requires_grad=True)
+            fn = partial(op.impls[impl].fn, leaves)
+            table, wall_ms = kernel_table(fn, list(leaves.values()), _layout(do, op.impls[impl]))
+            row = {"impl": impl, "B": B, "T": T, "H": H, "D": D, "wall_ms": wall_ms, "kernels": table}
+            payload["tables"].append(row)
+            write_json(f"{args.out}/{name}.json", payload)
+            print_table(impl, f"B={B} T={T} H={H} D={D}", table, wall_ms)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
