@@ -26,7 +26,7 @@ from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import path_attention  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
-from attnkit.ops.path.triton import backward  # noqa: E402
+from attnkit.ops.path.triton import backward, prepare  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
 from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 
@@ -34,6 +34,9 @@ from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 # 16-bit inputs). "tf32" is one TF32 pass for the carried query: ~3x fewer tensor-core passes, error read off `err`.
 FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32")]
 BWD = [(64, 4), (64, 8), (32, 4), (32, 8), (16, 4)]  # (chunk, num_warps) of the backward kernels
+# --carry-only: the forward's default and single-TF32 carries, then forward+backward with every carry in 3xTF32 (the
+# default) and in one TF32 pass (prepare.CARRY_16BIT), with beta drawn from (1.5, 2) as issue 3's accuracy bar asks.
+CARRY = [None, "tf32"]
 
 
 def bench(fn, device: torch.device) -> float:
@@ -55,11 +58,15 @@ def grads_of(x: dict[str, torch.Tensor], do: torch.Tensor) -> list[torch.Tensor]
     return [o] + [leaves[n].grad for n in ("q", "k", "v", "w", "beta", "g")]
 
 
-def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list) -> dict:
+def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None) -> dict:
+    """One (D, T) cell: the forward ``fwd`` configurations, then forward+backward with the backward's ``bwd``
+    configurations, or (``carries`` given) with each carry precision of 16-bit inputs instead."""
     H = max(1, 1024 // D) if device.type == "cuda" else 2
     B = max(1, 32768 // T) if device.type == "cuda" else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = {n: t.to(device=device, dtype=dtype) for n, t in make_inputs("path_fox", B, T, H, D).items()}
+    if carries is not None:  # beta in (1.5, 2): the carries' hardest range
+        x["beta"] = 1.5 + x["beta"] / 4
     do = torch.randn(B, T, H, D, device=device, dtype=dtype)
     cell = dict(D=D, T=T, B=B, H=H, fwd=[], bwd=[])
     if device.type == "cuda":
@@ -80,6 +87,19 @@ def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list) -> dic
         cell["fwd"].append(row)
         print(f"  fwd D={D} T={T} {config}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
+    for carry in carries or []:
+        saved, prepare.CARRY_16BIT = prepare.CARRY_16BIT, carry or prepare.CARRY_16BIT
+        try:
+            out, error = attempt(lambda: grads_of(x, do))
+            row = dict(carry_precision=carry or "default", error=error)
+            if out is not None:
+                errs = [rel_rms(a, b) for a, b in zip(out, default)]
+                ms = bench(lambda: grads_of(x, do), device)
+                row.update(err=max(errs), errs=dict(zip(("o", "dq", "dk", "dv", "dw", "dbeta", "dg"), errs)), ms=ms)
+        finally:
+            prepare.CARRY_16BIT = saved
+        cell["bwd"].append(row)
+        print(f"  fwd+bwd D={D} T={T} carry={carry or 'default'}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     config = backward.backward_config
     for chunk, warps in bwd:
         backward.backward_config = lambda key_dim, c=chunk, w=warps: (c, w)
@@ -106,7 +126,9 @@ def table(cells: list[dict]) -> str:
         lines.append(head)
         for kind, keys in (("fwd", ("num_warps", "num_stages", "carry_precision")), ("bwd", ("chunk", "num_warps"))):
             for row in sorted(cell[kind], key=lambda r: r.get("ms", float("inf"))):
-                setting = " ".join(f"{k}={row[k]}" for k in keys)
+                setting = " ".join(f"{k}={row[k]}" for k in keys if k in row)
+                if kind == "bwd" and "carry_precision" in row:
+                    setting = f"carry_precision={row['carry_precision']}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
                 lines.append(f"  {'fwd' if kind == 'fwd' else 'fwd+bwd'} {setting}: {result}")
     return "\n".join(lines)
@@ -118,14 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="two configurations of each kind (smoke runs)")
+    parser.add_argument(
+        "--carry-only", action="store_true", help="only the carries' precision, forward and forward+backward (CARRY)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     fwd, bwd = ([FWD[0], FWD[-1]], BWD[2:4]) if args.quick else (FWD, BWD)
+    if args.carry_only:
+        fwd, bwd = [FWD[0], FWD[-1]], []
     cells = []
     for T in args.seq_lens:  # every D at the shortest T first: a time limit cuts the long cells
         for D in args.head_dims:
-            cells.append(time_cell(D, T, device, fwd, bwd))
+            cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None))
             write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
     print(table(cells))
     return 0

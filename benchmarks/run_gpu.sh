@@ -5,7 +5,7 @@
 # JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
-#                              [vlaacc] [vlaprof] [path] [pathprof] [pathtune] [decode] [tune]
+#                              [vlaacc] [vlaprof] [path] [pathprof] [pathtune] [pathcarry] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests pathprof`;
 #   `pathtune vlalong`; `vlalong pathprof decode`.
@@ -72,6 +72,8 @@ for step in $steps; do
         pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
+        pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
+            timeout 200 python3 benchmarks/path_tune.py --carry-only --out "$OUT" > "$OUT/pathcarry.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
@@ -88,7 +90,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathprof pathtune flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathprof pathtune pathcarry flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -24,3 +24,20 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
 
     assert backward.backward_config(16) == (16, 1)
     assert "fwd+bwd chunk=32" in capsys.readouterr().out
+
+
+def test_carry_only_on_cpu(tmp_path, capsys):
+    """--carry-only: the forward's two carries, then forward+backward with each carry precision (every gradient's
+    error against the default's), and the precision put back."""
+    argv = ["--device", "cpu", "--carry-only", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
+    assert path_tune.main(argv) == 0
+    cell = json.loads((tmp_path / "path_tune.json").read_text())["cells"][0]
+    assert [r["carry_precision"] for r in cell["fwd"]] == ["default", "tf32"]
+    assert [r["carry_precision"] for r in cell["bwd"]] == ["default", "tf32"]
+    for row in cell["bwd"]:
+        assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-5
+        assert set(row["errs"]) == {"o", "dq", "dk", "dv", "dw", "dbeta", "dg"}
+    from attnkit.ops.path.triton import prepare
+
+    assert prepare.CARRY_16BIT == "tf32x3"
+    assert "fwd+bwd carry_precision=tf32:" in capsys.readouterr().out

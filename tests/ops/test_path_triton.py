@@ -178,6 +178,22 @@ def test_backward_in_waves(monkeypatch, chunk):
         assert_close(name, a, e, 1e-5)
 
 
+@pytest.mark.parametrize("sums_da", [True, False], ids=["dA", "dM-dW"])
+@pytest.mark.parametrize("K", [16, 24])
+def test_carry_gradient_forms(monkeypatch, sums_da, K):
+    """Both forms of the carries' gradient in the query kernel — each chunk's ``dA_m`` summed and taken back by
+    autograd, or its projections ``dM_m``, ``dW_m`` summed by atomics — give the PyTorch backend's gradients,
+    whichever the launcher would pick (K = 24 pads to a 32-wide ``dA`` tile over 16-position chunks)."""
+    from attnkit.ops.path.triton import backward
+
+    monkeypatch.setattr(backward, "sums_carry_gradient", lambda key_dim, chunk: sums_da)
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 75, 4, 2, K, 16, gate=True, dtype=torch.float32, beta_low=1.5)]
+    do = torch.randn(1, 75, 4, 16, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton"), backend_grads(inputs, do, "torch")
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a, e, 1e-5)
+
+
 @pytest.mark.parametrize("every", [1, 2, 100], ids=["segments-of-1", "segments-of-2", "one-segment"])
 def test_backward_checkpoint_segments(monkeypatch, every):
     """The query kernel's checkpoints every ``every`` key chunks (one tile a segment, two, or all in one segment)

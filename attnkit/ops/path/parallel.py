@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.common.utils import repeat_kv, segment_bounds
 from attnkit.ops.path.torch_impl import _chunk, chunk_local_terms
 from attnkit.ops.path.triton import backward
@@ -81,9 +82,9 @@ def path_bwd_between_op(
     cu_seqlens: torch.Tensor | None,
     scale: float,
     chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels (:func:`attnkit.ops.path.triton.backward.path_bwd_between_fn`): float32
-    ``(dkt, dv, dx, dw, dm, dgcum)`` of the logits between chunks."""
+    ``(dkt, dv, dx, dw, dm, da, dgcum)`` of the logits between chunks (``dw``, ``dm`` or ``da`` empty)."""
     x, kt, v, w, m, mw, do = (t.contiguous() for t in (x, kt, v, w, m, mw, do))
     return backward.path_bwd_between_fn(x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk)
 
@@ -92,8 +93,13 @@ def path_bwd_between_op(
 def _(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk):
     B, T, HQ, K = x.shape
     f32 = dict(dtype=torch.float32)
+    if backward.sums_carry_gradient(K, chunk):
+        BK = block_dim(K)
+        dw, dm, da = x.new_empty(0, **f32), x.new_empty(0, **f32), x.new_empty(m.shape[0], kt.shape[2], BK, BK, **f32)
+    else:
+        dw, dm, da = x.new_empty(w.shape, **f32), x.new_empty(m.shape, **f32), x.new_empty(0, **f32)
     return (x.new_empty(kt.shape, **f32), x.new_empty(v.shape, **f32), x.new_empty(B, T, HQ, K, **f32),
-            x.new_empty(w.shape, **f32), x.new_empty(m.shape, **f32), x.new_empty(B, T, HQ, **f32))  # fmt: skip
+            dw, dm, da, x.new_empty(B, T, HQ, **f32))  # fmt: skip
 
 
 def _setup_fwd(ctx, inputs, output):
@@ -107,11 +113,12 @@ def _setup_fwd(ctx, inputs, output):
 
 def _chunk_terms(q, k, w, beta, g, scale, segments, chunk):
     """The chunk-local terms of every sequence, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``,
-    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]`` (float32), per sequence its intra-chunk logits ``[B,HQ,N,C,C]``, and
-    ``M W`` per chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for the carries)."""
+    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]``, ``w`` chunked as ``m`` ``[chunks,H,C,K]`` (float32), per sequence its
+    intra-chunk logits ``[B,HQ,N,C,C]``, and ``M W`` per chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for
+    the carries)."""
     B, _, HQ, K = q.shape
     H = k.shape[2]
-    xs, kts, ms, mws, logits = [], [], [], [], []
+    xs, kts, ms, wcs, mws, logits = [], [], [], [], [], []
     for bos, eos in segments:
         sl = slice(bos, eos)
         terms = chunk_local_terms(
@@ -121,10 +128,11 @@ def _chunk_terms(q, k, w, beta, g, scale, segments, chunk):
         xs.append(terms["x"].movedim(1, 3).reshape(B, n * chunk, HQ, K)[:, : eos - bos])
         kts.append(terms["kt"].movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
         ms.append(terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk))
+        wcs.append(terms["w"].transpose(1, 2).reshape(B * n, H, chunk, K))
         mw = terms["M"].detach() @ terms["w"].detach()
         mws.append(mw.movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
         logits.append(terms["s"])
-    return torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), logits, torch.cat(mws, 1)
+    return torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), torch.cat(wcs, 0), logits, torch.cat(mws, 1)
 
 
 def _diagonal_grads(logits, lse, do, v, delta, segments, chunk):
@@ -161,18 +169,25 @@ def _fwd_backward(ctx, do, dlse):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
         gate = None if g is None else g.detach().requires_grad_()
-        x, kt, m, logits, mw = _chunk_terms(*leaves, gate, ctx.scale, segments, chunk)
+        x, kt, m, wc, logits, mw = _chunk_terms(*leaves, gate, ctx.scale, segments, chunk)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
-    dkt, dv, dx, dw_between, dm, dgcum = path_bwd_between_op(
+    dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(
         x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta, cu_seqlens, ctx.scale, chunk
     )
     dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, segments, chunk)
     inputs = leaves + ([] if gate is None else [gate])
-    grads = torch.autograd.grad([x, kt, m, *logits], inputs, [dx, dkt, dm, *dss], allow_unused=True)
+    if da.numel():  # the carries' gradient dA_m, taken back by autograd through A_m − I = −W_mᵀ M_m W_m
+        with torch.enable_grad():
+            carry = wc.transpose(-1, -2) @ (m @ wc)
+        outputs, grad_outputs = [x, kt, carry, *logits], [dx, dkt, -da[..., :K, :K], *dss]
+    else:
+        outputs, grad_outputs = [x, kt, m, *logits], [dx, dkt, dm, *dss]
+    grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
     grads = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads)]
     dq, dk, dw, dbeta = grads[:4]
-    dw = dw + dw_between
+    if not da.numel():
+        dw = dw + dw_between
     dv = dv + (dv_diag if groups == 1 else dv_diag.view(B, T, H, groups, -1).sum(3))
     dg = None
     if gate is not None:

@@ -14,9 +14,10 @@ logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··
 - ``path_bwd_q_kernel``, one program per (query chunk ``c``, query head), runs the carried query right to left
   once, checkpointing ``L_{c,m}`` at the right end of every segment of ``⌈√c⌉`` key chunks, then walks the
   segments left to right: each segment's ``L`` recomputed from its checkpoint into scratch, then the gradient
-  ``Γ`` of the carried query (``Γ ← Γ A_mᵀ + scale · dS_cm K̃_m``): ``dA_m += L_{c,m}ᵀ Γ`` lands in
-  ``dM_m = −Uᵀ V`` and ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``) by atomic adds, and
-  ``dx_c = Γ`` at the end. Scratch: ``2√N`` tiles a program, for one extra pass of carries; the launcher runs
+  ``Γ`` of the carried query (``Γ ← Γ A_mᵀ + scale · dS_cm K̃_m``): ``dA_m += L_{c,m}ᵀ Γ`` by atomic adds, either
+  as itself (:func:`sums_carry_gradient`; autograd takes it back through ``A_m − I = −W_mᵀ M_m W_m``) or as
+  ``dM_m = −Uᵀ V`` and ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``), and ``dx_c = Γ`` at the
+  end. Scratch: ``2√N`` tiles a program, for one extra pass of carries; the launcher runs
   the query chunks in waves that fit a fixed budget (linear in ``T`` however long the sequence).
 """
 
@@ -39,6 +40,13 @@ def checkpoint_every(chunks: int) -> int:
     """Key chunks per segment of the query kernel's checkpoints: ``⌈√chunks⌉`` balances the checkpoints
     (``chunks / every`` tiles) against one segment's tiles (``every``), for one extra carry pass."""
     return math.isqrt(max(chunks, 1) - 1) + 1
+
+
+def sums_carry_gradient(key_dim: int, chunk: int) -> bool:
+    """Whether the query kernel sums each chunk's carry gradient ``dA_m`` (``BK × BK``: one product and ``BK²``
+    atomic adds a chunk pair) rather than its projections ``dM_m``, ``dW_m`` (seven products, ``C² + C·K``
+    atomics), which autograd then takes from ``A = I − Wᵀ M W``: when ``BK <= chunk``, where it is the cheaper."""
+    return block_dim(key_dim) <= chunk
 
 
 def backward_config(key_dim: int) -> tuple[int, int]:
@@ -135,17 +143,18 @@ def carry_across(
 
 @triton.jit
 def path_bwd_q_kernel(
-    x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, chunk_offsets, T, NC, c_base,
-    EVERY, SLOTS, scale,
+    x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dgq, scratch, cu_seqlens, chunk_offsets, T, NC,
+    c_base, EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    CARRY_PRECISION: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr, DA: tl.constexpr,
 ):  # fmt: skip
-    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and ``dw [*, H, K]``,
-    ``dm [chunks, H, BT, BT]`` (atomic adds), all float32 and zero-initialised. Grid ``(chunks of this wave,
-    N * HQ)``: program ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]``
-    float32: the carried query at the right end of every segment of ``EVERY`` key chunks (checkpoints), then
-    one segment's worth, recomputed from its checkpoint before the segment is walked left to right."""
+    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and, by atomic adds,
+    either (``DA``) ``da [chunks, H, BK, BK]``, the gradient of each chunk's carry ``A_m``, or ``dw [*, H, K]`` and
+    ``dm [chunks, H, BT, BT]``, all float32 and zero-initialised. Grid ``(chunks of this wave, N * HQ)``: program
+    ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32: the carried
+    query at the right end of every segment of ``EVERY`` key chunks (checkpoints), then one segment's worth,
+    recomputed from its checkpoint before the segment is walked left to right."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_c = c_base + i_j
     i_n, i_hq = i_nh // HQ, i_nh % HQ
@@ -199,20 +208,27 @@ def path_bwd_q_kernel(
             b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
             if i_m > 0:
                 b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
-                b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
-                b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
-                b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
-                b_dmm = -tl.dot(tl.trans(b_u), b_vg, input_precision=CARRY_PRECISION)
-                b_mv = tl.dot(b_mm, tl.trans(b_vg), input_precision=CARRY_PRECISION)  # M Vᵀ
-                b_mu = tl.dot(tl.trans(b_mm), tl.trans(b_u), input_precision=CARRY_PRECISION)  # Mᵀ Uᵀ
-                b_dw = -(
-                    tl.dot(b_mv, b_l, input_precision=CARRY_PRECISION)
-                    + tl.dot(b_mu, b_gam, input_precision=CARRY_PRECISION)
-                )
-                tl.atomic_add(dm + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols, b_dmm)
-                tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
-                b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
-                                input_precision=CARRY_PRECISION)  # fmt: skip
+                if DA:  # dA_m += L_{c,m}ᵀ Γ, then Γ ← Γ A_mᵀ = Γ − (Γ (M W)ᵀ) W
+                    b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
+                    b_da = tl.dot(tl.trans(b_l), b_gam, input_precision=CARRY_PRECISION)
+                    tl.atomic_add(da + ((chunk0 + i_m) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :], b_da)
+                    b_gam -= tl.dot(tl.dot(b_gam, tl.trans(b_mw), input_precision=CARRY_PRECISION), b_w,
+                                    input_precision=CARRY_PRECISION)  # fmt: skip
+                else:  # dA_m's projections dM_m, dW_m directly (fewer atomics when BK > BT)
+                    b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
+                    b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
+                    b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
+                    b_dmm = -tl.dot(tl.trans(b_u), b_vg, input_precision=CARRY_PRECISION)
+                    b_mv = tl.dot(b_mm, tl.trans(b_vg), input_precision=CARRY_PRECISION)  # M Vᵀ
+                    b_mu = tl.dot(tl.trans(b_mm), tl.trans(b_u), input_precision=CARRY_PRECISION)  # Mᵀ Uᵀ
+                    b_dw = -(
+                        tl.dot(b_mv, b_l, input_precision=CARRY_PRECISION)
+                        + tl.dot(b_mu, b_gam, input_precision=CARRY_PRECISION)
+                    )
+                    tl.atomic_add(dm + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols, b_dmm)
+                    tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
+                    b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
+                                    input_precision=CARRY_PRECISION)  # fmt: skip
             b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
             if USE_G:
                 b_gk = tl.load(gcum + p_m * HQ + i_hq)
@@ -244,8 +260,10 @@ def path_bwd_between_fn(
     """The gradients of the logits between chunks. ``x [B,T,HQ,K]``, ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
-    ``(dkt [B,T,H,K], dv [B,T,H,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], dg [B,T,HQ])``
-    (``dg`` the gradient of ``gcum``)."""
+    ``(dkt [B,T,H,K], dv [B,T,H,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], da [chunks,H,BK,BK],
+    dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``): the carries' gradient either as ``da`` (the gradient of
+    ``A = I − Wᵀ M W`` per chunk, :func:`sums_carry_gradient`) with ``dw``, ``dm`` empty, or as ``dw``, ``dm``
+    with ``da`` empty."""
     B, T, HQ, K = x.shape
     H, V = kt.shape[2], v.shape[-1]
     BT, BK, BV = chunk, block_dim(K), block_dim(V)
@@ -255,10 +273,14 @@ def path_bwd_between_fn(
     f32 = dict(dtype=torch.float32, device=x.device)
     dkt, dv, dx = torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, K, **f32)
     dgk, dgq = torch.zeros(B, T, HQ, **f32), torch.zeros(B, T, HQ, **f32)
-    dw, dm = torch.zeros(B, T, H, K, **f32), torch.zeros_like(m)
+    sums_da = sums_carry_gradient(K, BT)
+    if sums_da:  # the op's outputs may not alias one another: separate empty tensors
+        dw, dm, da = torch.empty(0, **f32), torch.empty(0, **f32), torch.zeros(m.shape[0], H, BK, BK, **f32)
+    else:
+        dw, dm, da = torch.zeros(B, T, H, K, **f32), torch.zeros_like(m), torch.empty(0, **f32)
     n_long = triton.cdiv(longest, BT)
     if n_long < 2:
-        return dkt, dv, dx, dw, dm, dgk
+        return dkt, dv, dx, dw, dm, da, dgk
     precision, carry = precisions(v.dtype)
     launch = dict(num_warps=backward_config(K)[1], num_stages=1)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
@@ -274,7 +296,7 @@ def path_bwd_between_fn(
     scratch = torch.empty(wave * N * HQ * slots * BT * BK, **f32)
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
-            x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, dgq, scratch, cu_seqlens, offsets, T, NC, c_base,
-            every, slots, scale, **common,
+            x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dgq, scratch, cu_seqlens, offsets, T, NC,
+            c_base, every, slots, scale, DA=sums_da, **common,
         )  # fmt: skip
-    return dkt, dv, dx, dw, dm, dgk + dgq
+    return dkt, dv, dx, dw, dm, da, dgk + dgq

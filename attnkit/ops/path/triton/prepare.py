@@ -75,13 +75,16 @@ def path_prepare_kernel(
     tl.store(kt_out + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], b_kt.to(kt_out.dtype.element_ty), mask=m_tk)
 
 
+CARRY_16BIT = "tf32x3"  # the carries' precision for 16-bit inputs (benchmarks/path_tune.py --carry-only times "tf32")
+
+
 def precisions(dtype: torch.dtype) -> tuple[str, str]:
     """``input_precision`` of the PaTH kernels' dots for inputs of ``dtype``: ``(products, carries)``. The
     attention products run in the inputs' precision (one TF32 pass for float32 operands holding 16-bit values);
-    the carries and the UT solve are float32-accurate (3×TF32; exact ``ieee`` for float32 inputs and under the
-    interpreter, which has no TF32)."""
+    the carries and the UT solve of 16-bit inputs use ``CARRY_16BIT`` (3×TF32: float32-accurate); exact ``ieee``
+    for float32 inputs and under the interpreter, which has no TF32."""
     exact = dtype == torch.float32
-    return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else "tf32x3")
+    return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else CARRY_16BIT)
 
 
 def chunk_offsets_of(cu_seqlens: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor | None, int]:
