@@ -25,7 +25,7 @@ def token(B, HQ, H, K, V, gate):
 
 @pytest.mark.parametrize("split", [None, 16], ids=["one-split", "splits-and-merge"])
 @pytest.mark.parametrize("gate", [False, True], ids=["path", "fox"])
-@pytest.mark.parametrize("B, HQ, H, K, V", [(2, 4, 2, 16, 16), (1, 2, 1, 24, 12)], ids=str)
+@pytest.mark.parametrize("B, HQ, H, K, V", [(2, 4, 2, 16, 16), (1, 2, 1, 24, 12), (1, 2, 1, 256, 16)], ids=str)
 def test_steps_match_torch(B, HQ, H, K, V, gate, split, monkeypatch):
     if split is not None:
         monkeypatch.setattr(decode_merge, "decode_split_size", lambda *args: split)

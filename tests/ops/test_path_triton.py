@@ -76,8 +76,9 @@ def test_real_sizes_on_gpu(B, T, HQ, H, K, dtype):
         (1, 8192, 4, 2, 64, torch.bfloat16, None),
         (2, 2048, 2, 2, 128, torch.float32, None),
         (1, 4096, 2, 1, 128, torch.bfloat16, [0, 1000, 1000, 4096]),
+        (1, 2048, 2, 2, 256, torch.bfloat16, None),
     ],
-    ids=["bf16-K64", "fp32-K128", "bf16-K128-varlen"],
+    ids=["bf16-K64", "fp32-K128", "bf16-K128-varlen", "bf16-K256"],
 )
 def test_real_size_gradients_on_gpu(B, T, HQ, H, K, dtype, offsets):
     """The fused backward at real sizes, ``beta`` in (1.5, 2): every gradient against the PyTorch backend on the
@@ -98,7 +99,9 @@ def test_real_size_gradients_on_gpu(B, T, HQ, H, K, dtype, offsets):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
-    "K, offsets", [(16, None), (24, None), (80, None), (16, [0, 5, 5, 40, 75])], ids=["K16", "K24", "K80", "varlen"]
+    "K, offsets",
+    [(16, None), (24, None), (80, None), (256, None), (16, [0, 5, 5, 40, 75])],
+    ids=["K16", "K24", "K80", "K256", "varlen"],
 )
 def test_carry_keys_kernel(K, offsets, dtype):
     """The prefill's keys carried to the end of every sequence, against the PyTorch pass (K = 80: two column
@@ -138,13 +141,14 @@ BACKWARD_CASES = [
     (1, 160, 2, 1, 16, 16, True, None, 1.99),  # ten chunks of near-reflections
     (1, 60, 4, 2, 16, 16, True, [0, 7, 7, 60], 1.5),  # ragged, with an empty sequence
     (1, 80, 2, 2, 16, 16, False, [0, 0, 5, 80], 1.5),  # a leading empty sequence, a five-token one
+    (1, 40, 2, 1, 256, 32, True, None, 1.5),  # the widest heads: the key-tile kernel, dM and dW projected
 ]
 
 
 @pytest.mark.parametrize(
     "B, T, HQ, H, K, V, gate, offsets, beta_low",
     BACKWARD_CASES,
-    ids=["gqa-fox", "mqa", "group3", "T3", "one-chunk", "K24-V40", "beta-1.99", "varlen", "varlen-lead"],
+    ids=["gqa-fox", "mqa", "group3", "T3", "one-chunk", "K24-V40", "beta-1.99", "varlen", "varlen-lead", "K256"],
 )
 def test_triton_backend_forward_and_gradients(B, T, HQ, H, K, V, gate, offsets, beta_low):
     """``path_attention(backend="triton")``, the fused forward and backward kernels: the output and every gradient
@@ -175,6 +179,30 @@ def test_backward_in_waves(monkeypatch, chunk):
     monkeypatch.setattr(backward, "backward_config", lambda key_dim: (chunk, 1))
     waves = backend_grads(inputs, do, "triton")
     for name, a, e in zip(GRAD_NAMES, waves, whole):
+        assert_close(name, a, e, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "B, T, HQ, H, K, V, offsets",
+    [(2, 75, 4, 2, 16, 16, None), (1, 50, 2, 2, 24, 40, None), (1, 60, 4, 2, 16, 16, [0, 7, 7, 60])],
+    ids=["gqa", "K24-V40", "varlen"],
+)
+@pytest.mark.parametrize("every", [1, 2, None], ids=["segments-of-1", "segments-of-2", "default-segments"])
+def test_key_tile_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, every):
+    """The key side's kernel for wide heads (the key chunk carried and checkpointed instead of the ``K × K``
+    product), forced at small K: every gradient against the PyTorch backend, with a one-chunk scratch budget (many
+    waves) and segments of one, two or ``⌈√chunks⌉`` chunks."""
+    from attnkit.ops.path.triton import backward
+
+    monkeypatch.setattr(backward, "carries_key_tile", lambda key_dim: True)
+    monkeypatch.setattr(backward, "SCRATCH_BYTES", 1)
+    if every is not None:
+        monkeypatch.setattr(backward, "checkpoint_every", lambda chunks: every)
+    inputs = [x.to(DEVICE) for x in make_inputs(B, T, HQ, H, K, V, gate=True, dtype=torch.float32, beta_low=1.5)]
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    do = torch.randn(B, T, HQ, V, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
         assert_close(name, a, e, 1e-5)
 
 
@@ -227,8 +255,8 @@ def test_triton_backend_rejects_what_the_kernels_do_not_take():
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 8, 2, 2, 16, 16, gate=True, dtype=torch.float64))
     with pytest.raises(ValueError, match="^backend: .*float64"):
         path_attention(q, k, v, w, beta, g, backend="triton")
-    wide = [x.to(DEVICE) for x in make_inputs(1, 4, 1, 1, 160, 16, gate=False, dtype=torch.float32)[:5]]
-    with pytest.raises(ValueError, match="^backend: .*head dims up to 128"):
+    wide = [x.to(DEVICE) for x in make_inputs(1, 4, 1, 1, 288, 16, gate=False, dtype=torch.float32)[:5]]
+    with pytest.raises(ValueError, match="^backend: .*head dims up to 256"):
         path_attention(*wide, backend="triton")
     # "auto" falls back to the PyTorch backend for both.
     assert path_attention(q, k, v, w, beta, g).dtype == torch.float64

@@ -12,8 +12,9 @@ from .torch_impl import chunk_path_fwd
 
 # "auto" takes the fused kernels on CUDA once they have passed their GPU tests (the backward has not run there yet).
 AUTO_TRITON = False
-# Widest head dims the fused kernels are built for (a [64, K] float32 carried query per program).
-TRITON_MAX_HEAD_DIM = 128
+# Widest head dims the fused kernels are built for (above 128: 16-position chunks, and the backward's key side
+# carries its key chunk instead of a K × K product).
+TRITON_MAX_HEAD_DIM = 256
 
 __all__ = ["path_attention", "path_carry_keys", "path_decode_step", "path_decode_step_"]
 
@@ -46,7 +47,7 @@ def path_attention(
         scale: multiplies the dot-product part of the logit; ``K ** -0.5`` by default.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (requires ``B == 1``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``;
-            ``q, k, v`` float16 / bfloat16 / float32, head dims up to 128): the fused forward (UT transform per
+            ``q, k, v`` float16 / bfloat16 / float32, head dims up to 256): the fused forward (UT transform per
             chunk, right-to-left scan over key chunks, online softmax) and backward (the chunk-local terms by
             autograd, the gradients between chunks by two kernels, O(T) memory). ``"auto"`` is the PyTorch
             backend until the kernels have passed their GPU tests.

@@ -49,15 +49,60 @@ def sums_carry_gradient(key_dim: int, chunk: int) -> bool:
     return block_dim(key_dim) <= chunk
 
 
+def carries_key_tile(key_dim: int) -> bool:
+    """Whether the key side runs :func:`path_bwd_kv_tile_kernel` (the key chunk carried, checkpointed) rather than
+    :func:`path_bwd_kv_kernel` (the ``K × K`` product carried): above K = 128, where the product outgrows shared
+    memory (256 KB of float32 at K = 256)."""
+    return block_dim(key_dim) > 128
+
+
 def backward_config(key_dim: int) -> tuple[int, int]:
     """``(chunk, warps)`` of the backward kernels, whose chunking is independent of the forward's (they recompute
     the chunk-local terms, and the log-sum-exp does not depend on it). Compiled for sm_90a with Triton 3.6, the
     key kernel's shared memory is 112 KB at ``K = 64`` with 64-position chunks, but 288 KB (over the 227 KB an
     H200 block may have) at ``K = 128``; with 32-position chunks it is 208 KB there. Four warps at ``K <= 64``,
-    eight above (half the spills). Not yet timed on a GPU. Under the interpreter: 16 positions, one warp."""
+    eight at K = 128 (half the spills); above K = 128 (the key-tile kernel) 16 positions and eight warps (at
+    K = 256: spills of 15 KB a thread in the query kernel, 0.8 KB in the key-tile kernel, against 22 and 1.5 with
+    four). Timed on an H200 at K = 64 and 128 only (``benchmarks/results/path_h200.md``). Under the interpreter: 16
+    positions, one warp."""
     if interpreting():
         return 16, 1
+    if key_dim > 128:
+        return 16, 8
     return (64, 4) if key_dim <= 64 else (32, 8)
+
+
+@triton.jit
+def key_chunk_grads(
+    x, do, lse, delta, gcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    USE_G: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Query chunk ``i_c`` of every query head of key head ``i_h``'s group against key chunk ``m`` carried to it
+    (``b_y``; values ``b_v``, rows ``p_m``), with ``P = exp(S − lse)`` and ``dS = P (dO Vᵀ − Δ)``: returns
+    ``(Σ_heads dSᵀ x, b_dv + Σ Pᵀ dO, b_dg − colsum(dS) per head)``."""
+    G: tl.constexpr = HQ // H
+    o_i = i_c * BT + o_t
+    m_i = o_i < L
+    p_i = bos + o_i.to(tl.int64)
+    b_dy = tl.zeros([BT, BK], dtype=tl.float32)
+    for j in tl.static_range(G):
+        i_hq = i_h * G + j
+        b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
+        b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
+        b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
+        b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
+        b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
+        if USE_G:
+            b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
+            b_gk = tl.load(gcum + p_m * HQ + i_hq)
+            b_s = b_s + b_gq[:, None] - b_gk[None, :]
+        b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
+        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
+        b_dy += tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION)
+        b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
+    return b_dy, b_dv, b_dg
 
 
 @triton.jit
@@ -98,24 +143,10 @@ def path_bwd_kv_kernel(
         p_i = bos + o_i.to(tl.int64)
         # The key chunk carried to the start of chunk c: y = K̃_m Πᵀ.
         b_y = tl.dot(b_kt, tl.trans(b_pi), input_precision=CARRY_PRECISION)
-        b_dy = tl.zeros([BT, BK], dtype=tl.float32)
-        for j in tl.static_range(G):
-            i_hq = i_h * G + j
-            b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
-            b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
-            b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
-            b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
-            b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
-            if USE_G:
-                b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
-                b_gk = tl.load(gcum + p_m * HQ + i_hq)
-                b_s = b_s + b_gq[:, None] - b_gk[None, :]
-            b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
-            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-            b_ds = b_p * (b_dp - b_delta[:, None])
-            b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
-            b_dy += tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION)
-            b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
+        b_dy, b_dv, b_dg = key_chunk_grads(
+            x, do, lse, delta, gcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v,
+            HQ, H, K, V, BK, BT, USE_G, PRECISION,
+        )  # fmt: skip
         b_dkt += tl.dot(b_dy * scale, b_pi, input_precision=CARRY_PRECISION)
         # Π ← A_c Π = Π − W_cᵀ ((M_c W_c) Π); the padding rows of a last chunk have w = 0 (identity).
         p_w = p_i[:, None] * (H * K) + i_h * K + o_k[None, :]
@@ -130,15 +161,89 @@ def path_bwd_kv_kernel(
 
 
 @triton.jit
-def carry_across(
-    b_l, w, mw, bos, i_m, i_h, o_t, o_k, m_k,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+def path_bwd_kv_tile_kernel(
+    x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, scratch, cu_seqlens, T, m_base, EVERY, SLOTS, scale,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BG: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``L A_m = L − (L W_mᵀ)(M_m W_m)``: carried query rows moved across chunk ``i_m`` (right to left)."""
+    """:func:`path_bwd_kv_kernel`'s outputs for head dims whose ``K × K`` product does not fit on chip
+    (:func:`carries_key_tile`): a program carries its key chunk ``y = K̃_m Πᵀ`` (``BT × BK``) to the right instead,
+    ``y ← y A_cᵀ = y − (y (M_c W_c)ᵀ) W_c``, checkpointing it at the start of every segment of ``EVERY`` query
+    chunks, then walks the segments right to left, each recomputed from its checkpoint into scratch, with the
+    gradient ``Γ`` of ``y`` (``Γ ← Γ A_c + scale · Σ_heads dS_cmᵀ x_c``): ``dK̃_m = Γ`` at ``c = m + 1``. Grid
+    ``(key chunks of this wave, N * H)``; program ``(j, ·)`` takes key chunk ``m_base + j`` and ``SLOTS`` scratch
+    tiles of ``[BT, BK]`` float32, as :func:`path_bwd_q_kernel` does for its query chunk."""
+    G: tl.constexpr = HQ // H
+    i_j, i_nh = tl.program_id(0), tl.program_id(1)
+    i_m = m_base + i_j
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    n_steps = tl.cdiv(L, BT) - 1 - i_m  # query chunks after key chunk m
+    if n_steps <= 0:
+        return
+    o_t = tl.arange(0, BT)
+    o_k, o_v, o_g = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BG)
+    m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
+    p_slot = scratch + ((i_j * tl.num_programs(1) + i_nh).to(tl.int64) * SLOTS) * (BT * BK)
+    p_slot += o_t[:, None] * BK + o_k[None, :]
+    p_seg = p_slot + (SLOTS - EVERY) * (BT * BK)  # the segment's tiles follow the checkpoints
+
+    p_m = bos + (i_m * BT + o_t).to(tl.int64)
+    b_y = tl.load(kt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+    b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+    # Left to right: y at query chunk m + 1 + s; checkpoint it at each segment's start. Chunks crossed here are
+    # never a sequence's last, so their rows are all real.
+    for s in range(0, n_steps):
+        if s % EVERY == 0:
+            tl.store(p_slot + (s // EVERY) * (BT * BK), b_y)
+        if s + 1 < n_steps:
+            b_y = carry_across(b_y, w, mw, bos, i_m + 1 + s, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, True)
+    tl.debug_barrier()
+
+    b_gam = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    b_dg = tl.zeros([BG, BT], dtype=tl.float32)  # row j: query head i_h * G + j
+    n_seg = tl.cdiv(n_steps, EVERY)
+    for i_back in range(0, n_seg):
+        lo = (n_seg - 1 - i_back) * EVERY
+        top = tl.minimum(lo + EVERY - 1, n_steps - 1)
+        b_y = tl.load(p_slot + (lo // EVERY) * (BT * BK))
+        tl.store(p_seg, b_y)
+        for s in range(lo, top):
+            b_y = carry_across(b_y, w, mw, bos, i_m + 1 + s, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, True)
+            tl.store(p_seg + (s + 1 - lo) * (BT * BK), b_y)
+        tl.debug_barrier()
+        for s_back in range(0, top - lo + 1):
+            s = top - s_back
+            i_c = i_m + 1 + s
+            b_y = tl.load(p_seg + (s - lo) * (BT * BK))
+            if s + 1 < n_steps:  # Γ of y at chunk c + 1, back across chunk c (a complete one)
+                b_gam = carry_across(b_gam, w, mw, bos, i_c, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
+            b_dy, b_dv, b_dg = key_chunk_grads(
+                x, do, lse, delta, gcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g,
+                m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
+            )  # fmt: skip
+            b_gam += b_dy * scale
+    tl.store(dkt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], b_gam, mask=m_k)
+    tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv, mask=m_v)
+    tl.store(dgk + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None])
+
+
+@triton.jit
+def carry_across(
+    b_r, w, mw, bos, i_m, i_h, o_t, o_k, m_k,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr,
+):  # fmt: skip
+    """Rows ``R`` moved across chunk ``i_m``'s carry ``A = I − Wᵀ M W`` (a complete chunk): ``R A = R − (R Wᵀ)(M W)``
+    (carried queries, right to left; the gradient of carried keys), or with ``TRANSPOSED``
+    ``R Aᵀ = R − (R (M W)ᵀ) W`` (carried keys, left to right; the gradient of carried queries)."""
     p_mk = (bos + (i_m * BT + o_t).to(tl.int64))[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
     b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
-    return b_l - tl.dot(tl.dot(b_l, tl.trans(b_w), input_precision=PRECISION), b_mw, input_precision=PRECISION)
+    if TRANSPOSED:
+        return b_r - tl.dot(tl.dot(b_r, tl.trans(b_mw), input_precision=PRECISION), b_w, input_precision=PRECISION)
+    return b_r - tl.dot(tl.dot(b_r, tl.trans(b_w), input_precision=PRECISION), b_mw, input_precision=PRECISION)
 
 
 @triton.jit
@@ -180,7 +285,7 @@ def path_bwd_q_kernel(
         if (i_m == i_c - 1) or (i_m % EVERY == EVERY - 1):
             tl.store(p_slot + (i_m // EVERY) * (BT * BK), b_l)
         if i_m > 0:
-            b_l = carry_across(b_l, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION)
+            b_l = carry_across(b_l, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
     tl.debug_barrier()
 
     b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
@@ -197,7 +302,7 @@ def path_bwd_q_kernel(
         b_l = tl.load(p_slot + i_s * (BT * BK))
         tl.store(p_seg + (top - lo) * (BT * BK), b_l)
         for i_back in range(0, top - lo):
-            b_l = carry_across(b_l, w, mw, bos, top - i_back, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION)
+            b_l = carry_across(b_l, w, mw, bos, top - i_back, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
             tl.store(p_seg + (top - i_back - 1 - lo) * (BT * BK), b_l)
         tl.debug_barrier()
         for i_m in range(lo, top + 1):
@@ -207,14 +312,12 @@ def path_bwd_q_kernel(
             b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
             b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
             if i_m > 0:
-                b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
-                if DA:  # dA_m += L_{c,m}ᵀ Γ, then Γ ← Γ A_mᵀ = Γ − (Γ (M W)ᵀ) W
-                    b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
+                if DA:  # dA_m += L_{c,m}ᵀ Γ, then Γ ← Γ A_mᵀ
                     b_da = tl.dot(tl.trans(b_l), b_gam, input_precision=CARRY_PRECISION)
                     tl.atomic_add(da + ((chunk0 + i_m) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :], b_da)
-                    b_gam -= tl.dot(tl.dot(b_gam, tl.trans(b_mw), input_precision=CARRY_PRECISION), b_w,
-                                    input_precision=CARRY_PRECISION)  # fmt: skip
+                    b_gam = carry_across(b_gam, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, True)
                 else:  # dA_m's projections dM_m, dW_m directly (fewer atomics when BK > BT)
+                    b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
                     b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
                     b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
                     b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
@@ -285,13 +388,22 @@ def path_bwd_between_fn(
     launch = dict(num_warps=backward_config(K)[1], num_stages=1)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry, **launch)  # fmt: skip
-    path_bwd_kv_kernel[(n_long - 1, N * H)](
-        x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale,
-        BG=triton.next_power_of_2(HQ // H), **common,
-    )  # fmt: skip
-    # Query chunks in waves: a program keeps its carried query at every segment's end plus one segment.
+    # Chunks in waves: a program keeps its carried tile at every segment's end plus one segment.
     every = checkpoint_every(n_long)
     slots = triton.cdiv(n_long, every) + every
+    BG = triton.next_power_of_2(HQ // H)
+    if carries_key_tile(K):
+        wave = max(1, min(n_long - 1, SCRATCH_BYTES // (slots * BT * BK * 4 * N * H)))
+        scratch = torch.empty(wave * N * H * slots * BT * BK, **f32)
+        for m_base in range(0, n_long - 1, wave):
+            path_bwd_kv_tile_kernel[(min(wave, n_long - 1 - m_base), N * H)](
+                x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, scratch, cu_seqlens, T, m_base, every, slots,
+                scale, BG=BG, **common,
+            )  # fmt: skip
+    else:
+        path_bwd_kv_kernel[(n_long - 1, N * H)](
+            x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale, BG=BG, **common,
+        )  # fmt: skip
     wave = max(1, min(n_long - 1, SCRATCH_BYTES // (slots * BT * BK * 4 * N * HQ)))
     scratch = torch.empty(wave * N * HQ * slots * BT * BK, **f32)
     for c_base in range(1, n_long, wave):

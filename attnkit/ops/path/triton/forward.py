@@ -102,8 +102,10 @@ def path_fwd_kernel(
 
 
 def chunk_size(K: int) -> int:
-    """Positions per chunk: 64 on the GPU (the UT solve is ``BT`` steps), 16 under the interpreter."""
-    return 16 if interpreting() else 64
+    """Positions per chunk: 64 on the GPU (the UT solve is ``BT`` steps), 16 above K = 128 (compiled for sm_90a with
+    Triton 3.6 at K = 256, four warps: the prepare kernel needs 256 KB of shared memory with 64 positions, over the
+    227 KB a block may have, and 18 KB with 16; the forward 32 KB) and under the interpreter."""
+    return 16 if interpreting() or K > 128 else 64
 
 
 def launch_config() -> dict[str, int]:
