@@ -22,8 +22,10 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
     # The sweep patches the backward's configuration and must put it back.
     from attnkit.ops.path.triton import backward
 
-    assert backward.backward_config(16) == (16, 1)
-    assert "fwd+bwd chunk=32" in capsys.readouterr().out
+    assert backward.backward_config(16) == (16, 1) and not backward.carries_key_tile(16)
+    assert [r["key_tile"] for r in cells[0]["bwd"]] == [False, True]  # the rule's choice, then the key-tile kernel
+    out = capsys.readouterr().out
+    assert "fwd+bwd chunk=32 num_warps=4 key_tile=False" in out and "key_tile=True" in out
 
 
 def test_carry_only_on_cpu(tmp_path, capsys):
