@@ -166,6 +166,49 @@ def test_triton_backend_forward_and_gradients(B, T, HQ, H, K, V, gate, offsets, 
         assert_close(name, a, e, 1e-5)
 
 
+@pytest.mark.parametrize(
+    "B, T, HQ, H, K, V, gate, offsets, beta_low",
+    [BACKWARD_CASES[i] for i in (0, 5, 7, 8)],
+    ids=["gqa-fox", "K24-V40", "varlen", "varlen-lead"],
+)
+def test_backward_in_head_slices(monkeypatch, B, T, HQ, H, K, V, gate, offsets, beta_low):
+    """A working-set budget of one key/value head at a time (each with its query heads): the backward runs once per
+    head and gives the PyTorch backend's gradients."""
+    from attnkit.ops.path import parallel
+
+    calls = []
+    whole = parallel._slice_backward
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape[2])  # the slice's key/value heads
+        return whole(*args, **kwargs)
+
+    monkeypatch.setattr(parallel, "BACKWARD_BUDGET_BYTES", 1)
+    monkeypatch.setattr(parallel, "_slice_backward", spy)
+    made = make_inputs(B, T, HQ, H, K, V, gate=gate, dtype=torch.float32, beta_low=beta_low)
+    inputs = [None if x is None else x.to(DEVICE) for x in made]
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    do = torch.randn(B, T, HQ, V, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    assert calls == [1] * H
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        if e is None:
+            assert a is None, name
+            continue
+        assert_close(name, a, e, 1e-5)
+
+
+def test_heads_per_slice():
+    """All heads while the estimated working set fits the budget, fewer (at least one) beyond it."""
+    from attnkit.ops.path.parallel import BACKWARD_BUDGET_BYTES, heads_per_slice
+
+    assert heads_per_slice(1, 1024, 16, 16, 64, 64, 64) == 16  # 16 heads x 9 MB
+    per_head = 8 * 4096 * (20 * 64 + 15 * 64) * 4  # 32768 tokens, K = C = 64: the benchmark's 293 MB a head
+    assert heads_per_slice(8, 4096, 16, 16, 64, 64, 64) == BACKWARD_BUDGET_BYTES // per_head
+    assert heads_per_slice(1, 1 << 20, 4, 2, 256, 256, 16) == 1  # one head over the budget still runs
+    assert heads_per_slice(1, 1024, 8, 2, 64, 64, 64) == 2  # a group of four query heads counts four times
+
+
 @pytest.mark.parametrize("chunk", [16, 8], ids=["forward-chunk", "own-chunk"])
 def test_backward_in_waves(monkeypatch, chunk):
     """A scratch budget of one query chunk per launch (many waves) gives the same gradients as one wave; so does a

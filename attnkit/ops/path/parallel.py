@@ -152,11 +152,24 @@ def _diagonal_grads(logits, lse, do, v, delta, segments, chunk):
     return dss, torch.cat(dvs, 1)
 
 
+BACKWARD_BUDGET_BYTES = 1 << 29  # the backward's working set per slice of heads (the kernels' scratch aside)
+
+
+def heads_per_slice(B: int, T: int, HQ: int, H: int, K: int, V: int, chunk: int) -> int:
+    """Key/value heads (with their query heads) the backward takes at a time: as many as keep its float32 working
+    set — the chunk-local terms and their autograd graph, the kernels' inputs and gradients, about
+    ``20·max(K, V) + 15·C`` numbers a token and query head (peak memory measured on an H200 at 9d16e14, 32768
+    tokens: 4552 MiB with K = C = 64 and 16 heads, 3172 MiB with K = 128, C = 32 and 8 heads) — within
+    ``BACKWARD_BUDGET_BYTES``, and at least one. Slicing bounds the peak however many heads a layer has; it costs a
+    pass of launches per slice."""
+    per_head = B * T * (HQ // H) * (20 * max(K, V) + 15 * chunk) * 4
+    return max(1, min(H, BACKWARD_BUDGET_BYTES // max(per_head, 1)))
+
+
 def _fwd_backward(ctx, do, dlse):
-    """The fused backward: the chunk-local terms recomputed with autograd (``T·C`` numbers a head), the gradients
-    between chunks from the kernels (O(T) memory), the diagonal blocks in PyTorch, and autograd back through the
-    chunk-local terms. It runs in the autograd engine rather than inside an operator because autograd does not
-    record inside an operator's kernel."""
+    """The fused backward, one slice of heads at a time (:func:`heads_per_slice`): see :func:`_slice_backward`. It
+    runs in the autograd engine rather than inside an operator because autograd does not record inside an
+    operator's kernel."""
     if do is None:
         return (None,) * 8
     q, k, v, w, beta, g, cu_seqlens, o, lse = ctx.saved_tensors
@@ -165,15 +178,39 @@ def _fwd_backward(ctx, do, dlse):
     groups = HQ // H
     chunk = backward.backward_config(K)[0]
     segments = [(bos, eos) for bos, eos in segment_bounds(cu_seqlens, T) if eos > bos]  # one host sync
-    do = do.contiguous()
+    step = heads_per_slice(B, T, HQ, H, K, v.shape[-1], chunk)
+    if step == H:
+        grads = _slice_backward(q, k, v, w, beta, g, o, lse, do.contiguous(), cu_seqlens, ctx.scale, segments, chunk)
+        return *grads, None, None
+    grads = [torch.empty_like(t) for t in (q, k, v, w, beta)] + [None if g is None else torch.empty_like(g)]
+    for h0 in range(0, H, step):
+        kv, qh = slice(h0, min(H, h0 + step)), slice(h0 * groups, min(H, h0 + step) * groups)
+        which = (qh, kv, kv, kv, kv, qh, qh, qh, qh)  # the heads of q, k, v, w, beta, g, o, lse, do
+        tensors = (q, k, v, w, beta, g, o, lse, do)
+        sliced = [None if t is None else t[:, :, heads].contiguous() for t, heads in zip(tensors, which)]
+        part = _slice_backward(*sliced, cu_seqlens, ctx.scale, segments, chunk)
+        for full, grad, heads in zip(grads, part, (qh, kv, kv, kv, kv, qh)):
+            if full is not None:
+                full[:, :, heads] = grad
+    return *grads, None, None
+
+
+def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments, chunk):
+    """The fused backward of one slice of heads (contiguous tensors): the chunk-local terms recomputed with
+    autograd (``T·C`` numbers a head), the gradients between chunks from the kernels (O(T) memory), the diagonal
+    blocks in PyTorch, and autograd back through the chunk-local terms. Returns ``(dq, dk, dv, dw, dbeta, dg)`` in
+    the inputs' dtypes (``dg`` None without gates)."""
+    B, T, HQ, K = q.shape
+    H = k.shape[2]
+    groups = HQ // H
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
         gate = None if g is None else g.detach().requires_grad_()
-        x, kt, m, wc, logits, mw = _chunk_terms(*leaves, gate, ctx.scale, segments, chunk)
+        x, kt, m, wc, logits, mw = _chunk_terms(*leaves, gate, scale, segments, chunk)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(
-        x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta, cu_seqlens, ctx.scale, chunk
+        x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta, cu_seqlens, scale, chunk
     )
     dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, segments, chunk)
     inputs = leaves + ([] if gate is None else [gate])
@@ -192,9 +229,8 @@ def _fwd_backward(ctx, do, dlse):
     dg = None
     if gate is not None:
         # gcum is a cumulative sum over the packed tokens: its gradient sums from each token to the end.
-        dg = grads[4] + dgcum.flip(1).cumsum(1).flip(1)
-    out = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype), dbeta.to(beta.dtype)]
-    return *out, (None if dg is None else dg.to(g.dtype)), None, None
+        dg = (grads[4] + dgcum.flip(1).cumsum(1).flip(1)).to(g.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype), dbeta.to(beta.dtype), dg
 
 
 path_fwd_op.register_autograd(_fwd_backward, setup_context=_setup_fwd)
