@@ -6,9 +6,10 @@ decode step (flash backend) over the same cache (SPEC §8: a PaTH step over a 32
 
 bf16, ``triton.testing.do_bench`` medians. Steps timed: ``sdpa`` (the baseline), ``path_fused``
 (``path_decode_step_``: carry every cached key in place and read the softmax in one pass), ``path_torch``
-(``path_decode_step``: the rank-one update, concatenation and SDPA), ``tapa_triton`` (``tapa_decode_step`` on
-the Triton backend). The in-place PaTH step changes its cache, so it runs on its own copy (the timing keeps
-carrying the same keys: same work each call). Writes ``NAME.json`` and prints a table.
+(``path_decode_step``: the rank-one update, concatenation and SDPA), ``path_copy`` (``path_decode_step`` on the
+Triton backend, what the layers run: the caches copied one slot longer, then the fused step), ``tapa_triton``
+(``tapa_decode_step`` on the Triton backend). The in-place PaTH step changes its cache, so it runs on its own
+copy (the timing keeps carrying the same keys: same work each call). Writes ``NAME.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def steps(
         "sdpa": sdpa,
         "path_fused": lambda: path_decode_step_(q, k_new, v_new, w, beta, k_buf, v_buf, L),
         "path_torch": lambda: path_decode_step(q, k_new, v_new, w, beta, k_cache, v_cache),
+        "path_copy": lambda: path_decode_step(q, k_new, v_new, w, beta, k_cache, v_cache, backend="triton"),
         "tapa_triton": lambda: tapa_decode_step(q, k_buf, v_buf, positions[:, -1], positions, mask, backend="triton"),
     }
 

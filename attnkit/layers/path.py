@@ -111,7 +111,7 @@ class PaTHAttention(TokenMixer):
         out = self.o_proj(o.reshape(B, T, -1))
         if not use_cache:
             return out, {}, {}
-        token_state = {"k": path_carry_keys(k, w, beta, cu_seqlens=cu_seqlens), "v": v}
+        token_state = {"k": path_carry_keys(k, w, beta, cu_seqlens=cu_seqlens, backend=self.backend), "v": v}
         if g is not None:
             token_state["g"] = segment_cumsum(g, cu_seqlens)
         # the last conv_size - 1 inputs of every sequence, zero where the sequence is shorter
@@ -128,7 +128,7 @@ class PaTHAttention(TokenMixer):
         w = self._direction((window * self.w_conv.weight[:, 0].t()).sum(1, keepdim=True))
         beta, g = self._gates(x)
         o, k_cache, v_cache, g_cache = path_decode_step(
-            q, k, v, w, beta, state["k"], state["v"], g, state.get("g"), cache_mask=state["mask"]
+            q, k, v, w, beta, state["k"], state["v"], g, state.get("g"), cache_mask=state["mask"], backend=self.backend
         )
         state = {**state, "k": k_cache, "v": v_cache, "conv": window[:, 1:]}
         if g_cache is not None:

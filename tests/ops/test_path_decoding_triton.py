@@ -60,6 +60,65 @@ def test_steps_match_torch(B, HQ, H, K, V, gate, split, monkeypatch):
     assert k_buf[:, prompt + steps :].abs().max() == 0, "slots past the cache's length stay untouched"
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["path", "fox"])
+def test_functional_step_on_the_fused_kernel(gate):
+    """``path_decode_step(backend="triton")``: the PyTorch step's outputs and new caches over several steps with
+    left padding, and the caches passed in unchanged."""
+    B, HQ, H, K, V, prompt = 2, 4, 2, 16, 16, 19
+    k_ref = torch.randn(B, prompt, H, K, device=DEVICE)
+    v_ref = torch.randn(B, prompt, H, V, device=DEVICE)
+    g_ref = F.logsigmoid(torch.randn(B, prompt, HQ, device=DEVICE) + 2).cumsum(1) if gate else None
+    k_ref[1, :3] = 0  # left padding of the second row (zero keys, as the layers' caches hold)
+    mask = torch.ones(B, prompt + 4, dtype=torch.bool, device=DEVICE)
+    mask[1, :3] = False
+    k_fused, v_fused, g_fused = k_ref, v_ref, g_ref
+    for i in range(4):
+        step = token(B, HQ, H, K, V, gate)
+        before = [x.clone() for x in (k_fused, v_fused)]
+        real = mask[:, : prompt + i + 1]
+        o_ref, k_ref, v_ref, g_ref = path_decode_step(
+            *step[:5], k_ref, v_ref, step[5], g_ref, cache_mask=real, backend="torch"
+        )
+        o, k_new, v_new, g_new = path_decode_step(
+            *step[:5], k_fused, v_fused, step[5], g_fused, cache_mask=real, backend="triton"
+        )
+        assert torch.equal(k_fused, before[0]) and torch.equal(v_fused, before[1]), "the caches passed in changed"
+        k_fused, v_fused, g_fused = k_new, v_new, g_new
+        assert_close("o", o, o_ref, 1e-5)
+        assert_close("k_cache", k_fused, k_ref, 1e-5)
+        assert_close("v_cache", v_fused, v_ref, 0.0)
+        if gate:
+            assert_close("g_cache", g_fused, g_ref, 1e-6)
+
+
+def test_layer_decodes_on_the_kernels(monkeypatch):
+    """A PaTH-FoX layer on the Triton backend (prefill kernels, carried keys, fused decode steps) decodes what the
+    same layer on the PyTorch backend does, from a left-padded prompt."""
+    from attnkit.layers.path import PaTHAttention
+    from attnkit.ops.path import decoding
+
+    fused = []
+    monkeypatch.setattr(decoding, "path_decode_step_", lambda *a, **kw: fused.append(1) or path_decode_step_(*a, **kw))
+
+    torch.manual_seed(0)
+    layers = {b: PaTHAttention(64, 4, num_kv_heads=2, use_forget_gate=True, backend=b) for b in ("torch", "triton")}
+    layers["triton"].load_state_dict(layers["torch"].state_dict())
+    x = torch.randn(2, 23, 64, device=DEVICE)
+    mask = torch.ones(2, 20, dtype=torch.long, device=DEVICE)
+    mask[1, :5] = 0
+    outs = {}
+    for name, layer in layers.items():
+        layer.to(DEVICE)
+        o, state = layer(x[:, :20], attention_mask=mask, use_cache=True)
+        steps = [o]
+        for t in range(20, 23):
+            o, state = layer(x[:, t : t + 1], past_state=state, use_cache=True)
+            steps.append(o)
+        outs[name] = torch.cat(steps, dim=1)
+    assert len(fused) == 3, "the Triton layer's steps run the fused kernel"
+    assert_close("o", outs["triton"], outs["torch"], 1e-5)
+
+
 def test_bad_input():
     q, k, v, w, beta, _ = token(1, 2, 1, 16, 16, False)
     k_buf, v_buf = torch.zeros(1, 4, 1, 16, device=DEVICE), torch.zeros(1, 4, 1, 16, device=DEVICE)

@@ -72,8 +72,10 @@ def path_decode_step(
     *,
     scale: float | None = None,
     cache_mask: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One decoding step of PaTH(-FoX) for a batch of (possibly left-padded) caches.
+    """One decoding step of PaTH(-FoX) for a batch of (possibly left-padded) caches; the caches passed in are not
+    changed (the new ones are new tensors).
 
     Args:
         q: ``[B, 1, HQ, K]``; k, w: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]``.
@@ -84,6 +86,10 @@ def path_decode_step(
             slot must be the newest real token (or a zero slot when the sequence has none yet).
         cache_mask: ``[B, t+1]`` bool, True for real slots (the new token's, last, included); padding slots
             get a logit of −inf. None: every slot is real.
+        backend: ``"auto"`` (PyTorch until the kernels have passed their GPU tests), ``"torch"`` (the rank-one
+            update of every key, concatenation and a softmax step) or ``"triton"`` (the caches copied one slot
+            longer, then :func:`path_decode_step_` on the copies: one fused pass that carries every key in float32
+            and reads the softmax; ``g_cache`` float32).
 
     Returns:
         ``(o [B, 1, HQ, V], k_cache [B, t+1, H, K], v_cache [B, t+1, H, V], g_cache [B, t+1, HQ] or None)``.
@@ -99,6 +105,15 @@ def path_decode_step(
         check_cache_mask(cache_mask, (B, t + 1), q.device)
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
     dtype = k_cache.dtype
+    if (
+        resolve_backend(backend, "path_decode_step", q.device, has_triton=True, auto_triton=False, dtype=dtype)
+        == "triton"
+    ):
+        k_cache, v_cache = (torch.cat([c, c.new_empty(B, 1, *c.shape[2:])], dim=1) for c in (k_cache, v_cache))
+        if g_cache is not None:
+            g_cache = torch.cat([g_cache, g_cache.new_empty(B, 1, HQ)], dim=1)
+        o = path_decode_step_(q, k, v, w, beta, k_cache, v_cache, t, g, g_cache, scale=scale, cache_mask=cache_mask)
+        return o.to(v.dtype), k_cache, v_cache, g_cache
     wt, bt = w[:, 0].to(dtype), beta[:, 0].to(dtype)  # [B, H, K], [B, H]
     # k_j <- H_t k_j = k_j − beta_t (w_t · k_j) w_t for every cached key (padding slots are zero and stay so)
     k_cache = k_cache - (bt[:, None] * (k_cache * wt[:, None]).sum(-1))[..., None] * wt[:, None]
