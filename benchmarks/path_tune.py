@@ -80,6 +80,8 @@ def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carrie
             cell["sdpa_fwdbwd"] = bench(lambda: sdpa().backward(do.transpose(1, 2)), device)
     args = [x[n] for n in ("q", "k", "v", "w", "beta", "g")] + [D**-0.5, None]
     reference, _ = path_fwd_fn(*args)
+    if carries is not None:  # the PyTorch backend on the same rounded inputs, computed in float32
+        exact = path_attention(**{n: t.float() for n, t in x.items()}, backend="torch")
     for warps, stages, carry in fwd:
         config = dict(num_warps=warps, num_stages=stages) | ({} if carry is None else dict(carry_precision=carry))
         fn = functools.partial(path_fwd_fn, *args, config=config)
@@ -87,6 +89,8 @@ def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carrie
         row = dict(num_warps=warps, num_stages=stages, carry_precision=carry or "default", error=error)
         if out is not None:
             row.update(err=rel_rms(out[0], reference), ms=bench(fn, device))
+            if carries is not None:
+                row["err_torch"] = rel_rms(out[0], exact)
         cell["fwd"].append(row)
         print(f"  fwd D={D} T={T} {config}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
@@ -139,6 +143,8 @@ def table(cells: list[dict]) -> str:
                 if kind == "bwd" and "carry_precision" in row:
                     setting = f"carry_precision={row['carry_precision']}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
+                if "err_torch" in row:
+                    result += f" ({row['err_torch']:.1e} from the PyTorch backend)"
                 lines.append(f"  {'fwd' if kind == 'fwd' else 'fwd+bwd'} {setting}: {result}")
     return "\n".join(lines)
 

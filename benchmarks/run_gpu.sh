@@ -73,7 +73,8 @@ for step in $steps; do
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
-            timeout 200 python3 benchmarks/path_tune.py --carry-only --out "$OUT" > "$OUT/pathcarry.log" 2>&1 ;;
+            timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens 32768 --head-dims 64 128 --out "$OUT" \
+                > "$OUT/pathcarry.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
