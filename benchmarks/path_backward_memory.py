@@ -1,0 +1,87 @@
+"""Peak memory of the PyTorch part of PaTH's Triton-backend backward, on a CPU: the chunk-local terms, their
+autograd graph and the diagonal blocks, with the two between-chunk kernels replaced by zeros of their outputs'
+shapes (the interpreter would take hours at these sizes). It checks the working-set estimate of
+``attnkit.ops.path.parallel.heads_per_slice`` and what slicing the heads saves.
+
+    python benchmarks/path_backward_memory.py [--seq-len 8192] [--heads 16] [--head-dim 64] [--budget BYTES]
+
+Prints the peak resident memory above the start of the backward (``ru_maxrss``, so run one budget per process;
+``--budget`` defaults to the library's) and the wall time. glibc's allocator is told to return every block of
+64 KB or more to the system when it is freed (``M_MMAP_THRESHOLD``); by default it keeps freed blocks of up to
+32 MB for reuse, and the resident peak then also counts what earlier slices freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import resource
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attnkit.ops.path import parallel  # noqa: E402
+from attnkit.ops.path.triton import backward  # noqa: E402
+
+
+def return_freed_blocks() -> None:
+    """``mallopt(M_MMAP_THRESHOLD, 64 KB)`` where the C library is glibc (elsewhere nothing)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)
+    except (OSError, AttributeError):
+        pass
+
+
+def zeros_for_kernels(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk):
+    """The between-chunk kernels' outputs (``dA`` form), all zero."""
+    B, T, HQ, K = x.shape
+    H = kt.shape[2]
+    z = torch.zeros
+    return z(B, T, H, K), z(B, T, H, v.shape[-1]), z(B, T, HQ, K), z(0), z(0), z(m.shape[0], H, K, K), z(B, T, HQ)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=None, help="BACKWARD_BUDGET_BYTES (default: the library's)")
+    args = parser.parse_args(argv)
+    return_freed_blocks()
+    T, H, K, C = args.seq_len, args.heads, args.head_dim, args.chunk
+    if args.budget is not None:
+        parallel.BACKWARD_BUDGET_BYTES = args.budget
+    parallel.path_bwd_between_op = zeros_for_kernels
+    backward.backward_config = lambda key_dim: (C, 4)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, T, H, K, generator=gen) for _ in range(3))
+    w = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    beta = 2 * torch.sigmoid(torch.randn(1, T, H, generator=gen))
+    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) + 3)
+    o, lse, do = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, generator=gen), torch.randn_like(q)
+    ctx = SimpleNamespace(saved_tensors=(q, k, v, w, beta, g, None, o, lse), scale=K**-0.5)
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    began = time.perf_counter()
+    parallel._fwd_backward(ctx, do, None)
+    result = dict(
+        heads_per_slice=parallel.heads_per_slice(1, T, H, H, K, K, C),
+        peak_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) / 1024,
+        input_mib=T * H * K * 4 / 2**20,
+        seconds=time.perf_counter() - began,
+    )
+    print(
+        f"T={T} H={H} K={K} C={C}: {result['heads_per_slice']} heads a slice, peak {result['peak_mib']:.0f} MiB above "
+        f"the start ({result['peak_mib'] / result['input_mib']:.1f}x one float32 input), {result['seconds']:.1f} s"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()
