@@ -19,6 +19,9 @@ logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··
   ``dM_m = −Uᵀ V`` and ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``), and ``dx_c = Γ`` at the
   end. Scratch: ``2√N`` tiles a program, for one extra pass of carries; the launcher runs
   the query chunks in waves that fit a fixed budget (linear in ``T`` however long the sequence).
+- ``path_bwd_kv_tile_kernel`` replaces ``path_bwd_kv_kernel`` for head dims above 128 (:func:`carries_key_tile`),
+  whose ``K × K`` product outgrows shared memory: it carries the key chunk ``y = K̃_m Πᵀ`` instead, checkpointed
+  and walked back with its gradient as the query kernel does with ``L``.
 """
 
 from __future__ import annotations
