@@ -10,7 +10,8 @@ from ..common.validation import check_cu_seqlens, check_like, check_qkv, check_s
 from .decoding import path_carry_keys, path_decode_step, path_decode_step_
 from .torch_impl import chunk_path_fwd
 
-# "auto" takes the fused kernels on CUDA once they have passed their GPU tests (the backward has not run there yet).
+# "auto" takes the fused kernels on CUDA once they have passed their GPU tests and outrun the PyTorch backend
+# (benchmarks/results/path_h200.md: the backward's GPU tests have not all run yet).
 AUTO_TRITON = False
 # Widest head dims the fused kernels are built for (above 128: 16-position chunks, and the backward's key side
 # carries its key chunk instead of a K × K product).
