@@ -1,5 +1,5 @@
 """``benchmarks/path_backward_memory.py``: the PyTorch part of PaTH's backward, one head at a time, peaks well
-below all heads at once (each run in its own process: the resident peak only grows)."""
+below all heads at once (each run in its own process)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "path_backward_mem
 
 
 def peak_mib(budget: int) -> tuple[int, float]:
-    argv = [sys.executable, str(SCRIPT), "--seq-len", "2048", "--heads", "8", "--budget", str(budget)]
+    argv = [sys.executable, str(SCRIPT), "--seq-len", "4096", "--heads", "8", "--budget", str(budget)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
     found = re.search(r"(\d+) heads a slice, peak (\d+) MiB", out)
     assert found, out
@@ -23,4 +23,4 @@ def test_one_head_at_a_time_uses_less_memory():
     heads_all, whole = peak_mib(1 << 40)
     heads_one, sliced = peak_mib(1)
     assert (heads_all, heads_one) == (8, 1)
-    assert whole > 50 and sliced < 0.5 * whole, (whole, sliced)
+    assert whole > 200 and sliced < 0.5 * whole, (whole, sliced)  # ~320 and ~85 MiB
