@@ -54,11 +54,26 @@ def attempt(fn):
         return None, describe(error)
 
 
+GRADS = ("o", "dq", "dk", "dv", "dw", "dbeta", "dg")  # what grads_of returns
+
+
 def grads_of(x: dict[str, torch.Tensor], do: torch.Tensor) -> list[torch.Tensor]:
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     o = path_attention(**leaves, backend="triton")
     o.backward(do)
     return [o] + [leaves[n].grad for n in ("q", "k", "v", "w", "beta", "g")]
+
+
+def time_grads(label: str, x: dict[str, torch.Tensor], do: torch.Tensor, default: list, device: torch.device) -> dict:
+    """Forward+backward with the configuration in force: ``error`` (a failure, or None), then each output's and
+    gradient's error from ``default`` (``errs``, ``err`` the largest) and the time (``ms``); printed as it lands."""
+    out, error = attempt(lambda: grads_of(x, do))
+    row = dict(error=error)
+    if out is not None:
+        errs = [rel_rms(a, b) for a, b in zip(out, default)]
+        row.update(err=max(errs), errs=dict(zip(GRADS, errs)), ms=bench(lambda: grads_of(x, do), device))
+    print(f"  fwd+bwd {label}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+    return row
 
 
 def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None) -> dict:
@@ -97,33 +112,21 @@ def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carrie
     for carry in carries or []:
         saved, prepare.CARRY_16BIT = prepare.CARRY_16BIT, carry or prepare.CARRY_16BIT
         try:
-            out, error = attempt(lambda: grads_of(x, do))
-            row = dict(carry_precision=carry or "default", error=error)
-            if out is not None:
-                errs = [rel_rms(a, b) for a, b in zip(out, default)]
-                ms = bench(lambda: grads_of(x, do), device)
-                row.update(err=max(errs), errs=dict(zip(("o", "dq", "dk", "dv", "dw", "dbeta", "dg"), errs)), ms=ms)
+            row = time_grads(f"D={D} T={T} carry={carry or 'default'}", x, do, default, device)
         finally:
             prepare.CARRY_16BIT = saved
-        cell["bwd"].append(row)
-        print(f"  fwd+bwd D={D} T={T} carry={carry or 'default'}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+        cell["bwd"].append(dict(carry_precision=carry or "default", **row))
     config, rule = backward.backward_config, backward.carries_key_tile
     for chunk, warps, key_tile in bwd:
         backward.backward_config = lambda key_dim, c=chunk, w=warps: (c, w)
         if key_tile is not None:
             backward.carries_key_tile = lambda key_dim, t=key_tile: t
+        setting = dict(chunk=chunk, num_warps=warps, key_tile=rule(D) if key_tile is None else key_tile)
         try:
-            out, error = attempt(lambda: grads_of(x, do))
-            row = dict(chunk=chunk, num_warps=warps, key_tile=rule(D) if key_tile is None else key_tile, error=error)
-            if out is not None:
-                row.update(
-                    err=max(rel_rms(a, b) for a, b in zip(out, default)), ms=bench(lambda: grads_of(x, do), device)
-                )
+            row = time_grads(f"D={D} T={T} " + " ".join(f"{k}={v}" for k, v in setting.items()), x, do, default, device)
         finally:
             backward.backward_config, backward.carries_key_tile = config, rule
-        cell["bwd"].append(row)
-        shown = f"chunk={chunk} warps={warps} key_tile={row['key_tile']}"
-        print(f"  fwd+bwd D={D} T={T} {shown}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+        cell["bwd"].append(setting | row)
     return cell
 
 

@@ -189,7 +189,7 @@ def _fwd_backward(ctx, do, dlse):
         tensors = (q, k, v, w, beta, g, o, lse, do)
         sliced = [None if t is None else t[:, :, heads].contiguous() for t, heads in zip(tensors, which)]
         part = _slice_backward(*sliced, cu_seqlens, ctx.scale, segments, chunk)
-        for full, grad, heads in zip(grads, part, (qh, kv, kv, kv, kv, qh)):
+        for full, grad, heads in zip(grads, part, which):  # dq, dk, dv, dw, dbeta, dg: the first six
             if full is not None:
                 full[:, :, heads] = grad
     return *grads, None, None

@@ -395,9 +395,16 @@ def path_bwd_between_fn(
     every = checkpoint_every(n_long)
     slots = triton.cdiv(n_long, every) + every
     BG = triton.next_power_of_2(HQ // H)
+
+    def waves(heads: int) -> tuple[int, torch.Tensor]:
+        """Chunks a launch takes (at least one, at most all ``n_long − 1``) and their scratch, within
+        ``SCRATCH_BYTES``, for programs over ``N * heads``."""
+        per_chunk = slots * BT * BK * N * heads  # float32 numbers
+        wave = max(1, min(n_long - 1, SCRATCH_BYTES // (per_chunk * 4)))
+        return wave, torch.empty(wave * per_chunk, **f32)
+
     if carries_key_tile(K):
-        wave = max(1, min(n_long - 1, SCRATCH_BYTES // (slots * BT * BK * 4 * N * H)))
-        scratch = torch.empty(wave * N * H * slots * BT * BK, **f32)
+        wave, scratch = waves(H)
         for m_base in range(0, n_long - 1, wave):
             path_bwd_kv_tile_kernel[(min(wave, n_long - 1 - m_base), N * H)](
                 x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, scratch, cu_seqlens, T, m_base, every, slots,
@@ -407,8 +414,7 @@ def path_bwd_between_fn(
         path_bwd_kv_kernel[(n_long - 1, N * H)](
             x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale, BG=BG, **common,
         )  # fmt: skip
-    wave = max(1, min(n_long - 1, SCRATCH_BYTES // (slots * BT * BK * 4 * N * HQ)))
-    scratch = torch.empty(wave * N * HQ * slots * BT * BK, **f32)
+    wave, scratch = waves(HQ)
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
             x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dgq, scratch, cu_seqlens, offsets, T, NC,
