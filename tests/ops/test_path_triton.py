@@ -331,3 +331,21 @@ def test_forward_opcheck_and_compile():
     assert_close("o", o, o_ref, 1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dw", "dbeta", "dg"], leaves, ref):
         assert_close(name, a.grad, b.grad, 1e-5)
+
+
+@pytest.mark.parametrize("span", [1, 3, 1 << 30], ids=["span-1", "span-3", "no-superblocks"])
+@pytest.mark.parametrize("offsets", [None, [0, 7, 7, 100]], ids=["dense", "varlen"])
+def test_superblock_spans(monkeypatch, span, offsets):
+    """Superblocks of one chunk (every chunk pair between superblocks: the dense carries and their gradient across
+    six superblocks), of three chunks (a partial last one), or none (chunk by chunk throughout): the forward and
+    every gradient against the PyTorch backend, with a one-chunk scratch budget (many waves)."""
+    from attnkit.ops.path.triton import backward, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
+    monkeypatch.setattr(backward, "SCRATCH_BYTES", 1)
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 100, 4, 2, 16, 24, gate=True, dtype=torch.float32, beta_low=1.5)]
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    do = torch.randn(1, 100, 4, 24, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a, e, 1e-5)

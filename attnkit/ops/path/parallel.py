@@ -12,11 +12,13 @@ terms (``triton/backward.py``, ``README.md``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.common.utils import repeat_kv, segment_bounds
-from attnkit.ops.path.torch_impl import _chunk, chunk_local_terms
-from attnkit.ops.path.triton import backward
+from attnkit.ops.path.torch_impl import _chunk, chunk_local_terms, superblock_terms
+from attnkit.ops.path.triton import backward, prepare
+from attnkit.ops.path.triton.backward_super import path_bwd_super_fn
 from attnkit.ops.path.triton.decode import path_decode_fn
 from attnkit.ops.path.triton.forward import path_fwd_fn
 
@@ -102,6 +104,34 @@ def _(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk):
             dw, dm, da, x.new_empty(B, T, HQ, **f32))  # fmt: skip
 
 
+@torch.library.custom_op("attnkit::path_bwd_super", mutates_args=(), device_types=("cuda", "cpu"))
+def path_bwd_super_op(
+    xh: torch.Tensor,
+    kh: torch.Tensor,
+    v: torch.Tensor,
+    sig: torch.Tensor,
+    gcum: torch.Tensor | None,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    scale: float,
+    chunk: int,
+    span: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels between superblocks (:func:`attnkit.ops.path.triton.backward_super.path_bwd_super_fn`):
+    float32 ``(dxh, dkh, dv, dsig, dgcum)``."""
+    xh, kh, v, sig, do = (t.contiguous() for t in (xh, kh, v, sig, do))
+    return path_bwd_super_fn(xh, kh, v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span)
+
+
+@path_bwd_super_op.register_fake
+def _(xh, kh, v, sig, gcum, do, lse, delta, cu_seqlens, scale, chunk, span):
+    f32 = dict(dtype=torch.float32)
+    return (xh.new_empty(xh.shape, **f32), xh.new_empty(kh.shape, **f32), xh.new_empty(v.shape, **f32),
+            xh.new_empty(sig.shape, **f32), xh.new_empty(lse.shape, **f32))  # fmt: skip
+
+
 def _setup_fwd(ctx, inputs, output):
     q, k, v, w, beta, g, cu_seqlens, scale = inputs
     o, lse = output
@@ -111,28 +141,53 @@ def _setup_fwd(ctx, inputs, output):
     ctx.scale = scale
 
 
-def _chunk_terms(q, k, w, beta, g, scale, segments, chunk):
+def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span):
     """The chunk-local terms of every sequence, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``,
     ``kt [B,T,H,K]``, ``m [chunks,H,C,C]``, ``w`` chunked as ``m`` ``[chunks,H,C,K]`` (float32), per sequence its
     intra-chunk logits ``[B,HQ,N,C,C]``, and ``M W`` per chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for
-    the carries)."""
+    the carries); with ``span`` (chunks per superblock, or None) also the superblock-local terms
+    (:func:`attnkit.ops.path.torch_impl.superblock_terms`): ``xh [B,T,HQ,K]``, ``kh [B,T,H,K]`` and
+    ``sig [superblocks,H,BK,BK]`` (zero-padded to the kernels' block), else None for each."""
     B, _, HQ, K = q.shape
     H = k.shape[2]
-    xs, kts, ms, wcs, mws, logits = [], [], [], [], [], []
+    BK = block_dim(K)
+    xs, kts, ms, wcs, mws, logits, xhs, khs, sigs = ([] for _ in range(9))
+
+    def tokens(t: torch.Tensor, n: int, length: int) -> torch.Tensor:  # [B, H*, N, C, D] -> [B, length, H*, D]
+        return t.movedim(1, 3).reshape(B, n * chunk, t.shape[1], t.shape[-1])[:, :length]
+
     for bos, eos in segments:
         sl = slice(bos, eos)
         terms = chunk_local_terms(
             q[:, sl], k[:, sl], w[:, sl], beta[:, sl], None if g is None else g[:, sl], scale, chunk, torch.float32
         )
         n = terms["M"].shape[2]
-        xs.append(terms["x"].movedim(1, 3).reshape(B, n * chunk, HQ, K)[:, : eos - bos])
-        kts.append(terms["kt"].movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
+        xs.append(tokens(terms["x"], n, eos - bos))
+        kts.append(tokens(terms["kt"], n, eos - bos))
         ms.append(terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk))
         wcs.append(terms["w"].transpose(1, 2).reshape(B * n, H, chunk, K))
         mw = terms["M"].detach() @ terms["w"].detach()
-        mws.append(mw.movedim(1, 3).reshape(B, n * chunk, H, K)[:, : eos - bos])
+        mws.append(tokens(mw, n, eos - bos))
         logits.append(terms["s"])
-    return torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), torch.cat(wcs, 0), logits, torch.cat(mws, 1)
+        if span is not None:
+            eye = torch.eye(K, dtype=torch.float32, device=q.device)
+            carries = eye - terms["w"].transpose(-1, -2) @ (terms["M"] @ terms["w"])
+            xh, kh, sig = superblock_terms(terms["x"], terms["kt"], carries, span)
+            xhs.append(tokens(xh, n, eos - bos))
+            khs.append(tokens(kh, n, eos - bos))
+            sig = F.pad(sig, (0, BK - K, 0, BK - K))
+            sigs.append(sig.transpose(1, 2).reshape(B * sig.shape[2], H, BK, BK))
+    supers = [torch.cat(t, 1 if i < 2 else 0) if t else None for i, t in enumerate((xhs, khs, sigs))]
+    return (torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), torch.cat(wcs, 0), logits, torch.cat(mws, 1),
+            *supers)  # fmt: skip
+
+
+def _superblock_cuts(segments, batch: int, seq_len: int, length: int, device: torch.device) -> torch.Tensor:
+    """Offsets ``[M+1]`` (int32) that cut the ``batch * seq_len`` tokens of the flattened batch into runs of at most
+    ``length`` within each sequence: the chunk-by-chunk kernels, run on these runs as on packed sequences, meet the
+    chunk pairs inside a superblock only."""
+    cuts = [b * seq_len + t for b in range(batch) for bos, eos in segments for t in range(bos, eos, length)]
+    return torch.tensor(cuts + [batch * seq_len], dtype=torch.int32, device=device)
 
 
 def _diagonal_grads(logits, lse, do, v, delta, segments, chunk):
@@ -196,35 +251,52 @@ def _fwd_backward(ctx, do, dlse):
 
 
 def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments, chunk):
-    """The fused backward of one slice of heads (contiguous tensors): the chunk-local terms recomputed with
-    autograd (``T·C`` numbers a head), the gradients between chunks from the kernels (O(T) memory), the diagonal
-    blocks in PyTorch, and autograd back through the chunk-local terms. Returns ``(dq, dk, dv, dw, dbeta, dg)`` in
-    the inputs' dtypes (``dg`` None without gates)."""
+    """The fused backward of one slice of heads (contiguous tensors): the chunk-local and superblock-local terms
+    recomputed with autograd (``T·C`` numbers a head), the gradients between chunks of a superblock and between
+    superblocks from the kernels (O(T) memory), the diagonal blocks in PyTorch, and autograd back through the
+    local terms. Returns ``(dq, dk, dv, dw, dbeta, dg)`` in the inputs' dtypes (``dg`` None without gates)."""
     B, T, HQ, K = q.shape
     H = k.shape[2]
     groups = HQ // H
+    span = prepare.superblock_chunks(K, chunk)
+    longest = max(eos - bos for bos, eos in segments)
+    if span >= -(-longest // chunk):  # no query meets an earlier superblock: chunk by chunk throughout
+        span = None
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
         gate = None if g is None else g.detach().requires_grad_()
-        x, kt, m, wc, logits, mw = _chunk_terms(*leaves, gate, scale, segments, chunk)
+        x, kt, m, wc, logits, mw, xh, kh, sig = _chunk_terms(*leaves, gate, scale, segments, chunk, span)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
-    dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(
-        x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta, cu_seqlens, scale, chunk
-    )
+    inputs = (x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta)
+    if span is None:
+        dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(*inputs, cu_seqlens, scale, chunk)
+    else:
+        # Within superblocks: the chunk-by-chunk kernels on the flattened batch cut at superblock boundaries.
+        cuts = _superblock_cuts(segments, B, T, span * chunk, q.device)
+        flat = [t if t is None or i == 4 else t.reshape(1, B * T, *t.shape[2:]) for i, t in enumerate(inputs)]  # m: 4
+        dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(*flat, cuts, scale, chunk)
+        dkt, dv, dx, dgcum = (t.view(B, T, *t.shape[2:]) for t in (dkt, dv, dx, dgcum))
+        dxh, dkh, dv_super, dsig, dg_super = path_bwd_super_op(
+            xh.detach(), kh.detach(), v, sig.detach(), gcum, do, lse, delta, cu_seqlens, scale, chunk, span
+        )
+        dv, dgcum = dv + dv_super, dgcum + dg_super
     dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, segments, chunk)
     inputs = leaves + ([] if gate is None else [gate])
+    outputs, grad_outputs = [x, kt, *logits], [dx, dkt, *dss]
     if da.numel():  # the carries' gradient dA_m, taken back by autograd through A_m − I = −W_mᵀ M_m W_m
         with torch.enable_grad():
             carry = wc.transpose(-1, -2) @ (m @ wc)
-        outputs, grad_outputs = [x, kt, carry, *logits], [dx, dkt, -da[..., :K, :K], *dss]
+        outputs, grad_outputs = outputs + [carry], grad_outputs + [-da[..., :K, :K]]
     else:
-        outputs, grad_outputs = [x, kt, m, *logits], [dx, dkt, dm, *dss]
+        outputs, grad_outputs = outputs + [m], grad_outputs + [dm]
+    if span is not None:
+        outputs, grad_outputs = outputs + [xh, kh, sig], grad_outputs + [dxh, dkh, dsig]
     grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
     grads = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads)]
     dq, dk, dw, dbeta = grads[:4]
     if not da.numel():
-        dw = dw + dw_between
+        dw = dw + dw_between.view(dw.shape)
     dv = dv + (dv_diag if groups == 1 else dv_diag.view(B, T, H, groups, -1).sum(3))
     dg = None
     if gate is not None:

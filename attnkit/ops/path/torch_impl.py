@@ -91,6 +91,38 @@ def chunk_local_terms(
     return dict(M=M, w=wc, kt=kt, x=x, s=s, G=G)
 
 
+def superblock_terms(
+    x: torch.Tensor, kt: torch.Tensor, A: torch.Tensor, R: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each superblock of ``R`` chunks contributes on its own, from the chunk-local terms ``x [B,HQ,N,C,K]``
+    (queries at their chunk's start), ``kt [B,H,N,C,K]`` (keys at their chunk's end) and the chunks' carries
+    ``A [B,H,N,K,K]`` (rows cross chunk ``c`` as ``x ← x A_c``, ``A_c = I − W_cᵀ M_c W_c``): the queries carried to
+    their superblock's start ``xh [B,HQ,N,C,K]``, the keys carried to its end ``kh [B,H,N,C,K]`` and each
+    superblock's product of transitions ``Σ = A_firstᵀ ··· A_lastᵀ`` ``[B,H,⌈N/R⌉,K,K]`` (rows cross a whole
+    superblock as ``x ← x Σᵀ``). Differentiable: prefix and suffix products of ``A`` within each superblock, ``K × K``
+    matrices, then one product per chunk."""
+    B, HQ, N, C, K = x.shape
+    H = kt.shape[1]
+    NS = -(-N // R)
+    eye = torch.eye(K, dtype=A.dtype, device=A.device)
+    if NS * R > N:  # the last superblock's missing chunks carry nothing
+        A = torch.cat([A, eye.expand(B, H, NS * R - N, K, K)], 2)
+    eye = eye.expand(B, H, NS, K, K)
+    A = A.view(B, H, NS, R, K, K)
+    prefix = [eye]  # A_{r-1} ··· A_0: from chunk r's start to the superblock's
+    for r in range(1, R):
+        prefix.append(A[:, :, :, r - 1] @ prefix[-1])
+    suffix = [eye]  # A_{r+1}ᵀ ··· A_{R-1}ᵀ: from chunk r's end to the superblock's
+    for r in range(R - 2, -1, -1):
+        suffix.append(A[:, :, :, r + 1].transpose(-1, -2) @ suffix[-1])
+    suffix.reverse()
+    sig = A[:, :, :, 0].transpose(-1, -2) @ suffix[0]
+    prefix = torch.stack(prefix, 3).reshape(B, H, NS * R, K, K)[:, :, :N]
+    suffix = torch.stack(suffix, 3).reshape(B, H, NS * R, K, K)[:, :, :N]
+    xh = (x.view(B, H, HQ // H, N, C, K) @ prefix[:, :, None]).view(B, HQ, N, C, K)
+    return xh, kt @ suffix, sig
+
+
 def chunk_path_fwd(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,10 +1,11 @@
-"""PaTH decoding prefill: every key carried to the end of its sequence, ``H_T ··· H_{j+1} k_j``, in one reverse
-pass over chunks (linear in ``T``).
+"""PaTH keys carried to the end of their span: to the end of the sequence (the decoding prefill) or of their
+superblock (the forward's and backward's scan between superblocks), in one reverse pass over chunks.
 
 With ``K̃`` the keys carried to their chunk's end and ``M`` the chunk's UT matrix (``prepare.py``), chunk ``c``'s
-output is ``K̃_c Σ`` where ``Σ = P_{c+1} ··· P_N`` is the suffix product of the later chunks' transitions
-``P = I − Wᵀ Mᵀ W``; the pass then updates ``Σ ← Σ − W_cᵀ (M_cᵀ (W_c Σ))``. The columns of ``Σ`` evolve
-independently, so programs split them (``[K, 64]`` blocks stay in registers).
+output is ``K̃_c Σ`` where ``Σ = P_{c+1} ··· P_last`` is the suffix product of the span's later transitions
+``P = I − Wᵀ Mᵀ W``; the pass then updates ``Σ ← Σ − W_cᵀ (M_cᵀ (W_c Σ))``. At the span's start ``Σ`` is the
+product of all the span's transitions, which the scan between superblocks uses as one dense carry. The columns of
+``Σ`` evolve independently, so programs split them (``[K, 64]`` blocks stay in registers).
 """
 
 from __future__ import annotations
@@ -15,21 +16,35 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import block_dim
-from attnkit.ops.path.triton.forward import chunk_size, launch_config
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel, precisions
+from attnkit.ops.path.triton.prepare import (
+    chunk_offsets_of,
+    chunk_size,
+    first_chunk,
+    launch_config,
+    path_prepare_kernel,
+    precisions,
+)
 
 
 @triton.jit
 def path_carry_kernel(
-    w, kt, m, out, cu_seqlens, chunk_offsets, T, NC,
+    w, kt, m, out, sig, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WRITE_SIG: tl.constexpr,
 ):  # fmt: skip
-    """``w, kt [*, H, K]``, ``m [chunks, H, BT, BT]`` float32 -> ``out [*, H, K]`` (columns ``[i_k·BC, (i_k+1)·BC)``).
-    Grid ``(column blocks, N * H)``."""
-    i_kc, i_nh = tl.program_id(0), tl.program_id(1)
+    """``w, kt [*, H, K]``, ``m [chunks, H, BT, BT]`` float32 -> ``out [*, H, K]`` (columns
+    ``[i_kc·BC, (i_kc+1)·BC)``), the keys carried to the end of their span of ``SPAN`` chunks, and with
+    ``WRITE_SIG`` each span's product ``sig [spans, H, BK, BK]`` float32 (span ``s`` of sequence ``n`` at row
+    ``sb_offsets[n] + s``, or ``n * NSB + s`` for a dense batch). Grid ``(spans of the longest sequence, column
+    blocks, N * H)``."""
+    i_s, i_kc, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    n_chunks = tl.cdiv(L, BT)
+    c_lo = i_s * SPAN
+    if c_lo >= n_chunks:
+        return
+    c_hi = tl.minimum(c_lo + SPAN, n_chunks)
     chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_c = i_kc * BC + tl.arange(0, BC)
@@ -37,9 +52,8 @@ def path_carry_kernel(
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     b_sigma = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)  # [BK, BC] columns of the identity
-    n_chunks = tl.cdiv(L, BT)
-    for i_back in range(0, n_chunks):
-        i_c = n_chunks - 1 - i_back
+    for i_back in range(0, c_hi - c_lo):
+        i_c = c_hi - 1 - i_back
         o_i = i_c * BT + o_t
         m_i = o_i < L
         p_i = bos + o_i.to(tl.int64)
@@ -53,6 +67,45 @@ def path_carry_kernel(
         b_ws = tl.dot(b_w, b_sigma, input_precision=PRECISION)  # [BT, BC]
         b_mws = tl.dot(tl.trans(b_m), b_ws, input_precision=PRECISION)
         b_sigma = b_sigma - tl.dot(tl.trans(b_w), b_mws, input_precision=PRECISION)
+    if WRITE_SIG:
+        row = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN) + i_s
+        tl.store(sig + (row * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_c[None, :], b_sigma)
+
+
+def carry_keys_fn(
+    w: torch.Tensor,
+    kt: torch.Tensor,
+    m: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    span: int,
+    out_dtype: torch.dtype,
+    write_sig: bool,
+    precision: str,
+    launch: dict[str, int],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The prepare kernel's ``K̃`` (``kt [B,T,H,K]``) and ``M`` carried to the end of spans of ``span`` chunks:
+    ``(keys [B,T,H,K] in out_dtype, sig [spans,H,BK,BK] float32 or None, span offsets [N+1] int32 or None)``
+    (``sig``: each span's product of transitions; the offsets index its rows per packed sequence). ``precision``:
+    the carries' ``input_precision``; ``launch``: warps and stages."""
+    B, T, H, K = kt.shape
+    BT = m.shape[-1]
+    BK = block_dim(K)
+    BC = min(BK, 64)
+    N, longest = seq_layout(cu_seqlens, B, T)
+    chunk_offsets, _ = chunk_offsets_of(cu_seqlens, BT)
+    sb_offsets, spans = chunk_offsets_of(cu_seqlens, BT * span)
+    NC, NSB = triton.cdiv(T, BT), triton.cdiv(T, BT * span)
+    if cu_seqlens is None:
+        spans = B * NSB
+    out = torch.empty(kt.shape, dtype=out_dtype, device=kt.device)
+    sig = torch.empty(spans, H, BK, BK, dtype=torch.float32, device=kt.device) if write_sig else None
+    if longest == 0:
+        return out, sig, sb_offsets
+    path_carry_kernel[(triton.cdiv(longest, BT * span), triton.cdiv(K, BC), N * H)](
+        w, kt, m, out, sig, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, span, H=H, K=K, BK=BK, BC=BC, BT=BT,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=precision, WRITE_SIG=write_sig, **launch,
+    )  # fmt: skip
+    return out, sig, sb_offsets
 
 
 def path_carry_fn(
@@ -62,27 +115,18 @@ def path_carry_fn(
     ``[B, T, H, K]`` in ``k.dtype``."""
     B, T, H, K = k.shape
     BT = chunk_size(K)
-    BK = block_dim(K)
-    BC = min(BK, 64)
     N, longest = seq_layout(cu_seqlens, B, T)
+    if longest == 0:
+        return torch.empty_like(k)
     offsets, chunks = chunk_offsets_of(cu_seqlens, BT)
     NC = triton.cdiv(T, BT)
     if cu_seqlens is None:
         chunks = B * NC
-    out = torch.empty_like(k)
-    if longest == 0:
-        return out
-    carry = precisions(k.dtype)[1]
-    launch = launch_config()
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=k.device)
     kt = torch.empty_like(k)
-    is_varlen = cu_seqlens is not None
     path_prepare_kernel[(triton.cdiv(longest, BT), N * H)](
-        k, w, beta, m, kt, None, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
-        PRECISION=carry, WRITE_MW=False, **launch,
+        k, w, beta, m, kt, None, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=BT,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=precisions(k.dtype)[1], WRITE_MW=False, **launch_config(),
     )  # fmt: skip
-    path_carry_kernel[(triton.cdiv(K, BC), N * H)](
-        w, kt, m, out, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BC=BC, BT=BT, IS_VARLEN=is_varlen,
-        PRECISION=carry, **launch,
-    )  # fmt: skip
-    return out
+    carry = precisions(k.dtype)[1]
+    return carry_keys_fn(w, kt, m, cu_seqlens, triton.cdiv(longest, BT), k.dtype, False, carry, launch_config())[0]

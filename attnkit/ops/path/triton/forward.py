@@ -1,11 +1,13 @@
 """PaTH forward: one program per (query chunk, query head), scanning key chunks right to left.
 
 Within its own chunk a query sees ``s_ij = q_iᵀ k_j − (tril(Q Wᵀ) M strict_tril(W Kᵀ))_ij``; the query is then
-carried to the chunk's start, ``x = Q − tril(Q Wᵀ) M W``. For each earlier chunk ``j`` (right to left) the
-logits are ``x k̃_jᵀ`` with the keys carried to the end of chunk ``j`` (``prepare.py``), and the query is carried
-across the chunk, ``x ← x − (x W_jᵀ)(M_j W_j)`` (two products: the prepare kernel writes ``M_j W_j``).
-FlashAttention's online softmax runs along the scan; the
-FoX gate adds ``G_i − G_j``. Derivation: ``README.md`` of the op.
+carried to the chunk's start, ``x = Q − tril(Q Wᵀ) M W``. For each earlier chunk ``j`` of its superblock (right to
+left) the logits are ``x k̃_jᵀ`` with the keys carried to the end of chunk ``j`` (``prepare.py``), and the query is
+carried across the chunk, ``x ← x − (x W_jᵀ)(M_j W_j)`` (two products: the prepare kernel writes ``M_j W_j``).
+Past its superblock's start the scan goes a superblock at a time: the logits are ``x k̂_jᵀ`` with the keys carried
+to their superblock's end (``carry.py``), for every chunk of the superblock with no carry between them, and then
+the query crosses the whole superblock with one dense product, ``x ← x Σᵀ``. FlashAttention's online softmax runs
+along the scan; the FoX gate adds ``G_i − G_j``. Derivation: ``README.md`` of the op.
 """
 
 from __future__ import annotations
@@ -15,19 +17,49 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
-from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, path_prepare_kernel, precisions
+from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.path.triton import prepare
+from attnkit.ops.path.triton.carry import carry_keys_fn
+from attnkit.ops.path.triton.prepare import (
+    chunk_offsets_of,
+    chunk_size,
+    first_chunk,
+    launch_config,
+    path_prepare_kernel,
+    precisions,
+)
+
+
+@triton.jit
+def softmax_step(
+    b_x, b_k, b_v, b_max, b_sum, b_acc, gcum, b_gq, p_j, i_hq, scale,
+    HQ: tl.constexpr, USE_G: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One key chunk (``b_k`` carried to where the query ``b_x`` stands, rows ``p_j``) into the online softmax:
+    returns the new ``(max, sum, acc)``."""
+    b_s = tl.dot(b_x.to(b_k.dtype), tl.trans(b_k), input_precision=PRECISION) * scale
+    if USE_G:
+        b_gk = tl.load(gcum + p_j * HQ + i_hq)
+        b_s = b_s + b_gq[:, None] - b_gk[None, :]
+    b_max_new = tl.maximum(b_max, tl.max(b_s, 1))
+    b_rescale = tl.exp(b_max - b_max_new)
+    b_p = tl.exp(b_s - b_max_new[:, None])
+    b_sum = b_sum * b_rescale + tl.sum(b_p, 1)
+    b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+    return b_max_new, b_sum, b_acc
 
 
 @triton.jit
 def path_fwd_kernel(
-    q, k, v, w, kt, m, mw, gcum, o, lse, cu_seqlens, chunk_offsets, T, NC, scale,
+    q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, R, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``mw [*, H, K]``
-    float32 (``M W`` per chunk), ``gcum [*, HQ]`` float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]`` and
+    float32 (``M W`` per chunk), ``kh [*, H, K]`` (keys carried to their superblock's end) and ``sig [superblocks,
+    H, BK, BK]`` float32 (each superblock's transitions, ``carry.py``; superblocks of ``R`` chunks), ``gcum [*, HQ]``
+    float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]`` and
     ``lse [*, HQ]`` float32 (the natural log-sum-exp of each query's logits, for the backward). Grid ``(chunks of
     the longest sequence, N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one
     rank-``BT`` update per chunk of history."""
@@ -66,6 +98,7 @@ def path_fwd_kernel(
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
     b_s = (b_s - tl.dot(b_qwm, b_wk, input_precision=CARRY_PRECISION)) * scale
     b_x = b_qf - tl.dot(b_qwm, b_w, input_precision=CARRY_PRECISION)
+    b_gq = tl.zeros([BT], dtype=tl.float32)
     if USE_G:
         b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
         b_s = b_s + b_gq[:, None] - b_gq[None, :]
@@ -75,46 +108,42 @@ def path_fwd_kernel(
     b_sum = tl.sum(b_p, 1)
     b_acc = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
 
-    for i_back in range(0, i_c):
+    # The earlier chunks of the query's superblock, one carry a chunk (the last one takes x to the superblock's
+    # start).
+    lo = (i_c // R) * R
+    for i_back in range(0, i_c - lo):
         j = i_c - 1 - i_back
         p_j = bos + (j * BT + o_t).to(tl.int64)
         p_kvj = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
         b_kt = tl.load(kt + p_kvj, mask=m_k, other=0.0)
-        b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
         b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+        b_max, b_sum, b_acc = softmax_step(
+            b_x, b_kt, b_vj, b_max, b_sum, b_acc, gcum, b_gq, p_j, i_hq, scale, HQ, USE_G, PRECISION
+        )
+        b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
         b_mwj = tl.load(mw + p_kvj, mask=m_k, other=0.0)
-        b_s = tl.dot(b_x.to(b_kt.dtype), tl.trans(b_kt), input_precision=PRECISION) * scale
-        if USE_G:
-            b_gk = tl.load(gcum + p_j * HQ + i_hq)
-            b_s = b_s + b_gq[:, None] - b_gk[None, :]
-        b_max_new = tl.maximum(b_max, tl.max(b_s, 1))
-        b_rescale = tl.exp(b_max - b_max_new)
-        b_p = tl.exp(b_s - b_max_new[:, None])
-        b_sum = b_sum * b_rescale + tl.sum(b_p, 1)
-        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_vj.dtype), b_vj, input_precision=PRECISION)
-        b_max = b_max_new
         b_xw = tl.dot(b_x, tl.trans(b_wj), input_precision=CARRY_PRECISION)
         b_x = b_x - tl.dot(b_xw, b_mwj, input_precision=CARRY_PRECISION)
+
+    # The earlier superblocks (all their chunks complete), right to left: their keys carried to the superblock's
+    # end, then one dense carry across the superblock.
+    sb0 = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN)
+    for i_sb in range(0, i_c // R):
+        sb = i_c // R - 1 - i_sb
+        for jj in range(0, R):
+            p_j = bos + ((sb * R + jj) * BT + o_t).to(tl.int64)
+            b_kh = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+            b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+            b_max, b_sum, b_acc = softmax_step(
+                b_x, b_kh, b_vj, b_max, b_sum, b_acc, gcum, b_gq, p_j, i_hq, scale, HQ, USE_G, PRECISION
+            )
+        if sb > 0:
+            b_sig = tl.load(sig + ((sb0 + sb) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :])
+            b_x = tl.dot(b_x, tl.trans(b_sig), input_precision=CARRY_PRECISION)
 
     b_o = b_acc / b_sum[:, None]
     tl.store(o + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_i[:, None] & m_v)
     tl.store(lse + p_i * HQ + i_hq, b_max + tl.log(b_sum), mask=m_i)
-
-
-def chunk_size(K: int) -> int:
-    """Positions per chunk: 64 on the GPU (the UT solve is ``BT`` steps), 16 above K = 128 (compiled for sm_90a with
-    Triton 3.6 at K = 256, four warps: the prepare kernel needs 256 KB of shared memory with 64 positions, over the
-    227 KB a block may have, and 18 KB with 16; the forward 32 KB) and under the interpreter."""
-    return 16 if interpreting() or K > 128 else 64
-
-
-def launch_config() -> dict[str, int]:
-    """Warps and stages of the prepare and forward kernels (and of the carried-key pass). Not tuned yet
-    (``benchmarks/path_tune.py``). Compiled for sm_90a with Triton 3.6 they fit shared memory at K = 128 only
-    without software pipelining, and spill registers (the float32 carried query and its 3xTF32 dots). Four warps:
-    on the H200 (Triton 3.6), eight gave illegal memory accesses and wrong outputs for float16 at K = 16/32 (the
-    float32 and the bf16 K = 64/128 cases were right); four pass every GPU test that ran."""
-    return dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
 
 
 def path_fwd_fn(
@@ -158,10 +187,16 @@ def path_fwd_fn(
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
         PRECISION=carry, WRITE_MW=True, **launch,
     )  # fmt: skip
+    R = prepare.superblock_chunks(K, BT)
+    if R < grid_chunks:  # some query chunk has an earlier superblock
+        kh, sig, sb_offsets = carry_keys_fn(w, kt, m, cu_seqlens, R, k.dtype, True, carry, launch)
+    else:
+        kh, sig, sb_offsets = kt, m, offsets  # never read
     # Gates enter as differences within a sequence, so one cumulative sum over the packed tokens serves all.
     gcum = g.float().cumsum(1).contiguous() if g is not None else None
     path_fwd_kernel[(grid_chunks, N * HQ)](
-        q, k, v, w, kt, m, mw, gcum, o, lse, cu_seqlens, offsets, T, NC, scale,
+        q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, NC, triton.cdiv(T, BT * R), R,
+        scale,
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
         PRECISION=precision, CARRY_PRECISION=carry, **launch,
     )  # fmt: skip

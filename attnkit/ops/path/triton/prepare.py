@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds
-from attnkit.ops.common.triton_utils import interpreting
+from attnkit.ops.common.triton_utils import block_dim, interpreting
 
 
 @triton.jit
@@ -73,6 +73,37 @@ def path_prepare_kernel(
     b_z = tl.dot(b_m, tl.where(rows > cols, b_wk, 0.0), input_precision=PRECISION)
     b_kt = b_k.to(tl.float32) - tl.dot(tl.trans(b_z), b_w, input_precision=PRECISION)
     tl.store(kt_out + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], b_kt.to(kt_out.dtype.element_ty), mask=m_tk)
+
+
+def chunk_size(K: int) -> int:
+    """Positions per chunk: 64 on the GPU (the UT solve is ``BT`` steps), 16 above K = 128 (compiled for sm_90a with
+    Triton 3.6 at K = 256, four warps: the prepare kernel needs 256 KB of shared memory with 64 positions, over the
+    227 KB a block may have, and 18 KB with 16; the forward 32 KB) and under the interpreter."""
+    return 16 if interpreting() or K > 128 else 64
+
+
+def launch_config() -> dict[str, int]:
+    """Warps and stages of the prepare and forward kernels (and of the carried-key pass). Not tuned yet
+    (``benchmarks/path_tune.py``). Compiled for sm_90a with Triton 3.6 they fit shared memory at K = 128 only
+    without software pipelining, and spill registers (the float32 carried query and its 3xTF32 dots). Four warps:
+    on the H200 (Triton 3.6), eight gave illegal memory accesses and wrong outputs for float16 at K = 16/32 (the
+    float32 and the bf16 K = 64/128 cases were right); four pass every GPU test that ran."""
+    return dict(num_warps=1, num_stages=1) if interpreting() else dict(num_warps=4, num_stages=1)
+
+
+def superblock_chunks(K: int, chunk: int) -> int:
+    """Chunks per superblock, ``R``: the kernels carry a query across a whole earlier superblock with one dense
+    ``K × K`` product (its transitions' product ``Σ``) and meet its keys carried to the superblock's end, so
+    between superblocks a chunk pair costs what FlashAttention's does; the chunk-by-chunk carries stay inside a
+    superblock. 512 positions on the GPU (FLA's backward uses the same span), 2 chunks under the interpreter (so
+    that tests cross several), and no superblocks (a span longer than any sequence) above K = 128, where ``Σ``
+    (256 KB of float32 at K = 256) outgrows a program's registers and shared memory."""
+    if block_dim(K) > 128:
+        return NO_SUPERBLOCKS
+    return 2 if interpreting() else max(1, 512 // chunk)
+
+
+NO_SUPERBLOCKS = 1 << 30  # a span no sequence reaches: every chunk pair is carried chunk by chunk
 
 
 CARRY_16BIT = "tf32x3"  # the carries' precision for 16-bit inputs (benchmarks/path_tune.py --carry-only times "tf32")
