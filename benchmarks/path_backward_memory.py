@@ -1,7 +1,7 @@
 """Peak memory of the PyTorch part of PaTH's Triton-backend backward, on a CPU: the chunk-local terms, their
-autograd graph and the diagonal blocks, with the two between-chunk kernels replaced by zeros of their outputs'
-shapes (the interpreter would take hours at these sizes). It checks the working-set estimate of
-``attnkit.ops.path.parallel.heads_per_slice`` and what slicing the heads saves.
+autograd graph, the superblock-local terms and the diagonal blocks, with the between-chunk and between-superblock
+kernels replaced by zeros of their outputs' shapes (the interpreter would take hours at these sizes). It checks the
+working-set estimate of ``attnkit.ops.path.parallel.heads_per_slice`` and what slicing the heads saves.
 
     python benchmarks/path_backward_memory.py [--seq-len 8192] [--heads 16] [--head-dim 64] [--budget BYTES]
 
@@ -55,12 +55,18 @@ def reset_peak() -> None:
         print(f"could not reset the resident peak ({error}); it includes the setup's")
 
 
-def zeros_for_kernels(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk):
+def zeros_for_kernels(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk, longest):
     """The between-chunk kernels' outputs (``dA`` form), all zero."""
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     z = torch.zeros
     return z(B, T, H, K), z(B, T, H, v.shape[-1]), z(B, T, HQ, K), z(0), z(0), z(m.shape[0], H, K, K), z(B, T, HQ)
+
+
+def zeros_for_super_kernels(xh, kh, v, sig, gcum, do, lse, delta, cu_seqlens, scale, chunk, span, longest):
+    """The between-superblock kernels' outputs, all zero."""
+    z = torch.zeros
+    return z(xh.shape), z(kh.shape), z(v.shape), z(sig.shape), z(lse.shape)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -76,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.budget is not None:
         parallel.BACKWARD_BUDGET_BYTES = args.budget
     parallel.path_bwd_between_op = zeros_for_kernels
+    parallel.path_bwd_super_op = zeros_for_super_kernels
     backward.backward_config = lambda key_dim: (C, 4)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, T, H, K, generator=gen) for _ in range(3))

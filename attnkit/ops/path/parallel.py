@@ -84,15 +84,16 @@ def path_bwd_between_op(
     cu_seqlens: torch.Tensor | None,
     scale: float,
     chunk: int,
+    longest: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels (:func:`attnkit.ops.path.triton.backward.path_bwd_between_fn`): float32
     ``(dkt, dv, dx, dw, dm, da, dgcum)`` of the logits between chunks (``dw``, ``dm`` or ``da`` empty)."""
     x, kt, v, w, m, mw, do = (t.contiguous() for t in (x, kt, v, w, m, mw, do))
-    return backward.path_bwd_between_fn(x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk)
+    return backward.path_bwd_between_fn(x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk, longest)
 
 
 @path_bwd_between_op.register_fake
-def _(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk):
+def _(x, kt, v, w, m, mw, gcum, do, lse, delta, cu_seqlens, scale, chunk, longest):
     B, T, HQ, K = x.shape
     f32 = dict(dtype=torch.float32)
     if backward.sums_carry_gradient(K, chunk):
@@ -118,15 +119,17 @@ def path_bwd_super_op(
     scale: float,
     chunk: int,
     span: int,
+    longest: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels between superblocks (:func:`attnkit.ops.path.triton.backward_super.path_bwd_super_fn`):
     float32 ``(dxh, dkh, dv, dsig, dgcum)``."""
     xh, kh, v, sig, do = (t.contiguous() for t in (xh, kh, v, sig, do))
-    return path_bwd_super_fn(xh, kh, v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span)
+    kh_low = kh.to(v.dtype)
+    return path_bwd_super_fn(xh, kh, kh_low, v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, longest)
 
 
 @path_bwd_super_op.register_fake
-def _(xh, kh, v, sig, gcum, do, lse, delta, cu_seqlens, scale, chunk, span):
+def _(xh, kh, v, sig, gcum, do, lse, delta, cu_seqlens, scale, chunk, span, longest):
     f32 = dict(dtype=torch.float32)
     return (xh.new_empty(xh.shape, **f32), xh.new_empty(kh.shape, **f32), xh.new_empty(v.shape, **f32),
             xh.new_empty(sig.shape, **f32), xh.new_empty(lse.shape, **f32))  # fmt: skip
@@ -233,9 +236,14 @@ def _fwd_backward(ctx, do, dlse):
     groups = HQ // H
     chunk = backward.backward_config(K)[0]
     segments = [(bos, eos) for bos, eos in segment_bounds(cu_seqlens, T) if eos > bos]  # one host sync
+    longest = max((eos - bos for bos, eos in segments), default=0)
+    span, cuts = prepare.superblock_chunks(K, chunk), None
+    if span < -(-longest // chunk):  # some query meets an earlier superblock
+        cuts = _superblock_cuts(segments, B, T, span * chunk, q.device)
+    plan = (cu_seqlens, ctx.scale, segments, chunk, longest, span, cuts)
     step = heads_per_slice(B, T, HQ, H, K, v.shape[-1], chunk)
     if step == H:
-        grads = _slice_backward(q, k, v, w, beta, g, o, lse, do.contiguous(), cu_seqlens, ctx.scale, segments, chunk)
+        grads = _slice_backward(q, k, v, w, beta, g, o, lse, do.contiguous(), *plan)
         return *grads, None, None
     grads = [torch.empty_like(t) for t in (q, k, v, w, beta)] + [None if g is None else torch.empty_like(g)]
     for h0 in range(0, H, step):
@@ -243,24 +251,25 @@ def _fwd_backward(ctx, do, dlse):
         which = (qh, kv, kv, kv, kv, qh, qh, qh, qh)  # the heads of q, k, v, w, beta, g, o, lse, do
         tensors = (q, k, v, w, beta, g, o, lse, do)
         sliced = [None if t is None else t[:, :, heads].contiguous() for t, heads in zip(tensors, which)]
-        part = _slice_backward(*sliced, cu_seqlens, ctx.scale, segments, chunk)
+        part = _slice_backward(*sliced, *plan)
         for full, grad, heads in zip(grads, part, which):  # dq, dk, dv, dw, dbeta, dg: the first six
             if full is not None:
                 full[:, :, heads] = grad
     return *grads, None, None
 
 
-def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments, chunk):
+def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments, chunk, longest, span, cuts):
     """The fused backward of one slice of heads (contiguous tensors): the chunk-local and superblock-local terms
     recomputed with autograd (``T·C`` numbers a head), the gradients between chunks of a superblock and between
     superblocks from the kernels (O(T) memory), the diagonal blocks in PyTorch, and autograd back through the
-    local terms. Returns ``(dq, dk, dv, dw, dbeta, dg)`` in the inputs' dtypes (``dg`` None without gates)."""
+    local terms. ``longest``: the longest sequence; ``span``: chunks per superblock; ``cuts``: the flattened batch
+    cut at superblock boundaries (:func:`_superblock_cuts`), or None where no query meets an earlier superblock
+    (chunk by chunk throughout). Nothing here reads the device back. Returns ``(dq, dk, dv, dw, dbeta, dg)`` in
+    the inputs' dtypes (``dg`` None without gates)."""
     B, T, HQ, K = q.shape
     H = k.shape[2]
     groups = HQ // H
-    span = prepare.superblock_chunks(K, chunk)
-    longest = max(eos - bos for bos, eos in segments)
-    if span >= -(-longest // chunk):  # no query meets an earlier superblock: chunk by chunk throughout
+    if cuts is None:
         span = None
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
@@ -270,15 +279,14 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     inputs = (x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta)
     if span is None:
-        dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(*inputs, cu_seqlens, scale, chunk)
+        dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(*inputs, cu_seqlens, scale, chunk, longest)
     else:
         # Within superblocks: the chunk-by-chunk kernels on the flattened batch cut at superblock boundaries.
-        cuts = _superblock_cuts(segments, B, T, span * chunk, q.device)
         flat = [t if t is None or i == 4 else t.reshape(1, B * T, *t.shape[2:]) for i, t in enumerate(inputs)]  # m: 4
-        dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(*flat, cuts, scale, chunk)
+        dkt, dv, dx, dw_between, dm, da, dgcum = path_bwd_between_op(*flat, cuts, scale, chunk, span * chunk)
         dkt, dv, dx, dgcum = (t.view(B, T, *t.shape[2:]) for t in (dkt, dv, dx, dgcum))
         dxh, dkh, dv_super, dsig, dg_super = path_bwd_super_op(
-            xh.detach(), kh.detach(), v, sig.detach(), gcum, do, lse, delta, cu_seqlens, scale, chunk, span
+            xh.detach(), kh.detach(), v, sig.detach(), gcum, do, lse, delta, cu_seqlens, scale, chunk, span, longest
         )
         dv, dgcum = dv + dv_super, dgcum + dg_super
     dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, segments, chunk)

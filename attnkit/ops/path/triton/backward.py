@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
+from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, precisions
+from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
 SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
 
@@ -79,11 +79,13 @@ def backward_config(key_dim: int) -> tuple[int, int]:
 def key_chunk_grads(
     x, do, lse, delta, gcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    USE_G: tl.constexpr, PRECISION: tl.constexpr,
+    USE_G: tl.constexpr, PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False,
 ):  # fmt: skip
     """Query chunk ``i_c`` of every query head of key head ``i_h``'s group against key chunk ``m`` carried to it
     (``b_y``; values ``b_v``, rows ``p_m``), with ``P = exp(S − lse)`` and ``dS = P (dO Vᵀ − Δ)``: returns
-    ``(Σ_heads dSᵀ x, b_dv + Σ Pᵀ dO, b_dg − colsum(dS) per head)``."""
+    ``(Σ_heads dSᵀ x, b_dv + Σ Pᵀ dO, b_dg − colsum(dS) per head)``. With ``LOW_GRAD`` the product ``dSᵀ x`` takes
+    its operands in ``dO``'s dtype (FlashAttention's rounding of its gradient products); the logits stay in
+    ``PRECISION``."""
     G: tl.constexpr = HQ // H
     o_i = i_c * BT + o_t
     m_i = o_i < L
@@ -103,7 +105,10 @@ def key_chunk_grads(
         b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
         b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
         b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
-        b_dy += tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION)
+        if LOW_GRAD:
+            b_dy += tl.dot(tl.trans(b_ds).to(b_do.dtype), b_x.to(b_do.dtype), input_precision=PRECISION)
+        else:
+            b_dy += tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION)
         b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
     return b_dy, b_dv, b_dg
 
@@ -362,8 +367,10 @@ def path_bwd_between_fn(
     scale: float,
     cu_seqlens: torch.Tensor | None,
     chunk: int,
+    longest: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The gradients of the logits between chunks. ``x [B,T,HQ,K]``, ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
+    """The gradients of the logits between chunks (``longest``: the longest sequence's length, known to the caller,
+    so that the launch reads nothing back from the device). ``x [B,T,HQ,K]``, ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
     ``(dkt [B,T,H,K], dv [B,T,H,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], da [chunks,H,BK,BK],
@@ -373,8 +380,8 @@ def path_bwd_between_fn(
     B, T, HQ, K = x.shape
     H, V = kt.shape[2], v.shape[-1]
     BT, BK, BV = chunk, block_dim(K), block_dim(V)
-    N, longest = seq_layout(cu_seqlens, B, T)
-    offsets, _ = chunk_offsets_of(cu_seqlens, BT)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    offsets = chunk_offsets(cu_seqlens, BT)
     NC = triton.cdiv(T, BT)
     f32 = dict(dtype=torch.float32, device=x.device)
     dkt, dv, dx = torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, K, **f32)

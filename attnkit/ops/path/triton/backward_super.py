@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
+from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.backward import key_chunk_grads
-from attnkit.ops.path.triton.prepare import chunk_offsets_of, first_chunk, precisions
+from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def path_bwd_super_kv_kernel(
         for i_c in range(s * R, tl.minimum(s * R + R, n_chunks)):
             b_dy, b_dv, b_dg = key_chunk_grads(
                 xh, do, lse, delta, gcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g,
-                m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
+                m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True,
             )  # fmt: skip
             b_dys += b_dy
         b_dkh += tl.dot(b_dys * scale, b_pi, input_precision=CARRY_PRECISION)
@@ -88,7 +88,9 @@ def path_bwd_super_q_kernel(
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Inputs as :func:`path_bwd_super_kv_kernel` -> ``dxh [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and ``dsig
+    """Inputs as :func:`path_bwd_super_kv_kernel`, but ``kh`` in the inputs' dtype (the forward's rounding of the
+    carried keys: the logits and ``dS k̂`` take 16-bit operands, as the forward's and FlashAttention's do) ->
+    ``dxh [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and ``dsig
     [superblocks, H, BK, BK]`` (atomic adds, zero-initialised), float32. Grid ``(chunks of this wave, N * HQ)``:
     program ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32 (the
     carried query at the right end of every segment of ``EVERY`` superblocks, then one segment's worth)."""
@@ -154,12 +156,12 @@ def path_bwd_super_q_kernel(
                 p_m = bos + (i_m * BT + o_t).to(tl.int64)
                 b_kh = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
                 b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-                b_s = tl.dot(b_l, tl.trans(b_kh), input_precision=PRECISION) * scale
+                b_s = tl.dot(b_l.to(b_kh.dtype), tl.trans(b_kh), input_precision=PRECISION) * scale
                 if USE_G:
                     b_s = b_s + b_gq[:, None] - tl.load(gcum + p_m * HQ + i_hq)[None, :]
                 b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
                 b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
-                b_gam += tl.dot(b_ds, b_kh, input_precision=PRECISION) * scale
+                b_gam += tl.dot(b_ds.to(b_kh.dtype), b_kh, input_precision=PRECISION) * scale
                 b_dg += tl.sum(b_ds, 1)
     tl.store(dxh + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
     tl.store(dgq + p_i * HQ + i_hq, b_dg, mask=m_i)
@@ -168,6 +170,7 @@ def path_bwd_super_q_kernel(
 def path_bwd_super_fn(
     xh: torch.Tensor,
     kh: torch.Tensor,
+    kh_low: torch.Tensor,
     v: torch.Tensor,
     sig: torch.Tensor,
     gcum: torch.Tensor | None,
@@ -178,17 +181,20 @@ def path_bwd_super_fn(
     cu_seqlens: torch.Tensor | None,
     chunk: int,
     span: int,
+    longest: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The gradients of the logits between superblocks of ``span`` chunks of ``chunk`` positions. ``xh [B,T,HQ,K]``,
-    ``kh [B,T,H,K]`` float32, ``v [B,T,H,V]``, ``sig [superblocks,H,BK,BK]`` float32 (rows per packed sequence as
+    """The gradients of the logits between superblocks of ``span`` chunks of ``chunk`` positions. ``xh [B,T,HQ,K]``
+    and ``kh [B,T,H,K]`` float32, ``kh_low`` the same keys in ``v.dtype`` (the query kernel's operand),
+    ``v [B,T,H,V]``, ``sig [superblocks,H,BK,BK]`` float32 (rows per packed sequence as
     :func:`attnkit.ops.path.triton.carry.carry_keys_fn` lays them out), ``gcum`` (or None), ``lse``, ``delta
     [B,T,HQ]`` float32, ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dxh [B,T,HQ,K], dkh [B,T,H,K],
-    dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``)."""
+    dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``). ``longest``: the
+    longest sequence's length (no host sync)."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
     BT, BK, BV = chunk, block_dim(K), block_dim(V)
-    N, longest = seq_layout(cu_seqlens, B, T)
-    sb_offsets, _ = chunk_offsets_of(cu_seqlens, BT * span)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    sb_offsets = chunk_offsets(cu_seqlens, BT * span)
     NSB = triton.cdiv(T, BT * span)
     f32 = dict(dtype=torch.float32, device=xh.device)
     dxh, dkh, dv = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32)
@@ -213,7 +219,7 @@ def path_bwd_super_fn(
     scratch = torch.empty(wave * per_chunk, **f32)
     for c_base in range(span, n_long, wave):
         path_bwd_super_q_kernel[(min(wave, n_long - c_base), N * HQ)](
-            xh, kh, v, sig, gcum, do, lse, delta, dxh, dsig, dgq, scratch, cu_seqlens, sb_offsets, T, NSB, span,
+            xh, kh_low, v, sig, gcum, do, lse, delta, dxh, dsig, dgq, scratch, cu_seqlens, sb_offsets, T, NSB, span,
             c_base, every, slots, scale, **common,
         )  # fmt: skip
     return dxh, dkh, dv, dsig, dgk + dgq

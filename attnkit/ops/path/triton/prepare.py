@@ -118,11 +118,18 @@ def precisions(dtype: torch.dtype) -> tuple[str, str]:
     return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else CARRY_16BIT)
 
 
-def chunk_offsets_of(cu_seqlens: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor | None, int]:
-    """``(offsets [N+1] int32, total chunks)`` of packed sequences cut into chunks of ``chunk`` positions."""
+def chunk_offsets(cu_seqlens: torch.Tensor | None, chunk: int) -> torch.Tensor | None:
+    """The first chunk of each packed sequence cut into chunks of ``chunk`` positions, ``[N+1]`` int32 (the last
+    entry the total), computed on the device (no host sync); None without ``cu_seqlens``."""
     if cu_seqlens is None:
-        return None, 0
+        return None
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     counts = (lengths + chunk - 1) // chunk
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return offsets.to(torch.int32), int(offsets[-1].item())
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
+def chunk_offsets_of(cu_seqlens: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor | None, int]:
+    """``(offsets [N+1] int32, total chunks)`` of packed sequences cut into chunks of ``chunk`` positions (the
+    total reads the device: a host sync)."""
+    offsets = chunk_offsets(cu_seqlens, chunk)
+    return offsets, 0 if offsets is None else int(offsets[-1].item())
