@@ -5,7 +5,7 @@
 # JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
-#                              [vlaacc] [vlaprof] [path] [pathprof] [pathtune] [pathcarry] [decode] [tune]
+#                              [vlaacc] [vlaprof] [path] [pathacc] [pathprof] [pathtune] [pathcarry] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests` alone;
 #   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`.
@@ -79,6 +79,8 @@ for step in $steps; do
         pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
+        pathacc)  # PaTH: the accuracy bar (bf16 to 32k, float32 against float64)
+            timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens 32768 --head-dims 64 128 --out "$OUT" \
                 > "$OUT/pathcarry.log" 2>&1 ;;
@@ -98,7 +100,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathprof pathtune pathcarry flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathacc pathprof pathtune pathcarry flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -1,11 +1,11 @@
-"""The accuracy scripts of issues 4 and 5 on tiny shapes, the kernels under the interpreter (float32: bf16
+"""The accuracy scripts of issues 3, 4 and 5 on tiny shapes, the kernels under the interpreter (float32: bf16
 ``tl.dot`` is wrong there): every cell within its bar, and the JSON written."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks import tapa_accuracy, vla_accuracy
+from benchmarks import path_accuracy, tapa_accuracy, vla_accuracy
 
 
 def test_tapa_accuracy_smoke(tmp_path):
@@ -20,3 +20,11 @@ def test_vla_accuracy_smoke(tmp_path):
     assert vla_accuracy.main([*argv, "--dtypes", "float32", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "vla_accuracy_h200.json").read_text())["rows"]
     assert [r["lam0"] for r in rows] == [0.1, 1.0] and all(r["ok"] and r["errors"]["du"] < 1e-4 for r in rows)
+
+
+def test_path_accuracy_smoke(tmp_path):
+    argv = ["--device", "cpu", "--seq-lens", "70", "--head-dims", "16", "--dtypes", "float32", "--out", str(tmp_path)]
+    assert path_accuracy.main(argv) == 0
+    rows = json.loads((tmp_path / "path_accuracy_h200.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["errors"]["dbeta"] < 1e-4
+    assert rows[0]["o_vs_float64"]["triton"] < 1e-5 and rows[0]["o_vs_float64"]["torch"] < 1e-5
