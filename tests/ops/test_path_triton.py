@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-3}
 
 
-def check(B, T, HQ, H, K, V, gate, dtype, cu_seqlens=None, beta_low=1.5):
+def check(B, T, HQ, H, K, V, gate, dtype, cu_seqlens=None, beta_low=1.5, tol=None):
     q, k, v, w, beta, g = (
         None if x is None else x.to(DEVICE)
         for x in make_inputs(B, T, HQ, H, K, V, gate=gate, dtype=torch.float32, beta_low=beta_low)
@@ -31,7 +31,7 @@ def check(B, T, HQ, H, K, V, gate, dtype, cu_seqlens=None, beta_low=1.5):
     # The reference sees the same rounded inputs, in float32.
     expected = path_attention(q.float(), k.float(), v.float(), w, beta, g, cu_seqlens=cu, backend="torch")
     assert actual.dtype == dtype
-    assert_close("o", actual, expected.to(dtype), TOL[dtype])
+    assert_close("o", actual, expected.to(dtype), TOL[dtype] if tol is None else tol)
 
 
 # B, T, HQ, H, K, V, gate
@@ -66,7 +66,10 @@ def test_beta_near_two_long_history():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("B, T, HQ, H, K", [(2, 4096, 8, 8, 64), (1, 8192, 4, 2, 128), (1, 32768, 2, 1, 64)], ids=str)
 def test_real_sizes_on_gpu(B, T, HQ, H, K, dtype):
-    check(B, T, HQ, H, K, K, True, dtype)
+    """Issue 3's bars at real sizes: float32 1e-3, 16-bit 5e-3. (The float32 PyTorch reference is itself 1.2e-5 from
+    float64 at T = 4k and 4.9e-5 at 16k, growing linearly with T, so the small cases' 1e-5 cannot hold here; the
+    kernels measured 1.6e-5 / 3.2e-5 / 1.3e-4 from it at these three sizes on an H200.)"""
+    check(B, T, HQ, H, K, K, True, dtype, tol=1e-3 if dtype == torch.float32 else None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU")

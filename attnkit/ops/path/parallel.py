@@ -161,9 +161,8 @@ def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span):
 
     for bos, eos in segments:
         sl = slice(bos, eos)
-        terms = chunk_local_terms(
-            q[:, sl], k[:, sl], w[:, sl], beta[:, sl], None if g is None else g[:, sl], scale, chunk, torch.float32
-        )
+        gate = None if g is None else g[:, sl]
+        terms = chunk_local_terms(q[:, sl], k[:, sl], w[:, sl], beta[:, sl], gate, scale, chunk, torch.float32, False)
         n = terms["M"].shape[2]
         xs.append(tokens(terms["x"], n, eos - bos))
         kts.append(tokens(terms["kt"], n, eos - bos))
@@ -258,6 +257,18 @@ def _fwd_backward(ctx, do, dlse):
     return *grads, None, None
 
 
+def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``x [B,T,H]`` summed from each token to the end of its sequence (along ``T``; packed sequences restart at
+    ``cu_seqlens``), on the device."""
+    total = x.flip(1).cumsum(1).flip(1)
+    if cu_seqlens is None:
+        return total
+    T = x.shape[1]
+    positions = torch.arange(T, device=x.device)
+    ends = cu_seqlens[torch.searchsorted(cu_seqlens[1:], positions, right=True) + 1].long()
+    return total - F.pad(total, (0, 0, 0, 1))[:, ends]
+
+
 def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments, chunk, longest, span, cuts):
     """The fused backward of one slice of heads (contiguous tensors): the chunk-local and superblock-local terms
     recomputed with autograd (``T·C`` numbers a head), the gradients between chunks of a superblock and between
@@ -308,8 +319,11 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments
     dv = dv + (dv_diag if groups == 1 else dv_diag.view(B, T, H, groups, -1).sum(3))
     dg = None
     if gate is not None:
-        # gcum is a cumulative sum over the packed tokens: its gradient sums from each token to the end.
-        dg = (grads[4] + dgcum.flip(1).cumsum(1).flip(1)).to(g.dtype)
+        # dgcum has the keys' side only: a query's gate shifts its whole row of logits, so its own gradient, the row
+        # sum of dS, is exactly zero, and summing it in 16-bit products would only add noise that the sums below
+        # grow. gcum is a cumulative sum, so its gradient sums from each token to the end of its sequence (without
+        # the rows, later sequences no longer cancel: the sums restart at each sequence).
+        dg = (grads[4] + _suffix_sums(dgcum, cu_seqlens)).to(g.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype), dbeta.to(beta.dtype), dg
 
 

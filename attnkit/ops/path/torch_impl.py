@@ -60,13 +60,16 @@ def chunk_local_terms(
     scale: float,
     C: int,
     dtype: torch.dtype,
+    query_gate: bool = True,
 ) -> dict[str, torch.Tensor | None]:
     """What each chunk contributes on its own, in ``dtype`` and ``[B, H*, N, C, ·]``: the UT matrix ``M``
     ``[B,H,N,C,C]``, the chunked directions ``w`` ``[B,H,N,C,K]``, the keys carried to their chunk's end ``kt``
     ``[B,H,N,C,K]``, the queries carried to their chunk's start ``x`` ``[B,HQ,N,C,K]``, the intra-chunk logits
     ``s`` ``[B,HQ,N,C,C]`` (scaled, gated, causally masked with ``-inf``) and the cumulative gates ``G``
     ``[B,HQ,N,C]`` (None without ``g``). Differentiable; the PyTorch forward and the Triton backward (which
-    differentiates through these) share it."""
+    differentiates through these) share it. ``query_gate=False`` keeps the query's ``G_i`` out of autograd: a
+    query's gate shifts its whole row of logits, which the softmax ignores, so its gradient is exactly zero, and a
+    backward that sums the row elsewhere (the Triton kernels leave it out) must leave it out here too."""
     HQ, H = q.shape[2], k.shape[2]
     groups = HQ // H
     qc = _chunk(q, C, dtype)
@@ -85,7 +88,7 @@ def chunk_local_terms(
     if g is not None:
         G = _chunk(g, C, dtype)  # [B, HQ, N, C]
         G = G.flatten(2).cumsum(-1).view_as(G)
-        s = s + G[..., :, None] - G[..., None, :]
+        s = s + (G if query_gate else G.detach())[..., :, None] - G[..., None, :]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~causal, float("-inf"))
     return dict(M=M, w=wc, kt=kt, x=x, s=s, G=G)

@@ -256,13 +256,13 @@ def carry_across(
 
 @triton.jit
 def path_bwd_q_kernel(
-    x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dgq, scratch, cu_seqlens, chunk_offsets, T, NC,
+    x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, scratch, cu_seqlens, chunk_offsets, T, NC,
     c_base, EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr, DA: tl.constexpr,
 ):  # fmt: skip
-    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and, by atomic adds,
+    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]`` (stored) and, by atomic adds,
     either (``DA``) ``da [chunks, H, BK, BK]``, the gradient of each chunk's carry ``A_m``, or ``dw [*, H, K]`` and
     ``dm [chunks, H, BT, BT]``, all float32 and zero-initialised. Grid ``(chunks of this wave, N * HQ)``: program
     ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32: the carried
@@ -302,7 +302,6 @@ def path_bwd_q_kernel(
     if USE_G:
         b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
     b_gam = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dg = tl.zeros([BT], dtype=tl.float32)
     # Left to right, a segment at a time: Γ is the gradient of L_{c,m-1}; crossing chunk m adds L_{c,m}ᵀ Γ to dA_m.
     for i_s in range(0, tl.cdiv(i_c, EVERY)):
         lo = i_s * EVERY
@@ -348,9 +347,7 @@ def path_bwd_q_kernel(
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
             b_ds = b_p * (b_dp - b_delta[:, None])
             b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
-            b_dg += tl.sum(b_ds, 1)
     tl.store(dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
-    tl.store(dgq + p_i * HQ + i_hq, b_dg, mask=m_i)
 
 
 def path_bwd_between_fn(
@@ -385,7 +382,7 @@ def path_bwd_between_fn(
     NC = triton.cdiv(T, BT)
     f32 = dict(dtype=torch.float32, device=x.device)
     dkt, dv, dx = torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, K, **f32)
-    dgk, dgq = torch.zeros(B, T, HQ, **f32), torch.zeros(B, T, HQ, **f32)
+    dgk = torch.zeros(B, T, HQ, **f32)
     sums_da = sums_carry_gradient(K, BT)
     if sums_da:  # the op's outputs may not alias one another: separate empty tensors
         dw, dm, da = torch.empty(0, **f32), torch.empty(0, **f32), torch.zeros(m.shape[0], H, BK, BK, **f32)
@@ -424,7 +421,7 @@ def path_bwd_between_fn(
     wave, scratch = waves(HQ)
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
-            x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dgq, scratch, cu_seqlens, offsets, T, NC,
+            x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, scratch, cu_seqlens, offsets, T, NC,
             c_base, every, slots, scale, DA=sums_da, **common,
         )  # fmt: skip
-    return dkt, dv, dx, dw, dm, da, dgk + dgq
+    return dkt, dv, dx, dw, dm, da, dgk

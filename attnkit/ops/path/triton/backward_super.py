@@ -15,7 +15,8 @@ chunk of a superblock meets the same carried query, so the carries cost ``R`` ti
 - ``path_bwd_super_q_kernel``, one program per (query chunk, query head), runs ``L`` right to left, checkpointed
   every ``⌈√n⌉`` superblocks, then walks the segments left to right with the gradient ``Γ`` of ``L``
   (``Γ ← Γ Σ_n + scale · Σ_m dS_cm k̂_m``): ``dΣ_n += Γᵀ L_{c,n}`` by atomic adds (``K²`` a query chunk and
-  superblock), ``dq̂_c = Γ`` at the end, and the gates' query side.
+  superblock) and ``dq̂_c = Γ`` at the end. (The gates' query side, the row sums of ``dS``, is exactly zero: the
+  softmax ignores a shift of a whole row of logits. No kernel sums it.)
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def path_bwd_super_kv_kernel(
 
 @triton.jit
 def path_bwd_super_q_kernel(
-    xh, kh, v, sig, gcum, do, lse, delta, dxh, dsig, dgq, scratch, cu_seqlens, sb_offsets, T, NSB, R,
+    xh, kh, v, sig, gcum, do, lse, delta, dxh, dsig, scratch, cu_seqlens, sb_offsets, T, NSB, R,
     c_base, EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
@@ -90,7 +91,7 @@ def path_bwd_super_q_kernel(
 ):  # fmt: skip
     """Inputs as :func:`path_bwd_super_kv_kernel`, but ``kh`` in the inputs' dtype (the forward's rounding of the
     carried keys: the logits and ``dS k̂`` take 16-bit operands, as the forward's and FlashAttention's do) ->
-    ``dxh [*, HQ, K]``, ``dgq [*, HQ]`` (stored) and ``dsig
+    ``dxh [*, HQ, K]`` (stored) and ``dsig
     [superblocks, H, BK, BK]`` (atomic adds, zero-initialised), float32. Grid ``(chunks of this wave, N * HQ)``:
     program ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32 (the
     carried query at the right end of every segment of ``EVERY`` superblocks, then one segment's worth)."""
@@ -132,7 +133,6 @@ def path_bwd_super_q_kernel(
     if USE_G:
         b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
     b_gam = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dg = tl.zeros([BT], dtype=tl.float32)
     # Left to right, a segment at a time: Γ is the gradient of L_{c,n-1}; crossing superblock n adds Γᵀ L_{c,n}
     # to dΣ_n.
     for i_s in range(0, tl.cdiv(n_back, EVERY)):
@@ -162,9 +162,7 @@ def path_bwd_super_q_kernel(
                 b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
                 b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
                 b_gam += tl.dot(b_ds.to(b_kh.dtype), b_kh, input_precision=PRECISION) * scale
-                b_dg += tl.sum(b_ds, 1)
     tl.store(dxh + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
-    tl.store(dgq + p_i * HQ + i_hq, b_dg, mask=m_i)
 
 
 def path_bwd_super_fn(
@@ -199,7 +197,7 @@ def path_bwd_super_fn(
     f32 = dict(dtype=torch.float32, device=xh.device)
     dxh, dkh, dv = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32)
     dsig = torch.zeros_like(sig)
-    dgk, dgq = torch.zeros(B, T, HQ, **f32), torch.zeros(B, T, HQ, **f32)
+    dgk = torch.zeros(B, T, HQ, **f32)
     n_long = triton.cdiv(longest, BT)
     n_sb = triton.cdiv(n_long, span)
     if n_sb < 2:
@@ -219,7 +217,7 @@ def path_bwd_super_fn(
     scratch = torch.empty(wave * per_chunk, **f32)
     for c_base in range(span, n_long, wave):
         path_bwd_super_q_kernel[(min(wave, n_long - c_base), N * HQ)](
-            xh, kh_low, v, sig, gcum, do, lse, delta, dxh, dsig, dgq, scratch, cu_seqlens, sb_offsets, T, NSB, span,
+            xh, kh_low, v, sig, gcum, do, lse, delta, dxh, dsig, scratch, cu_seqlens, sb_offsets, T, NSB, span,
             c_base, every, slots, scale, **common,
         )  # fmt: skip
-    return dxh, dkh, dv, dsig, dgk + dgq
+    return dxh, dkh, dv, dsig, dgk
