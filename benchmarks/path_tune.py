@@ -1,12 +1,13 @@
 """Tuning sweep of the PaTH Triton kernels on a GPU: warps and stages of the forward, chunk size and warps of the
-backward kernels — each held to the default configuration and timed against SDPA (flash) in one run.
+backward kernels, tile, warps and stages of the between-superblock backward kernels — each held to the default
+configuration and timed against SDPA (flash) in one run.
 
     python benchmarks/path_tune.py [--seq-lens 4096] [--head-dims 64 128] [--out DIR]
 
 bf16 PaTH-FoX inputs as ``benchmarks/ops.py`` makes them, causal, 32768 tokens per batch, H·D = 1024 (SPEC §8).
 Prints a table per cell and writes ``path_tune.json``. The chosen configurations live in the launchers
-(``path_fwd_fn``'s launch, ``backward_config``). ``--device cpu`` runs the same sweep on tiny shapes under
-``TRITON_INTERPRET=1`` with wall-clock timing (the tests' smoke run).
+(``path_fwd_fn``'s launch, ``backward_config``, ``backward_super.launch_config``). ``--device cpu`` runs the same
+sweep on tiny shapes under ``TRITON_INTERPRET=1`` with wall-clock timing (the tests' smoke run).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import path_attention  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
-from attnkit.ops.path.triton import backward, prepare  # noqa: E402
+from attnkit.ops.path.triton import backward, backward_super, prepare  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
 from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 
@@ -37,6 +38,9 @@ FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4,
 # (path_bwd_kv_tile_kernel: 49 KB of shared memory at K = 128 against 205 KB for the K x K product) rather than the
 # product; None keeps carries_key_tile's rule.
 BWD = [(64, 4, None), (64, 8, None), (32, 4, None), (32, 8, None), (16, 4, None), (64, 4, True), (32, 8, True)]
+# (tile, num_warps, num_stages) of the between-superblock kernels (backward_super.launch_config); None keeps the
+# default's (the backward chunk, its warps, one stage). A 64-row tile at K = 128, where the chunk is 32.
+SUPER = [(None, None, 2), (None, None, 3), (None, 8, 1), (64, 8, 1), (64, 8, 2)]
 # --carry-only: the forward's default and single-TF32 carries, then forward+backward with every carry in 3xTF32 (the
 # default) and in one TF32 pass (prepare.CARRY_16BIT), with beta drawn from (1.5, 2) as issue 3's accuracy bar asks.
 CARRY = [None, "tf32"]
@@ -76,9 +80,12 @@ def time_grads(label: str, x: dict[str, torch.Tensor], do: torch.Tensor, default
     return row
 
 
-def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None) -> dict:
+def time_cell(
+    D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None, sup: list = ()
+) -> dict:
     """One (D, T) cell: the forward ``fwd`` configurations, then forward+backward with the backward's ``bwd``
-    configurations, or (``carries`` given) with each carry precision of 16-bit inputs instead."""
+    configurations and the between-superblock kernels' ``sup``, or (``carries`` given) with each carry precision of
+    16-bit inputs instead."""
     H = max(1, 1024 // D) if device.type == "cuda" else 2
     B = max(1, 32768 // T) if device.type == "cuda" else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -86,7 +93,7 @@ def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carrie
     if carries is not None:  # beta in (1.5, 2): the carries' hardest range
         x["beta"] = 1.5 + x["beta"] / 4
     do = torch.randn(B, T, H, D, device=device, dtype=dtype)
-    cell = dict(D=D, T=T, B=B, H=H, fwd=[], bwd=[])
+    cell = dict(D=D, T=T, B=B, H=H, fwd=[], bwd=[], super=[])
     if device.type == "cuda":
         qt, kt, vt = (x[n].transpose(1, 2).detach().requires_grad_() for n in ("q", "k", "v"))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -127,10 +134,25 @@ def time_cell(D: int, T: int, device: torch.device, fwd: list, bwd: list, carrie
         finally:
             backward.backward_config, backward.carries_key_tile = config, rule
         cell["bwd"].append(setting | row)
+    launch = backward_super.launch_config
+    for tile, warps, stages in sup:
+        chosen = launch(D, backward.backward_config(D)[0])
+        setting = chosen | {k: v for k, v in dict(tile=tile, num_warps=warps, num_stages=stages).items() if v}
+        backward_super.launch_config = lambda key_dim, chunk, c=setting: c
+        try:
+            row = time_grads(f"D={D} T={T} super " + " ".join(f"{k}={v}" for k, v in setting.items()), x, do, default,
+                             device)  # fmt: skip
+        finally:
+            backward_super.launch_config = launch
+        cell["super"].append(setting | row)
     return cell
 
 
-SETTINGS = (("fwd", ("num_warps", "num_stages", "carry_precision")), ("bwd", ("chunk", "num_warps", "key_tile")))
+SETTINGS = (
+    ("fwd", ("num_warps", "num_stages", "carry_precision")),
+    ("bwd", ("chunk", "num_warps", "key_tile")),
+    ("super", ("tile", "num_warps", "num_stages")),
+)
 
 
 def table(cells: list[dict]) -> str:
@@ -141,14 +163,15 @@ def table(cells: list[dict]) -> str:
             head += f": SDPA fwd {cell['sdpa_fwd']:.3f} ms, fwd+bwd {cell['sdpa_fwdbwd']:.3f} ms"
         lines.append(head)
         for kind, keys in SETTINGS:
-            for row in sorted(cell[kind], key=lambda r: r.get("ms", float("inf"))):
+            for row in sorted(cell.get(kind, []), key=lambda r: r.get("ms", float("inf"))):
                 setting = " ".join(f"{k}={row[k]}" for k in keys if k in row)
                 if kind == "bwd" and "carry_precision" in row:
                     setting = f"carry_precision={row['carry_precision']}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
                 if "err_torch" in row:
                     result += f" ({row['err_torch']:.1e} from the PyTorch backend)"
-                lines.append(f"  {'fwd' if kind == 'fwd' else 'fwd+bwd'} {setting}: {result}")
+                label = {"fwd": "fwd", "bwd": "fwd+bwd", "super": "fwd+bwd super"}[kind]
+                lines.append(f"  {label} {setting}: {result}")
     return "\n".join(lines)
 
 
@@ -161,16 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--carry-only", action="store_true", help="only the carries' precision, forward and forward+backward (CARRY)"
     )
+    parser.add_argument("--super-only", action="store_true", help="only the between-superblock kernels (SUPER)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    fwd, bwd = ([FWD[0], FWD[-1]], [BWD[2], BWD[-1]]) if args.quick else (FWD, BWD)
+    fwd, bwd, sup = ([FWD[0], FWD[-1]], [BWD[2], BWD[-1]], SUPER[:1]) if args.quick else (FWD, BWD, SUPER)
     if args.carry_only:
-        fwd, bwd = [FWD[0], FWD[-1]], []
+        fwd, bwd, sup = [FWD[0], FWD[-1]], [], []
+    if args.super_only:
+        fwd, bwd = [], []
     cells = []
     for T in args.seq_lens:  # every D at the shortest T first: a time limit cuts the long cells
         for D in args.head_dims:
-            cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None))
+            cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup))
             write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
     print(table(cells))
     return 0

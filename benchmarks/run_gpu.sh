@@ -5,10 +5,10 @@
 # JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
-#                              [vlaacc] [vlaprof] [path] [pathacc] [pathprof] [pathtune] [pathcarry] [decode] [tune]
+#                              [vlaacc] [vlaprof] [path] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests` alone;
-#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`.
+#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper pathprof`.
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -79,6 +79,9 @@ for step in $steps; do
         pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
+        pathsuper)  # PaTH: tile, warps and stages of the between-superblock backward kernels at 32k, D = 64 and 128
+            timeout 300 python3 benchmarks/path_tune.py --super-only --seq-lens 32768 --out "$OUT" \
+                > "$OUT/pathsuper.log" 2>&1 ;;
         pathacc)  # PaTH: the accuracy bar (bf16 to 32k, float32 against float64)
             timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
@@ -100,7 +103,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathacc pathprof pathtune pathcarry flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathacc pathsuper pathprof pathtune pathcarry flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -352,3 +352,19 @@ def test_superblock_spans(monkeypatch, span, offsets):
     actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
     for name, a, e in zip(GRAD_NAMES, actual, expected):
         assert_close(name, a, e, 1e-5)
+
+
+@pytest.mark.parametrize("span", [2, 4], ids=["one-tile-a-superblock", "two-tiles-a-superblock"])
+def test_superblock_tiles_of_their_own(monkeypatch, span):
+    """The between-superblock kernels on 32-row tiles while the chunks have 16 positions (their tile is free of the
+    chunk): every gradient against the PyTorch backend, dense and with GQA."""
+    from attnkit.ops.path.triton import backward_super, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
+    config = dict(tile=32, num_warps=1, num_stages=1)
+    monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, chunk: config)
+    inputs = [x.to(DEVICE) for x in make_inputs(2, 150, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=1.5)]
+    do = torch.randn(2, 150, 4, 16, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton"), backend_grads(inputs, do, "torch")
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a, e, 1e-5)

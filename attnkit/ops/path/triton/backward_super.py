@@ -32,6 +32,14 @@ from attnkit.ops.path.triton.backward import key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
 
+def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
+    """``tile`` (rows of a query or key tile), ``num_warps`` and ``num_stages`` of the between-superblock kernels.
+    They need no chunk structure, only ``q̂``, ``k̂`` per token and ``Σ`` per superblock, so their tile is free of the
+    backward's chunk (it must divide the superblock): for now the chunk and the chunk kernels' warps, unpipelined,
+    as timed on the H200 (``benchmarks/results/path_h200.md``); ``benchmarks/path_tune.py`` sweeps the others."""
+    return dict(tile=chunk, num_warps=backward.backward_config(key_dim)[1], num_stages=1)
+
+
 @triton.jit
 def path_bwd_super_kv_kernel(
     xh, kh, v, sig, gcum, do, lse, delta, dkh, dv, dgk, cu_seqlens, sb_offsets, T, NSB, R, scale,
@@ -190,34 +198,39 @@ def path_bwd_super_fn(
     longest sequence's length (no host sync)."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
-    BT, BK, BV = chunk, block_dim(K), block_dim(V)
+    config = launch_config(K, chunk)
+    length = chunk * span  # a superblock's positions
+    BT, BK, BV = config["tile"], block_dim(K), block_dim(V)
+    if length % BT:
+        raise ValueError(f"launch_config: a tile of {BT} rows does not divide a superblock of {length} positions")
+    tiles = length // BT  # a superblock's tiles
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    sb_offsets = chunk_offsets(cu_seqlens, BT * span)
-    NSB = triton.cdiv(T, BT * span)
+    sb_offsets = chunk_offsets(cu_seqlens, length)
+    NSB = triton.cdiv(T, length)
     f32 = dict(dtype=torch.float32, device=xh.device)
     dxh, dkh, dv = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32)
     dsig = torch.zeros_like(sig)
     dgk = torch.zeros(B, T, HQ, **f32)
     n_long = triton.cdiv(longest, BT)
-    n_sb = triton.cdiv(n_long, span)
+    n_sb = triton.cdiv(n_long, tiles)
     if n_sb < 2:
         return dxh, dkh, dv, dsig, dgk
     precision, carry = precisions(v.dtype)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry)  # fmt: skip
-    common.update(num_warps=backward.backward_config(K)[1], num_stages=1)
-    path_bwd_super_kv_kernel[((n_sb - 1) * span, N * H)](  # the key chunks with a later superblock
-        xh, kh, v, sig, gcum, do, lse, delta, dkh, dv, dgk, cu_seqlens, sb_offsets, T, NSB, span, scale,
+    common.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    path_bwd_super_kv_kernel[((n_sb - 1) * tiles, N * H)](  # the key tiles with a later superblock
+        xh, kh, v, sig, gcum, do, lse, delta, dkh, dv, dgk, cu_seqlens, sb_offsets, T, NSB, tiles, scale,
         BG=triton.next_power_of_2(HQ // H), **common,
     )  # fmt: skip
     every = backward.checkpoint_every(n_sb)
     slots = triton.cdiv(n_sb, every) + every
     per_chunk = slots * BT * BK * N * HQ  # float32 numbers of one query chunk's programs
-    wave = max(1, min(n_long - span, backward.SCRATCH_BYTES // (per_chunk * 4)))
+    wave = max(1, min(n_long - tiles, backward.SCRATCH_BYTES // (per_chunk * 4)))
     scratch = torch.empty(wave * per_chunk, **f32)
-    for c_base in range(span, n_long, wave):
+    for c_base in range(tiles, n_long, wave):
         path_bwd_super_q_kernel[(min(wave, n_long - c_base), N * HQ)](
-            xh, kh_low, v, sig, gcum, do, lse, delta, dxh, dsig, scratch, cu_seqlens, sb_offsets, T, NSB, span,
+            xh, kh_low, v, sig, gcum, do, lse, delta, dxh, dsig, scratch, cu_seqlens, sb_offsets, T, NSB, tiles,
             c_base, every, slots, scale, **common,
         )  # fmt: skip
     return dxh, dkh, dv, dsig, dgk
