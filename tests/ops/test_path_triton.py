@@ -314,12 +314,17 @@ def test_forward_opcheck_and_compile():
     ``fullgraph=True``, forward and backward. The interim backward (autograd through the PyTorch backend inside
     the backward formula) traces with static shapes only, so ``opcheck`` runs on inputs without gradients; the
     fused backward will be checked there too."""
-    from attnkit.ops.path.parallel import path_fwd_op
+    from attnkit.ops.path.parallel import path_bwd_super_op, path_fwd_op
 
-    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 20, 2, 1, 16, 16, gate=True, dtype=torch.float32))
-    cu = torch.tensor([0, 6, 20], device=DEVICE, dtype=torch.int32)
+    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 40, 2, 1, 16, 16, gate=True, dtype=torch.float32))
+    cu = torch.tensor([0, 6, 40], device=DEVICE, dtype=torch.int32)
     torch.library.opcheck(path_fwd_op, (q, k, v, w, beta, g, cu, 0.25))
     torch.library.opcheck(path_fwd_op, (q, k, v, w, beta, None, None, 0.25))
+    # The between-superblock kernels' operator (two superblocks of 32 positions over 40 tokens).
+    sig = torch.randn(2, 1, 16, 16, device=DEVICE) / 4
+    gcum, lse, delta = (torch.randn(1, 40, 2, device=DEVICE) for _ in range(3))
+    args = (q, k, v, sig, gcum, torch.randn(1, 40, 2, 16, device=DEVICE), lse, delta, None, 0.25, 16, 2, 40)
+    torch.library.opcheck(path_bwd_super_op, args)
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v, w, beta, g)]
     compiled = torch.compile(lambda *a: path_attention(*a, backend="triton"), fullgraph=True, dynamic=False)
