@@ -179,9 +179,11 @@ def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span):
             khs.append(tokens(kh, n, eos - bos))
             sig = F.pad(sig, (0, BK - K, 0, BK - K))
             sigs.append(sig.transpose(1, 2).reshape(B * sig.shape[2], H, BK, BK))
-    supers = [torch.cat(t, 1 if i < 2 else 0) if t else None for i, t in enumerate((xhs, khs, sigs))]
-    return (torch.cat(xs, 1), torch.cat(kts, 1), torch.cat(ms, 0), torch.cat(wcs, 0), logits, torch.cat(mws, 1),
-            *supers)  # fmt: skip
+    def join(parts: list[torch.Tensor], dim: int) -> torch.Tensor | None:  # no copy for one sequence
+        return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+    return (join(xs, 1), join(kts, 1), join(ms, 0), join(wcs, 0), logits, join(mws, 1), join(xhs, 1), join(khs, 1),
+            join(sigs, 0))  # fmt: skip
 
 
 def _superblock_cuts(segments, batch: int, seq_len: int, length: int, device: torch.device) -> torch.Tensor:

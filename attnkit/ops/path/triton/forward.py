@@ -32,15 +32,14 @@ from attnkit.ops.path.triton.prepare import (
 
 @triton.jit
 def softmax_step(
-    b_x, b_k, b_v, b_max, b_sum, b_acc, gcum, b_gq, p_j, i_hq, scale,
-    HQ: tl.constexpr, USE_G: tl.constexpr, PRECISION: tl.constexpr,
+    b_x, b_k, b_v, b_max, b_sum, b_acc, gcum, o_g, p_j, scale, USE_G: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One key chunk (``b_k`` carried to where the query ``b_x`` stands, rows ``p_j``) into the online softmax:
-    returns the new ``(max, sum, acc)``."""
+    """One key chunk (``b_k`` carried to where the query ``b_x`` stands, rows ``p_j``; the query head's cumulative
+    gates from ``gcum + o_g``) into the online softmax: returns the new ``(max, sum, acc)``. The logits leave out the
+    query's own gate ``G_i``, a shift of the whole row that the softmax ignores (the log-sum-exp adds it back)."""
     b_s = tl.dot(b_x.to(b_k.dtype), tl.trans(b_k), input_precision=PRECISION) * scale
     if USE_G:
-        b_gk = tl.load(gcum + p_j * HQ + i_hq)
-        b_s = b_s + b_gq[:, None] - b_gk[None, :]
+        b_s = b_s - tl.load(gcum + o_g + p_j)[None, :]
     b_max_new = tl.maximum(b_max, tl.max(b_s, 1))
     b_rescale = tl.exp(b_max - b_max_new)
     b_p = tl.exp(b_s - b_max_new[:, None])
@@ -51,15 +50,15 @@ def softmax_step(
 
 @triton.jit
 def path_fwd_kernel(
-    q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, R, scale,
+    q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, chunk_offsets, sb_offsets, T, NT, NC, NSB, R, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``mw [*, H, K]``
     float32 (``M W`` per chunk), ``kh [*, H, K]`` (keys carried to their superblock's end) and ``sig [superblocks,
-    H, BK, BK]`` float32 (each superblock's transitions, ``carry.py``; superblocks of ``R`` chunks), ``gcum [*, HQ]``
-    float32 cumulative gates (when ``USE_G``) -> ``o [*, HQ, V]`` and
+    H, BK, BK]`` float32 (each superblock's transitions, ``carry.py``; superblocks of ``R`` chunks), ``gcum [HQ, *]``
+    float32 cumulative gates, head-major (``NT`` tokens a head; when ``USE_G``) -> ``o [*, HQ, V]`` and
     ``lse [*, HQ]`` float32 (the natural log-sum-exp of each query's logits, for the backward). Grid ``(chunks of
     the longest sequence, N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one
     rank-``BT`` update per chunk of history."""
@@ -98,10 +97,11 @@ def path_fwd_kernel(
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
     b_s = (b_s - tl.dot(b_qwm, b_wk, input_precision=CARRY_PRECISION)) * scale
     b_x = b_qf - tl.dot(b_qwm, b_w, input_precision=CARRY_PRECISION)
+    o_g = i_hq.to(tl.int64) * NT  # this query head's gates
     b_gq = tl.zeros([BT], dtype=tl.float32)
     if USE_G:
-        b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
-        b_s = b_s + b_gq[:, None] - b_gq[None, :]
+        b_gq = tl.load(gcum + o_g + p_i, mask=m_i, other=0.0)
+        b_s = b_s - b_gq[None, :]
     b_s = tl.where((rows >= cols) & m_i[None, :], b_s, float("-inf"))
     b_max = tl.max(b_s, 1)
     b_p = tl.exp(b_s - b_max[:, None])
@@ -118,7 +118,7 @@ def path_fwd_kernel(
         b_kt = tl.load(kt + p_kvj, mask=m_k, other=0.0)
         b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
         b_max, b_sum, b_acc = softmax_step(
-            b_x, b_kt, b_vj, b_max, b_sum, b_acc, gcum, b_gq, p_j, i_hq, scale, HQ, USE_G, PRECISION
+            b_x, b_kt, b_vj, b_max, b_sum, b_acc, gcum, o_g, p_j, scale, USE_G, PRECISION
         )
         b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
         b_mwj = tl.load(mw + p_kvj, mask=m_k, other=0.0)
@@ -135,7 +135,7 @@ def path_fwd_kernel(
             b_kh = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
             b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
             b_max, b_sum, b_acc = softmax_step(
-                b_x, b_kh, b_vj, b_max, b_sum, b_acc, gcum, b_gq, p_j, i_hq, scale, HQ, USE_G, PRECISION
+                b_x, b_kh, b_vj, b_max, b_sum, b_acc, gcum, o_g, p_j, scale, USE_G, PRECISION
             )
         if sb > 0:
             b_sig = tl.load(sig + ((sb0 + sb) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :])
@@ -143,7 +143,7 @@ def path_fwd_kernel(
 
     b_o = b_acc / b_sum[:, None]
     tl.store(o + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_i[:, None] & m_v)
-    tl.store(lse + p_i * HQ + i_hq, b_max + tl.log(b_sum), mask=m_i)
+    tl.store(lse + p_i * HQ + i_hq, b_max + tl.log(b_sum) + b_gq, mask=m_i)  # the row's gate G_i back in
 
 
 def path_fwd_fn(
@@ -193,10 +193,11 @@ def path_fwd_fn(
     else:
         kh, sig, sb_offsets = kt, m, offsets  # never read
     # Gates enter as differences within a sequence, so one cumulative sum over the packed tokens serves all.
-    gcum = g.float().cumsum(1).contiguous() if g is not None else None
+    # Head-major ([HQ, B·T]), so that a chunk's gates are one contiguous load.
+    gcum = g.float().cumsum(1).permute(2, 0, 1).contiguous() if g is not None else None
     path_fwd_kernel[(grid_chunks, N * HQ)](
-        q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, NC, triton.cdiv(T, BT * R), R,
-        scale,
+        q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
+        triton.cdiv(T, BT * R), R, scale,
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
         PRECISION=precision, CARRY_PRECISION=carry, **launch,
     )  # fmt: skip
