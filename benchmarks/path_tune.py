@@ -34,6 +34,8 @@ from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 # (num_warps, num_stages, carry precision) of the prepare and forward kernels; None keeps the default (3xTF32 for
 # 16-bit inputs). "tf32" is one TF32 pass for the carried query: ~3x fewer tensor-core passes, error read off `err`.
 FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32")]
+# Rows per block of the prepare kernel's UT solve (prepare.SOLVE_ROWS), the forward timed with each.
+SOLVE = [16, 32]
 # (chunk, num_warps, key_tile) of the backward kernels; key_tile: the key side carries its key chunk
 # (path_bwd_kv_tile_kernel: 49 KB of shared memory at K = 128 against 205 KB for the K x K product) rather than the
 # product; None keeps carries_key_tile's rule.
@@ -81,11 +83,12 @@ def time_grads(label: str, x: dict[str, torch.Tensor], do: torch.Tensor, default
 
 
 def time_cell(
-    D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None, sup: list = ()
+    D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None, sup: list = (),
+    solve: list = (),
 ) -> dict:
     """One (D, T) cell: the forward ``fwd`` configurations, then forward+backward with the backward's ``bwd``
     configurations and the between-superblock kernels' ``sup``, or (``carries`` given) with each carry precision of
-    16-bit inputs instead."""
+    16-bit inputs instead; ``solve``: the forward with each block size of the UT solve."""
     H = max(1, 1024 // D) if device.type == "cuda" else 2
     B = max(1, 32768 // T) if device.type == "cuda" else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -115,6 +118,18 @@ def time_cell(
                 row["err_torch"] = rel_rms(out[0], exact)
         cell["fwd"].append(row)
         print(f"  fwd D={D} T={T} {config}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+    for rows in solve if fwd else []:
+        saved, prepare.SOLVE_ROWS = prepare.SOLVE_ROWS, rows
+        try:
+            fn = functools.partial(path_fwd_fn, *args)
+            out, error = attempt(fn)
+            row = dict(solve_rows=rows, error=error)
+            if out is not None:
+                row.update(err=rel_rms(out[0], reference), ms=bench(fn, device))
+        finally:
+            prepare.SOLVE_ROWS = saved
+        cell["fwd"].append(row)
+        print(f"  fwd D={D} T={T} solve_rows={rows}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
     for carry in carries or []:
         saved, prepare.CARRY_16BIT = prepare.CARRY_16BIT, carry or prepare.CARRY_16BIT
@@ -149,7 +164,7 @@ def time_cell(
 
 
 SETTINGS = (
-    ("fwd", ("num_warps", "num_stages", "carry_precision")),
+    ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows")),
     ("bwd", ("chunk", "num_warps", "key_tile")),
     ("super", ("tile", "num_warps", "num_stages")),
 )
@@ -196,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     for T in args.seq_lens:  # every D at the shortest T first: a time limit cuts the long cells
         for D in args.head_dims:
-            cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup))
+            solve = [] if args.carry_only or args.super_only else SOLVE[:1] if args.quick else SOLVE
+            cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, solve))
             write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
     print(table(cells))
     return 0

@@ -16,7 +16,7 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
     cells = json.loads((tmp_path / "path_tune.json").read_text())["cells"]
     assert [(c["D"], c["T"]) for c in cells] == [(16, 40)]
     rows = cells[0]["fwd"] + cells[0]["bwd"]
-    assert len(rows) == 4
+    assert len(rows) == 5 and cells[0]["fwd"][-1]["solve_rows"] == 16  # two launches, one UT-solve block size
     for row in rows:
         assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-5
     # The sweep patches the backward's configuration and must put it back.
@@ -29,6 +29,9 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
     from attnkit.ops.path.triton import backward_super
 
     assert backward_super.launch_config(16, 16) == dict(tile=16, num_warps=1, num_stages=1)
+    from attnkit.ops.path.triton import prepare
+
+    assert prepare.SOLVE_ROWS is None
     out = capsys.readouterr().out
     assert "fwd+bwd chunk=32 num_warps=4 key_tile=False" in out and "key_tile=True" in out
     assert "fwd+bwd super tile=16 num_warps=1 num_stages=2" in out

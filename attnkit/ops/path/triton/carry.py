@@ -23,6 +23,7 @@ from attnkit.ops.path.triton.prepare import (
     launch_config,
     path_prepare_kernel,
     precisions,
+    solve_rows,
 )
 
 
@@ -124,9 +125,9 @@ def path_carry_fn(
         chunks = B * NC
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=k.device)
     kt = torch.empty_like(k)
+    carry = precisions(k.dtype)[1]
     path_prepare_kernel[(triton.cdiv(longest, BT), N * H)](
         k, w, beta, m, kt, None, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=BT,
-        IS_VARLEN=cu_seqlens is not None, PRECISION=precisions(k.dtype)[1], WRITE_MW=False, **launch_config(),
+        IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=False, SB=solve_rows(BT), **launch_config(),
     )  # fmt: skip
-    carry = precisions(k.dtype)[1]
     return carry_keys_fn(w, kt, m, cu_seqlens, triton.cdiv(longest, BT), k.dtype, False, carry, launch_config())[0]

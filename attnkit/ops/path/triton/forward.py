@@ -27,6 +27,7 @@ from attnkit.ops.path.triton.prepare import (
     launch_config,
     path_prepare_kernel,
     precisions,
+    solve_rows,
 )
 
 
@@ -185,7 +186,7 @@ def path_fwd_fn(
     carry = launch.pop("carry_precision", carry)
     path_prepare_kernel[(grid_chunks, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
-        PRECISION=carry, WRITE_MW=True, **launch,
+        PRECISION=carry, WRITE_MW=True, SB=solve_rows(BT), **launch,
     )  # fmt: skip
     R = prepare.superblock_chunks(K, BT)
     if R < grid_chunks:  # some query chunk has an earlier superblock

@@ -26,15 +26,72 @@ def first_chunk(chunk_offsets, i_n, NC, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def ut_solve(b_w, b_beta, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """``M = (I + diag(β) strict_tril(W Wᵀ))⁻¹ diag(β)`` of one chunk (``b_w [BT, BK]`` float32, ``b_beta [BT]``) by
+    forward substitution, row by row: ``BT`` steps on the ``[BT, BT]`` tile."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)  # symmetric: column i is row i
+    b_m = tl.where(rows == cols, b_beta[:, None], 0.0)
+    # Row i of M: beta_i e_i − beta_i Σ_{j<i} (w_i·w_j) M[j, :]. The Gram matrix is symmetric, so its column i
+    # gives the coefficients indexed along the rows of M without a transpose.
+    for i in range(1, BT):
+        b_beta_i = tl.sum(tl.where(tl.arange(0, BT) == i, b_beta, 0.0), 0)
+        b_coef = tl.sum(tl.where((cols == i) & (rows < i), b_gram, 0.0), 1) * b_beta_i
+        b_row = tl.sum(b_coef[:, None] * b_m, 0)
+        b_m = tl.where(rows == i, b_m - b_row[None, :], b_m)
+    return b_m
+
+
+@triton.jit
+def ut_solve_blocked(
+    w, beta, p_m, bos, start, L, i_h, o_k,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """:func:`ut_solve` by blocks of ``SB`` rows, written to ``p_m`` (the chunk's ``M``, ``[BT, BT]`` row-major
+    from the chunk's tile pointers) and read back as the tile. Block ``I`` of ``L M = diag(β)``
+    (``L = I + diag(β) strict_tril(W Wᵀ)``) reads ``M_I = L_II⁻¹ (D_I − β_I ∘ (W_I S_I))`` with
+    ``S_I = Σ_{J<I} W_Jᵀ M_J``: the diagonal block's inverse by ``SB`` steps on an ``[SB, SB]`` tile and the rest
+    products, instead of ``BT`` steps on the ``[BT, BT]`` tile."""
+    r_b = tl.arange(0, SB)[:, None]
+    c_b = tl.arange(0, SB)[None, :]
+    cols = tl.arange(0, BT)[None, :]
+    b_s = tl.zeros([BK, BT], dtype=tl.float32)  # S = Σ_{J<I} W_Jᵀ M_J
+    for I in tl.static_range(BT // SB):
+        o_r = I * SB + tl.arange(0, SB)  # the block's rows in the chunk
+        m_r = start + o_r < L
+        p_r = bos + (start + o_r).to(tl.int64)
+        m_rk = m_r[:, None] & (o_k < K)[None, :]
+        b_wi = tl.load(w + p_r[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        b_bi = tl.load(beta + p_r * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+        b_g = tl.dot(b_wi, tl.trans(b_wi), input_precision=PRECISION)
+        b_li = tl.where(r_b == c_b, 1.0, 0.0)  # L_II⁻¹, row by row: e_i − β_i Σ_{c<i} G_ic L_II⁻¹[c]
+        for i in range(1, SB):
+            b_beta_i = tl.sum(tl.where(tl.arange(0, SB) == i, b_bi, 0.0), 0)
+            b_coef = tl.sum(tl.where((c_b == i) & (r_b < i), b_g, 0.0), 1) * b_beta_i
+            b_row = tl.sum(b_coef[:, None] * b_li, 0)
+            b_li = tl.where(r_b == i, b_li - b_row[None, :], b_li)
+        b_rhs = tl.where(o_r[:, None] == cols, b_bi[:, None], 0.0)
+        b_rhs -= b_bi[:, None] * tl.dot(b_wi, b_s, input_precision=PRECISION)
+        b_mi = tl.dot(b_li, b_rhs, input_precision=PRECISION)
+        tl.store(p_m + I * SB * BT + r_b * BT + cols, b_mi)
+        b_s += tl.dot(tl.trans(b_wi), b_mi, input_precision=PRECISION)
+    tl.debug_barrier()
+    rows = tl.arange(0, BT)[:, None]
+    return tl.load(p_m + rows * BT + cols)
+
+
+@triton.jit
 def path_prepare_kernel(
     k, w, beta, m_out, kt_out, mw_out, cu_seqlens, chunk_offsets, T, NC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, WRITE_MW: tl.constexpr,
+    PRECISION: tl.constexpr, WRITE_MW: tl.constexpr, SB: tl.constexpr = 1 << 20,
 ):  # fmt: skip
     """``k, w [*, H, K]``, ``beta [*, H]`` (``*`` the packed tokens) -> ``m_out [chunks, H, BT, BT]`` float32
     and ``kt_out [*, H, K]``. Grid ``(chunks of the longest sequence, N * H)``; chunk ``c`` of sequence ``n``
     is row ``chunk_offsets[n] + c`` of ``m_out`` (``n * NC + c`` for a dense batch). With ``WRITE_MW`` also
-    ``mw_out [*, H, K]`` float32, ``M W`` of each chunk (the carry across it is then ``x − (x Wᵀ)(M W)``)."""
+    ``mw_out [*, H, K]`` float32, ``M W`` of each chunk (the carry across it is then ``x − (x Wᵀ)(M W)``). ``SB``
+    below ``BT``: the UT solve by blocks of ``SB`` rows (:func:`ut_solve_blocked`), else row by row."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -54,17 +111,12 @@ def path_prepare_kernel(
 
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)  # symmetric: column i is row i
-    b_m = tl.where(rows == cols, b_beta[:, None], 0.0)
-    # Row i of M: beta_i e_i − beta_i Σ_{j<i} (w_i·w_j) M[j, :]. The Gram matrix is symmetric, so its column i
-    # gives the coefficients indexed along the rows of M without a transpose.
-    for i in range(1, BT):
-        b_beta_i = tl.sum(tl.where(tl.arange(0, BT) == i, b_beta, 0.0), 0)
-        b_coef = tl.sum(tl.where((cols == i) & (rows < i), b_gram, 0.0), 1) * b_beta_i
-        b_row = tl.sum(b_coef[:, None] * b_m, 0)
-        b_m = tl.where(rows == i, b_m - b_row[None, :], b_m)
-    p_m = m_out + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols
-    tl.store(p_m, b_m)
+    p_m = m_out + (i_chunk * H + i_h) * (BT * BT)
+    if SB < BT:
+        b_m = ut_solve_blocked(w, beta, p_m, bos, start, L, i_h, o_k, H, K, BK, BT, SB, PRECISION)
+    else:
+        b_m = ut_solve(b_w, b_beta, BT, PRECISION)
+        tl.store(p_m + rows * BT + cols, b_m)
     if WRITE_MW:
         b_mw = tl.dot(b_m, b_w, input_precision=PRECISION)
         tl.store(mw_out + p_t[:, None] * (H * K) + i_h * K + o_k[None, :], b_mw, mask=m_tk)
@@ -104,6 +156,16 @@ def superblock_chunks(K: int, chunk: int) -> int:
 
 
 NO_SUPERBLOCKS = 1 << 30  # a span no sequence reaches: every chunk pair is carried chunk by chunk
+
+
+SOLVE_ROWS: int | None = None  # rows per block of the prepare kernel's UT solve; None: row by row (what was timed)
+
+
+def solve_rows(chunk: int) -> int:
+    """``SB`` of :func:`path_prepare_kernel`: ``SOLVE_ROWS`` where it is set and smaller than the chunk (the solve
+    by blocks, :func:`ut_solve_blocked`; not yet timed on a GPU: ``benchmarks/path_tune.py`` sweeps it), else the
+    chunk (row by row)."""
+    return chunk if SOLVE_ROWS is None else min(SOLVE_ROWS, chunk)
 
 
 CARRY_16BIT = "tf32x3"  # the carries' precision for 16-bit inputs (benchmarks/path_tune.py --carry-only times "tf32")
