@@ -7,7 +7,8 @@ carried across the chunk, ``x ← x − (x W_jᵀ)(M_j W_j)`` (two products: the
 Past its superblock's start the scan goes a superblock at a time: the logits are ``x k̂_jᵀ`` with the keys carried
 to their superblock's end (``carry.py``), for every chunk of the superblock with no carry between them, and then
 the query crosses the whole superblock with one dense product, ``x ← x Σᵀ``. FlashAttention's online softmax runs
-along the scan; the FoX gate adds ``G_i − G_j``. Derivation: ``README.md`` of the op.
+along the scan; the FoX gate subtracts ``G_j`` (the row's own ``G_i``, which the softmax ignores, goes to the
+log-sum-exp). Derivation: ``README.md`` of the op.
 """
 
 from __future__ import annotations
