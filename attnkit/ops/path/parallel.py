@@ -144,17 +144,17 @@ def _setup_fwd(ctx, inputs, output):
     ctx.scale = scale
 
 
-def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span):
+def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span, with_carries):
     """The chunk-local terms of every sequence, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``,
-    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]``, ``w`` chunked as ``m`` ``[chunks,H,C,K]`` (float32), per sequence its
-    intra-chunk logits ``[B,HQ,N,C,C]``, and ``M W`` per chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for
-    the carries); with ``span`` (chunks per superblock, or None) also the superblock-local terms
-    (:func:`attnkit.ops.path.torch_impl.superblock_terms`): ``xh [B,T,HQ,K]``, ``kh [B,T,H,K]`` and
-    ``sig [superblocks,H,BK,BK]`` (zero-padded to the kernels' block), else None for each."""
+    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]``, each chunk's ``Wᵀ M W = I − A`` ``[chunks,H,K,K]`` (with
+    ``with_carries``, else None), float32, per sequence its intra-chunk logits ``[B,HQ,N,C,C]``, and ``M W`` per
+    chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for the carries); with ``span`` (chunks per superblock, or
+    None) also the superblock-local terms (:func:`attnkit.ops.path.torch_impl.superblock_terms`): ``xh [B,T,HQ,K]``,
+    ``kh [B,T,H,K]`` and ``sig [superblocks,H,BK,BK]`` (zero-padded to the kernels' block), else None for each."""
     B, _, HQ, K = q.shape
     H = k.shape[2]
     BK = block_dim(K)
-    xs, kts, ms, wcs, mws, logits, xhs, khs, sigs = ([] for _ in range(9))
+    xs, kts, ms, mws, carries, logits, xhs, khs, sigs = ([] for _ in range(9))
 
     def tokens(t: torch.Tensor, n: int, length: int) -> torch.Tensor:  # [B, H*, N, C, D] -> [B, length, H*, D]
         return t.movedim(1, 3).reshape(B, n * chunk, t.shape[1], t.shape[-1])[:, :length]
@@ -167,14 +167,16 @@ def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span):
         xs.append(tokens(terms["x"], n, eos - bos))
         kts.append(tokens(terms["kt"], n, eos - bos))
         ms.append(terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk))
-        wcs.append(terms["w"].transpose(1, 2).reshape(B * n, H, chunk, K))
         mw = terms["M"].detach() @ terms["w"].detach()
         mws.append(tokens(mw, n, eos - bos))
         logits.append(terms["s"])
+        if with_carries or span is not None:
+            carry = terms["w"].transpose(-1, -2) @ (terms["M"] @ terms["w"])  # I − A: Wᵀ M W per chunk
+        if with_carries:
+            carries.append(carry.transpose(1, 2).reshape(B * n, H, K, K))
         if span is not None:
             eye = torch.eye(K, dtype=torch.float32, device=q.device)
-            carries = eye - terms["w"].transpose(-1, -2) @ (terms["M"] @ terms["w"])
-            xh, kh, sig = superblock_terms(terms["x"], terms["kt"], carries, span)
+            xh, kh, sig = superblock_terms(terms["x"], terms["kt"], eye - carry, span)
             xhs.append(tokens(xh, n, eos - bos))
             khs.append(tokens(kh, n, eos - bos))
             sig = F.pad(sig, (0, BK - K, 0, BK - K))
@@ -182,8 +184,8 @@ def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span):
     def join(parts: list[torch.Tensor], dim: int) -> torch.Tensor | None:  # no copy for one sequence
         return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
-    return (join(xs, 1), join(kts, 1), join(ms, 0), join(wcs, 0), logits, join(mws, 1), join(xhs, 1), join(khs, 1),
-            join(sigs, 0))  # fmt: skip
+    return (join(xs, 1), join(kts, 1), join(ms, 0), join(carries, 0), logits, join(mws, 1), join(xhs, 1),
+            join(khs, 1), join(sigs, 0))  # fmt: skip
 
 
 def _superblock_cuts(segments, batch: int, seq_len: int, length: int, device: torch.device) -> torch.Tensor:
@@ -287,7 +289,8 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
         gate = None if g is None else g.detach().requires_grad_()
-        x, kt, m, wc, logits, mw, xh, kh, sig = _chunk_terms(*leaves, gate, scale, segments, chunk, span)
+        sums_da = backward.sums_carry_gradient(K, chunk)  # the kernels sum dA (else dM, dW)
+        x, kt, m, carry, logits, mw, xh, kh, sig = _chunk_terms(*leaves, gate, scale, segments, chunk, span, sums_da)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     inputs = (x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta)
@@ -305,9 +308,7 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments
     dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, segments, chunk)
     inputs = leaves + ([] if gate is None else [gate])
     outputs, grad_outputs = [x, kt, *logits], [dx, dkt, *dss]
-    if da.numel():  # the carries' gradient dA_m, taken back by autograd through A_m − I = −W_mᵀ M_m W_m
-        with torch.enable_grad():
-            carry = wc.transpose(-1, -2) @ (m @ wc)
+    if sums_da:  # the carries' gradient dA_m, taken back by autograd through A_m − I = −W_mᵀ M_m W_m
         outputs, grad_outputs = outputs + [carry], grad_outputs + [-da[..., :K, :K]]
     else:
         outputs, grad_outputs = outputs + [m], grad_outputs + [dm]
@@ -316,7 +317,7 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments
     grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
     grads = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads)]
     dq, dk, dw, dbeta = grads[:4]
-    if not da.numel():
+    if not sums_da:
         dw = dw + dw_between.view(dw.shape)
     dv = dv + (dv_diag if groups == 1 else dv_diag.view(B, T, H, groups, -1).sum(3))
     dg = None

@@ -17,6 +17,7 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton.prepare import (
+    chunk_offsets,
     chunk_offsets_of,
     chunk_size,
     first_chunk,
@@ -93,7 +94,7 @@ def carry_keys_fn(
     BK = block_dim(K)
     BC = min(BK, 64)
     N, longest = seq_layout(cu_seqlens, B, T)
-    chunk_offsets, _ = chunk_offsets_of(cu_seqlens, BT)
+    offsets = chunk_offsets(cu_seqlens, BT)  # on the device: only the spans' total is read back
     sb_offsets, spans = chunk_offsets_of(cu_seqlens, BT * span)
     NC, NSB = triton.cdiv(T, BT), triton.cdiv(T, BT * span)
     if cu_seqlens is None:
@@ -103,7 +104,7 @@ def carry_keys_fn(
     if longest == 0:
         return out, sig, sb_offsets
     path_carry_kernel[(triton.cdiv(longest, BT * span), triton.cdiv(K, BC), N * H)](
-        w, kt, m, out, sig, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, span, H=H, K=K, BK=BK, BC=BC, BT=BT,
+        w, kt, m, out, sig, cu_seqlens, offsets, sb_offsets, T, NC, NSB, span, H=H, K=K, BK=BK, BC=BC, BT=BT,
         IS_VARLEN=cu_seqlens is not None, PRECISION=precision, WRITE_SIG=write_sig, **launch,
     )  # fmt: skip
     return out, sig, sb_offsets
