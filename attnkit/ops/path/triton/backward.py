@@ -114,6 +114,19 @@ def key_chunk_grads(
 
 
 @triton.jit
+def store_key_chunk_grads(
+    dk, dv, dgk, b_dk, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+):  # fmt: skip
+    """A key-major program's results for its key chunk (rows ``p_m``, key/value head ``i_h``): the keys' and values'
+    gradients and, per query head of the group (rows of ``b_dg``), the gates' key side."""
+    G: tl.constexpr = HQ // H
+    tl.store(dk + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], b_dk, mask=m_k)
+    tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv, mask=m_v)
+    tl.store(dgk + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None])
+
+
+@triton.jit
 def path_bwd_kv_kernel(
     x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgk, cu_seqlens, T, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -126,7 +139,6 @@ def path_bwd_kv_kernel(
     chunks only; zero-initialised). Grid ``(chunks of the longest sequence, N * H)``: a program takes a key chunk
     and every query head of its group (``BG``: the group size rounded up to a power of two), so the carried
     product and the key chunk carried forward are computed once for the group."""
-    G: tl.constexpr = HQ // H
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -163,9 +175,7 @@ def path_bwd_kv_kernel(
         b_pi -= tl.dot(
             tl.trans(b_w), tl.dot(b_mw, b_pi, input_precision=CARRY_PRECISION), input_precision=CARRY_PRECISION
         )
-    tl.store(dkt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], b_dkt, mask=m_k)
-    tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv, mask=m_v)
-    tl.store(dgk + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None])
+    store_key_chunk_grads(dkt, dv, dgk, b_dkt, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
 
 
 @triton.jit
@@ -182,7 +192,6 @@ def path_bwd_kv_tile_kernel(
     gradient ``Γ`` of ``y`` (``Γ ← Γ A_c + scale · Σ_heads dS_cmᵀ x_c``): ``dK̃_m = Γ`` at ``c = m + 1``. Grid
     ``(key chunks of this wave, N * H)``; program ``(j, ·)`` takes key chunk ``m_base + j`` and ``SLOTS`` scratch
     tiles of ``[BT, BK]`` float32, as :func:`path_bwd_q_kernel` does for its query chunk."""
-    G: tl.constexpr = HQ // H
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_m = m_base + i_j
     i_n, i_h = i_nh // H, i_nh % H
@@ -233,9 +242,7 @@ def path_bwd_kv_tile_kernel(
                 m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
             )  # fmt: skip
             b_gam += b_dy * scale
-    tl.store(dkt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], b_gam, mask=m_k)
-    tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv, mask=m_v)
-    tl.store(dgk + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None])
+    store_key_chunk_grads(dkt, dv, dgk, b_gam, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton import backward
-from attnkit.ops.path.triton.backward import key_chunk_grads
+from attnkit.ops.path.triton.backward import key_chunk_grads, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
 
@@ -51,7 +51,6 @@ def path_bwd_super_kv_kernel(
     to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32, ``gcum [*, HQ]``,
     ``do [*, HQ, V]``, ``lse, delta [*, HQ]`` float32 -> ``dkh [*, H, K]``, ``dv [*, H, V]``, ``dgk [*, HQ]``
     float32 (from later superblocks only; zero-initialised). Grid ``(chunks of the longest sequence, N * H)``."""
-    G: tl.constexpr = HQ // H
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -84,9 +83,7 @@ def path_bwd_super_kv_kernel(
         if s + 1 < n_sb:  # Π ← Σ_sᵀ Π
             b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :])
             b_pi = tl.dot(tl.trans(b_sig), b_pi, input_precision=CARRY_PRECISION)
-    tl.store(dkh + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], b_dkh, mask=m_k)
-    tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv, mask=m_v)
-    tl.store(dgk + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None])
+    store_key_chunk_grads(dkh, dv, dgk, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
 
 
 @triton.jit
