@@ -11,6 +11,8 @@ terms (``triton/backward.py``, ``README.md``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -144,48 +146,94 @@ def _setup_fwd(ctx, inputs, output):
     ctx.scale = scale
 
 
-def _chunk_terms(q, k, w, beta, g, scale, segments, chunk, span, with_carries):
-    """The chunk-local terms of every sequence, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``,
-    ``kt [B,T,H,K]``, ``m [chunks,H,C,C]``, each chunk's ``Wᵀ M W = I − A`` ``[chunks,H,K,K]`` (with
-    ``with_carries``, else None), float32, per sequence its intra-chunk logits ``[B,HQ,N,C,C]``, and ``M W`` per
-    chunk ``[B,T,H,K]`` (detached: the kernels' shortcut for the carries); with ``span`` (chunks per superblock, or
-    None) also the superblock-local terms (:func:`attnkit.ops.path.torch_impl.superblock_terms`): ``xh [B,T,HQ,K]``,
-    ``kh [B,T,H,K]`` and ``sig [superblocks,H,BK,BK]`` (zero-padded to the kernels' block), else None for each."""
-    B, _, HQ, K = q.shape
+class Chunking(NamedTuple):
+    """Packed sequences laid out chunk-aligned, so that the chunk-local terms of all of them are one batch: each
+    sequence padded to whole chunks. ``gather [N·C]``: the token of each aligned position (``T``, a zero row, for
+    padding); ``scatter [T]``: the aligned position of each token; with superblocks, ``table [S, R]``: the chunks of
+    each superblock of each sequence (``N``, an identity carry, past a sequence's end) and ``slot [N]``: each
+    chunk's place in ``table``, flattened."""
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    table: torch.Tensor | None
+    slot: torch.Tensor | None
+
+
+def _chunking(segments, seq_len: int, chunk: int, span: int | None, device: torch.device) -> Chunking:
+    """:class:`Chunking` of the packed sequences ``segments`` (host offsets, non-empty) of ``seq_len`` tokens."""
+    gather, scatter, table, n = [], [], [], 0
+    for bos, eos in segments:
+        length, chunks = eos - bos, -(-(eos - bos) // chunk)
+        aligned = torch.arange(bos, bos + chunks * chunk)
+        gather.append(torch.where(aligned < eos, aligned, seq_len))
+        scatter.append(torch.arange(n * chunk, n * chunk + length))
+        if span is not None:
+            sb = torch.arange(n, n + -(-chunks // span) * span).view(-1, span)
+            table.append(torch.where(sb < n + chunks, sb, -1))
+        n += chunks
+    slot = None
+    if span is not None:
+        table = torch.cat(table)
+        flat = table.flatten()
+        slot = torch.empty(n, dtype=torch.int64)
+        slot[flat[flat >= 0]] = torch.nonzero(flat >= 0).flatten()
+        table = torch.where(table >= 0, table, n)
+    on = dict(device=device)
+    return Chunking(
+        torch.cat(gather).to(**on), torch.cat(scatter).to(**on),
+        None if span is None else table.to(**on), None if span is None else slot.to(**on),
+    )  # fmt: skip
+
+
+def _tokens(t: torch.Tensor, length: int, chunking: Chunking | None) -> torch.Tensor:
+    """``[B, H, N, C, *D]`` chunked (chunk-aligned with ``chunking``) -> ``[B, length, H, *D]`` tokens."""
+    B, H, N, C = t.shape[:4]
+    t = t.movedim(1, 3).reshape(B, N * C, H, *t.shape[4:])
+    return t[:, :length] if chunking is None else t[:, chunking.scatter]
+
+
+def _aligned(x: torch.Tensor | None, chunking: Chunking | None) -> torch.Tensor | None:
+    """``[1, T, ...]`` packed tokens -> ``[1, N·C, ...]`` chunk-aligned (zeros in the padding); as is without
+    ``chunking`` (a dense batch)."""
+    if x is None or chunking is None:
+        return x
+    return torch.cat([x, x.new_zeros(1, 1, *x.shape[2:])], 1)[:, chunking.gather]
+
+
+def _chunk_terms(q, k, w, beta, g, scale, chunk, span, with_carries, chunking):
+    """The chunk-local terms, differentiable, in the kernels' layouts: ``x [B,T,HQ,K]``, ``kt [B,T,H,K]``,
+    ``m [chunks,H,C,C]``, each chunk's ``Wᵀ M W = I − A`` ``[chunks,H,K,K]`` (with ``with_carries``, else None),
+    float32, the intra-chunk logits ``[B,HQ,N,C,C]``, and ``M W`` per chunk ``[B,T,H,K]`` (detached: the kernels'
+    shortcut for the carries); with ``span`` (chunks per superblock, or None) also the superblock-local terms
+    (:func:`attnkit.ops.path.torch_impl.superblock_terms`): ``xh [B,T,HQ,K]``, ``kh [B,T,H,K]`` and
+    ``sig [superblocks,H,BK,BK]`` (zero-padded to the kernels' block), else None for each. Packed sequences
+    (``chunking``) go as one chunk-aligned batch."""
+    B, T, HQ, K = q.shape
     H = k.shape[2]
     BK = block_dim(K)
-    xs, kts, ms, mws, carries, logits, xhs, khs, sigs = ([] for _ in range(9))
+    q, k, w, beta, g = (_aligned(t, chunking) for t in (q, k, w, beta, g))
+    terms = chunk_local_terms(q, k, w, beta, g, scale, chunk, torch.float32)
+    n = terms["M"].shape[2]
 
-    def tokens(t: torch.Tensor, n: int, length: int) -> torch.Tensor:  # [B, H*, N, C, D] -> [B, length, H*, D]
-        return t.movedim(1, 3).reshape(B, n * chunk, t.shape[1], t.shape[-1])[:, :length]
+    def tokens(t: torch.Tensor) -> torch.Tensor:
+        return _tokens(t, T, chunking)
 
-    for bos, eos in segments:
-        sl = slice(bos, eos)
-        gate = None if g is None else g[:, sl]
-        terms = chunk_local_terms(q[:, sl], k[:, sl], w[:, sl], beta[:, sl], gate, scale, chunk, torch.float32, False)
-        n = terms["M"].shape[2]
-        xs.append(tokens(terms["x"], n, eos - bos))
-        kts.append(tokens(terms["kt"], n, eos - bos))
-        ms.append(terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk))
-        mw = terms["M"].detach() @ terms["w"].detach()
-        mws.append(tokens(mw, n, eos - bos))
-        logits.append(terms["s"])
-        if with_carries or span is not None:
-            carry = terms["w"].transpose(-1, -2) @ (terms["M"] @ terms["w"])  # I − A: Wᵀ M W per chunk
-        if with_carries:
-            carries.append(carry.transpose(1, 2).reshape(B * n, H, K, K))
-        if span is not None:
-            eye = torch.eye(K, dtype=torch.float32, device=q.device)
-            xh, kh, sig = superblock_terms(terms["x"], terms["kt"], eye - carry, span)
-            xhs.append(tokens(xh, n, eos - bos))
-            khs.append(tokens(kh, n, eos - bos))
-            sig = F.pad(sig, (0, BK - K, 0, BK - K))
-            sigs.append(sig.transpose(1, 2).reshape(B * sig.shape[2], H, BK, BK))
-    def join(parts: list[torch.Tensor], dim: int) -> torch.Tensor | None:  # no copy for one sequence
-        return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-
-    return (join(xs, 1), join(kts, 1), join(ms, 0), join(carries, 0), logits, join(mws, 1), join(xhs, 1),
-            join(khs, 1), join(sigs, 0))  # fmt: skip
+    x, kt = tokens(terms["x"]), tokens(terms["kt"])
+    m = terms["M"].transpose(1, 2).reshape(B * n, H, chunk, chunk)
+    mw = tokens(terms["M"].detach() @ terms["w"].detach())
+    carries = xh = kh = sig = None
+    if with_carries or span is not None:
+        carry = terms["w"].transpose(-1, -2) @ (terms["M"] @ terms["w"])  # I − A: Wᵀ M W per chunk
+    if with_carries:
+        carries = carry.transpose(1, 2).reshape(B * n, H, K, K)
+    if span is not None:
+        eye = torch.eye(K, dtype=torch.float32, device=q.device)
+        table = None if chunking is None else (chunking.table, chunking.slot)
+        xh, kh, sig = superblock_terms(terms["x"], terms["kt"], eye - carry, span, table)
+        xh, kh = tokens(xh), tokens(kh)
+        sig = F.pad(sig, (0, BK - K, 0, BK - K))
+        sig = sig.transpose(1, 2).reshape(B * sig.shape[2], H, BK, BK)
+    return x, kt, m, carries, terms["s"], mw, xh, kh, sig
 
 
 def _superblock_cuts(segments, batch: int, seq_len: int, length: int, device: torch.device) -> torch.Tensor:
@@ -196,21 +244,17 @@ def _superblock_cuts(segments, batch: int, seq_len: int, length: int, device: to
     return torch.tensor(cuts + [batch * seq_len], dtype=torch.int32, device=device)
 
 
-def _diagonal_grads(logits, lse, do, v, delta, segments, chunk):
-    """Within each chunk, in PyTorch: ``dS = P (dO Vᵀ − Δ)`` with ``P = exp(S − lse)``, and ``dV = Pᵀ dO``
-    (per query head, ``[B,T,HQ,V]`` float32)."""
-    B, _, HQ = lse.shape
+def _diagonal_grads(logits, lse, do, v, delta, chunk, chunking):
+    """Within each chunk, in PyTorch: ``dS = P (dO Vᵀ − Δ)`` with ``P = exp(S − lse)`` (``logits [B,HQ,N,C,C]``,
+    chunk-aligned as :func:`_chunk_terms` gives them), and ``dV = Pᵀ dO`` (per query head, ``[B,T,HQ,V]``
+    float32)."""
+    B, T, HQ = lse.shape
     groups = HQ // v.shape[2]
-    dss, dvs = [], []
-    for s, (bos, eos) in zip(logits, segments):
-        sl = slice(bos, eos)
-        n = s.shape[2]
-        doc, vc = _chunk(do[:, sl], chunk, torch.float32), _chunk(repeat_kv(v[:, sl], groups), chunk, torch.float32)
-        p = torch.exp(s - _chunk(lse[:, sl], chunk, torch.float32)[..., None])
-        ds = p * (doc @ vc.transpose(-1, -2) - _chunk(delta[:, sl], chunk, torch.float32)[..., None])
-        dss.append(ds)
-        dvs.append((p.transpose(-1, -2) @ doc).movedim(1, 3).reshape(B, n * chunk, HQ, -1)[:, : eos - bos])
-    return dss, torch.cat(dvs, 1)
+    do, v, lse, delta = (_aligned(t, chunking) for t in (do, repeat_kv(v, groups), lse, delta))
+    doc, vc = _chunk(do, chunk, torch.float32), _chunk(v, chunk, torch.float32)
+    p = torch.exp(logits - _chunk(lse, chunk, torch.float32)[..., None])
+    ds = p * (doc @ vc.transpose(-1, -2) - _chunk(delta, chunk, torch.float32)[..., None])
+    return ds, _tokens(p.transpose(-1, -2) @ doc, T, chunking)
 
 
 BACKWARD_BUDGET_BYTES = 1 << 29  # the backward's working set per slice of heads (the kernels' scratch aside)
@@ -243,7 +287,9 @@ def _fwd_backward(ctx, do, dlse):
     span, cuts = prepare.superblock_chunks(K, chunk), None
     if span < -(-longest // chunk):  # some query meets an earlier superblock
         cuts = _superblock_cuts(segments, B, T, span * chunk, q.device)
-    plan = (cu_seqlens, ctx.scale, segments, chunk, longest, span, cuts)
+    # Packed sequences: their chunk-local terms as one chunk-aligned batch (one host-to-device copy a backward).
+    chunking = None if cu_seqlens is None else _chunking(segments, T, chunk, None if cuts is None else span, q.device)
+    plan = (cu_seqlens, ctx.scale, chunking, chunk, longest, span, cuts)
     step = heads_per_slice(B, T, HQ, H, K, v.shape[-1], chunk)
     if step == H:
         grads = _slice_backward(q, k, v, w, beta, g, o, lse, do.contiguous(), *plan)
@@ -273,7 +319,7 @@ def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tens
     return total - F.pad(total, (0, 0, 0, 1))[:, ends]
 
 
-def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments, chunk, longest, span, cuts):
+def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, chunking, chunk, longest, span, cuts):
     """The fused backward of one slice of heads (contiguous tensors): the chunk-local and superblock-local terms
     recomputed with autograd (``T·C`` numbers a head), the gradients between chunks of a superblock and between
     superblocks from the kernels (O(T) memory), the diagonal blocks in PyTorch, and autograd back through the
@@ -288,9 +334,9 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments
         span = None
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, w, beta)]
-        gate = None if g is None else g.detach().requires_grad_()
+        gate = None if g is None else g.detach()  # its gradient comes from the sums of dS below, not autograd
         sums_da = backward.sums_carry_gradient(K, chunk)  # the kernels sum dA (else dM, dW)
-        x, kt, m, carry, logits, mw, xh, kh, sig = _chunk_terms(*leaves, gate, scale, segments, chunk, span, sums_da)
+        x, kt, m, carry, logits, mw, xh, kh, sig = _chunk_terms(*leaves, gate, scale, chunk, span, sums_da, chunking)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     inputs = (x.detach(), kt.detach(), v, w, m.detach(), mw, gcum, do, lse, delta)
@@ -305,28 +351,28 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, segments
             xh.detach(), kh.detach(), v, sig.detach(), gcum, do, lse, delta, cu_seqlens, scale, chunk, span, longest
         )
         dv, dgcum = dv + dv_super, dgcum + dg_super
-    dss, dv_diag = _diagonal_grads([s.detach() for s in logits], lse, do, v, delta, segments, chunk)
-    inputs = leaves + ([] if gate is None else [gate])
-    outputs, grad_outputs = [x, kt, *logits], [dx, dkt, *dss]
+    ds, dv_diag = _diagonal_grads(logits.detach(), lse, do, v, delta, chunk, chunking)
+    outputs, grad_outputs = [x, kt, logits], [dx, dkt, ds]
     if sums_da:  # the carries' gradient dA_m, taken back by autograd through A_m − I = −W_mᵀ M_m W_m
         outputs, grad_outputs = outputs + [carry], grad_outputs + [-da[..., :K, :K]]
     else:
         outputs, grad_outputs = outputs + [m], grad_outputs + [dm]
     if span is not None:
         outputs, grad_outputs = outputs + [xh, kh, sig], grad_outputs + [dxh, dkh, dsig]
-    grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-    grads = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, grads)]
-    dq, dk, dw, dbeta = grads[:4]
+    grads = torch.autograd.grad(outputs, leaves, grad_outputs, allow_unused=True)
+    dq, dk, dw, dbeta = (torch.zeros_like(t) if d is None else d for t, d in zip(leaves, grads))
     if not sums_da:
         dw = dw + dw_between.view(dw.shape)
     dv = dv + (dv_diag if groups == 1 else dv_diag.view(B, T, H, groups, -1).sum(3))
     dg = None
-    if gate is not None:
-        # dgcum has the keys' side only: a query's gate shifts its whole row of logits, so its own gradient, the row
-        # sum of dS, is exactly zero, and summing it in 16-bit products would only add noise that the sums below
-        # grow. gcum is a cumulative sum, so its gradient sums from each token to the end of its sequence (without
-        # the rows, later sequences no longer cancel: the sums restart at each sequence).
-        dg = (grads[4] + _suffix_sums(dgcum, cu_seqlens)).to(g.dtype)
+    if g is not None:
+        # The gates' gradient from the keys' side only: a query's gate shifts its whole row of logits, so its own
+        # gradient, the row sum of dS, is exactly zero, and summing it in 16-bit products would only add noise that
+        # the sums below grow. dgcum holds the kernels' column sums; the diagonal blocks add theirs. gcum is a
+        # cumulative sum, so its gradient sums from each token to the end of its sequence (without the rows, later
+        # sequences no longer cancel: the sums restart at each sequence).
+        dgcum = dgcum - _tokens(ds.sum(-2), T, chunking)
+        dg = _suffix_sums(dgcum, cu_seqlens).to(g.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype), dbeta.to(beta.dtype), dg
 
 
