@@ -400,3 +400,20 @@ def test_prepare_solve_by_blocks(chunk, rows):
     # The first sequence's M against the PyTorch UT transform.
     expected = ut_transform(_chunk(w[:, :60], chunk, torch.float32), _chunk(beta[:, :60], chunk, torch.float32))
     assert_close("M vs ut_transform", outs[1][0][: expected.shape[2]].transpose(0, 1)[None], expected, 1e-5)
+
+
+@pytest.mark.parametrize("span", [1, 2, 1 << 30], ids=["span-1", "span-2", "no-superblocks"])
+def test_many_packed_sequences(monkeypatch, span):
+    """Nine packed sequences of every kind of length (one token, exactly a chunk, a chunk and one, several
+    superblocks, an empty one): their local terms go as one chunk-aligned batch; every gradient against the
+    PyTorch backend."""
+    from attnkit.ops.path.triton import prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
+    offsets = [0, 1, 17, 33, 33, 50, 120, 121, 137, 160]
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 160, 4, 2, 16, 24, gate=True, dtype=torch.float32, beta_low=1.5)]
+    cu = torch.tensor(offsets, device=DEVICE)
+    do = torch.randn(1, 160, 4, 24, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a, e, 1e-5)
