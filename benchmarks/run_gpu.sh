@@ -80,10 +80,13 @@ for step in $steps; do
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
         pathsuper)  # PaTH: tile, warps and stages of the between-superblock backward kernels at 32k, D = 64 and 128
-            timeout 300 python3 benchmarks/path_tune.py --super-only --seq-lens 32768 --out "$OUT" \
+            timeout 300 python3 benchmarks/path_tune.py --super-only --seq-lens 32768 --head-dims ${SUPER_DIMS:-64 128} \
+                --out "$OUT" \
                 > "$OUT/pathsuper.log" 2>&1 ;;
-        pathacc)  # PaTH: the accuracy bar (bf16 to 32k, float32 against float64)
-            timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
+        pathacc)  # PaTH: the accuracy bar, bf16 to 32k first (the float32 cells' float64 references take minutes: at
+            # 54fdc54 the first, 4k at D = 64, took the whole 200 s); PATHACC_DTYPES="bfloat16 float32" for both
+            timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --dtypes ${PATHACC_DTYPES:-bfloat16} \
+                --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens 32768 --head-dims 64 128 --out "$OUT" \
                 > "$OUT/pathcarry.log" 2>&1 ;;
