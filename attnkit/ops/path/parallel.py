@@ -366,12 +366,10 @@ def _slice_backward(q, k, v, w, beta, g, o, lse, do, cu_seqlens, scale, chunking
     dv = dv + (dv_diag if groups == 1 else dv_diag.view(B, T, H, groups, -1).sum(3))
     dg = None
     if g is not None:
-        # The gates' gradient from the keys' side only: a query's gate shifts its whole row of logits, so its own
-        # gradient, the row sum of dS, is exactly zero, and summing it in 16-bit products would only add noise that
-        # the sums below grow. dgcum holds the kernels' column sums; the diagonal blocks add theirs. gcum is a
-        # cumulative sum, so its gradient sums from each token to the end of its sequence (without the rows, later
-        # sequences no longer cancel: the sums restart at each sequence).
-        dgcum = dgcum - _tokens(ds.sum(-2), T, chunking)
+        # dgcum holds the kernels' row and column sums of dS (both from the same tiles: key_chunk_grads says why);
+        # the diagonal blocks add theirs. gcum is a cumulative sum, so its gradient sums from each token to the end
+        # of its sequence (restarting at each: a sequence's sums are zero only up to rounding).
+        dgcum = dgcum + _tokens(ds.sum(-1) - ds.sum(-2), T, chunking)
         dg = _suffix_sums(dgcum, cu_seqlens).to(g.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype), dbeta.to(beta.dtype), dg
 

@@ -11,12 +11,13 @@ chunk of a superblock meets the same carried query, so the carries cost ``R`` ti
 
 - ``path_bwd_super_kv_kernel``, one program per (key chunk ``m``, key/value head), walks the later superblocks left
   to right carrying ``Π = Σ_{s−1}ᵀ ··· Σ_{n+1}ᵀ`` once for the query heads of its group: ``y = k̂_m Πᵀ`` meets
-  every query chunk of superblock ``s``; ``dk̂_m += scale · Σ dSᵀ q̂ Π``, ``dV_m += Σ Pᵀ dO``, the gates' key side.
+  every query chunk of superblock ``s``; ``dk̂_m += scale · Σ dSᵀ q̂ Π``, ``dV_m += Σ Pᵀ dO``, and both sides of
+  the gates' gradient from the same ``dS`` (the key side stored, the query rows' side by atomic adds; why both:
+  :func:`attnkit.ops.path.triton.backward.key_chunk_grads`).
 - ``path_bwd_super_q_kernel``, one program per (query chunk, query head), runs ``L`` right to left, checkpointed
   every ``⌈√n⌉`` superblocks, then walks the segments left to right with the gradient ``Γ`` of ``L``
   (``Γ ← Γ Σ_n + scale · Σ_m dS_cm k̂_m``): ``dΣ_n += Γᵀ L_{c,n}`` by atomic adds (``K²`` a query chunk and
-  superblock) and ``dq̂_c = Γ`` at the end. (The gates' query side, the row sums of ``dS``, is exactly zero: the
-  softmax ignores a shift of a whole row of logits. No kernel sums it.)
+  superblock) and ``dq̂_c = Γ`` at the end.
 """
 
 from __future__ import annotations
@@ -35,22 +36,27 @@ from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisio
 def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
     """``tile`` (rows of a query or key tile), ``num_warps`` and ``num_stages`` of the between-superblock kernels.
     They need no chunk structure, only ``q̂``, ``k̂`` per token and ``Σ`` per superblock, so their tile is free of the
-    backward's chunk (it must divide the superblock): for now the chunk and the chunk kernels' warps, unpipelined,
-    as timed on the H200 (``benchmarks/results/path_h200.md``); ``benchmarks/path_tune.py`` sweeps the others."""
-    return dict(tile=chunk, num_warps=backward.backward_config(key_dim)[1], num_stages=1)
+    backward's chunk (it must divide the superblock): the chunk and the chunk kernels' warps, with three stages of
+    software pipelining above K = 64 and none up to it, as timed on the H200 (``benchmarks/path_tune.py
+    --super-only``, ``benchmarks/results/path_h200.md``): at T = 32k, K = 128 a forward+backward took 381 ms with
+    one stage, 366 with two, 359 with three, twice each; at K = 64 the stages made no difference beyond the ±6%
+    that one configuration varied by. A 64-row tile at K = 128 asks for more shared memory than a block has."""
+    stages = 3 if key_dim > 64 else 1
+    return dict(tile=chunk, num_warps=backward.backward_config(key_dim)[1], num_stages=stages)
 
 
 @triton.jit
 def path_bwd_super_kv_kernel(
-    xh, kh, v, sig, gcum, do, lse, delta, dkh, dv, dgk, cu_seqlens, sb_offsets, T, NSB, R, scale,
+    xh, kh, v, sig, gcum, do, lse, delta, dkh, dv, dgcum, cu_seqlens, sb_offsets, T, NSB, R, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``xh [*, HQ, K]`` float32 (queries carried to their superblock's start), ``kh [*, H, K]`` float32 (keys carried
     to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32, ``gcum [*, HQ]``,
-    ``do [*, HQ, V]``, ``lse, delta [*, HQ]`` float32 -> ``dkh [*, H, K]``, ``dv [*, H, V]``, ``dgk [*, HQ]``
-    float32 (from later superblocks only; zero-initialised). Grid ``(chunks of the longest sequence, N * H)``."""
+    ``do [*, HQ, V]``, ``lse, delta [*, HQ]`` float32 -> ``dkh [*, H, K]``, ``dv [*, H, V]``, ``dgcum [*, HQ]``
+    float32 (both sides of the pairs across superblocks, added to; zero-initialised). Grid ``(chunks of the longest
+    sequence, N * H)``."""
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -75,7 +81,7 @@ def path_bwd_super_kv_kernel(
         b_dys = tl.zeros([BT, BK], dtype=tl.float32)
         for i_c in range(s * R, tl.minimum(s * R + R, n_chunks)):
             b_dy, b_dv, b_dg = key_chunk_grads(
-                xh, do, lse, delta, gcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g,
+                xh, do, lse, delta, gcum, dgcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g,
                 m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True,
             )  # fmt: skip
             b_dys += b_dy
@@ -83,7 +89,7 @@ def path_bwd_super_kv_kernel(
         if s + 1 < n_sb:  # Π ← Σ_sᵀ Π
             b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :])
             b_pi = tl.dot(tl.trans(b_sig), b_pi, input_precision=CARRY_PRECISION)
-    store_key_chunk_grads(dkh, dv, dgk, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
+    store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
 
 
 @triton.jit
@@ -191,8 +197,8 @@ def path_bwd_super_fn(
     ``v [B,T,H,V]``, ``sig [superblocks,H,BK,BK]`` float32 (rows per packed sequence as
     :func:`attnkit.ops.path.triton.carry.carry_keys_fn` lays them out), ``gcum`` (or None), ``lse``, ``delta
     [B,T,HQ]`` float32, ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dxh [B,T,HQ,K], dkh [B,T,H,K],
-    dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``). ``longest``: the
-    longest sequence's length (no host sync)."""
+    dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``, both sides). ``longest``:
+    the longest sequence's length (no host sync)."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
     config = launch_config(K, chunk)
@@ -207,17 +213,17 @@ def path_bwd_super_fn(
     f32 = dict(dtype=torch.float32, device=xh.device)
     dxh, dkh, dv = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32)
     dsig = torch.zeros_like(sig)
-    dgk = torch.zeros(B, T, HQ, **f32)
+    dgcum = torch.zeros(B, T, HQ, **f32)
     n_long = triton.cdiv(longest, BT)
     n_sb = triton.cdiv(n_long, tiles)
     if n_sb < 2:
-        return dxh, dkh, dv, dsig, dgk
+        return dxh, dkh, dv, dsig, dgcum
     precision, carry = precisions(v.dtype)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry)  # fmt: skip
     common.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
     path_bwd_super_kv_kernel[((n_sb - 1) * tiles, N * H)](  # the key tiles with a later superblock
-        xh, kh, v, sig, gcum, do, lse, delta, dkh, dv, dgk, cu_seqlens, sb_offsets, T, NSB, tiles, scale,
+        xh, kh, v, sig, gcum, do, lse, delta, dkh, dv, dgcum, cu_seqlens, sb_offsets, T, NSB, tiles, scale,
         BG=triton.next_power_of_2(HQ // H), **common,
     )  # fmt: skip
     every = backward.checkpoint_every(n_sb)
@@ -230,4 +236,4 @@ def path_bwd_super_fn(
             xh, kh_low, v, sig, gcum, do, lse, delta, dxh, dsig, scratch, cu_seqlens, sb_offsets, T, NSB, tiles,
             c_base, every, slots, scale, **common,
         )  # fmt: skip
-    return dxh, dkh, dv, dsig, dgk
+    return dxh, dkh, dv, dsig, dgcum
