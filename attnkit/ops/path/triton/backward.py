@@ -104,10 +104,11 @@ def key_chunk_grads(
         b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
         b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
         b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
-        b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
-        if USE_G:
+        if USE_G:  # read with the other operands (unpipelined kernels: a load at its first use waits for itself)
             b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
             b_gk = tl.load(gcum + p_m * HQ + i_hq)
+        b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
+        if USE_G:
             b_s = b_s + b_gq[:, None] - b_gk[None, :]
         b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
         b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
@@ -335,6 +336,8 @@ def path_bwd_q_kernel(
             p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
             b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
             b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+            if USE_G:  # read with the key chunk, not at its first use
+                b_gk = tl.load(gcum + p_m * HQ + i_hq)
             if i_m > 0:
                 if DA:  # dA_m += L_{c,m}ᵀ Γ, then Γ ← Γ A_mᵀ
                     b_da = tl.dot(tl.trans(b_l), b_gam, input_precision=CARRY_PRECISION)
@@ -358,7 +361,6 @@ def path_bwd_q_kernel(
                                     input_precision=CARRY_PRECISION)  # fmt: skip
             b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
             if USE_G:
-                b_gk = tl.load(gcum + p_m * HQ + i_hq)
                 b_s = b_s + b_gq[:, None] - b_gk[None, :]
             b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)

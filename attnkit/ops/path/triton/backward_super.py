@@ -167,9 +167,11 @@ def path_bwd_super_q_kernel(
                 p_m = bos + (i_m * BT + o_t).to(tl.int64)
                 b_kh = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
                 b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+                if USE_G:  # read with the key chunk, not at its first use
+                    b_gk = tl.load(gcum + p_m * HQ + i_hq)
                 b_s = tl.dot(b_l.to(b_kh.dtype), tl.trans(b_kh), input_precision=PRECISION) * scale
                 if USE_G:
-                    b_s = b_s + b_gq[:, None] - tl.load(gcum + p_m * HQ + i_hq)[None, :]
+                    b_s = b_s + b_gq[:, None] - b_gk[None, :]
                 b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
                 b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
                 b_gam += tl.dot(b_ds.to(b_kh.dtype), b_kh, input_precision=PRECISION) * scale

@@ -33,15 +33,27 @@ from attnkit.ops.path.triton.prepare import (
 
 
 @triton.jit
+def key_gates(gcum, o_g, p_j, BT: tl.constexpr, USE_G: tl.constexpr):
+    """A key chunk's cumulative gates for one query head (rows ``p_j`` of ``gcum + o_g``), or zeros without gates.
+    Read next to the chunk's keys and values: the kernels run unpipelined, and a load left where its value is first
+    used, after the logits' product, waits out its own memory latency on every chunk."""
+    b_g = tl.zeros([BT], dtype=tl.float32)
+    if USE_G:
+        b_g = tl.load(gcum + o_g + p_j)
+    return b_g
+
+
+@triton.jit
 def softmax_step(
-    b_x, b_k, b_v, b_max, b_sum, b_acc, gcum, o_g, p_j, scale, USE_G: tl.constexpr, PRECISION: tl.constexpr,
+    b_x, b_k, b_v, b_gk, b_max, b_sum, b_acc, scale, USE_G: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One key chunk (``b_k`` carried to where the query ``b_x`` stands, rows ``p_j``; the query head's cumulative
-    gates from ``gcum + o_g``) into the online softmax: returns the new ``(max, sum, acc)``. The logits leave out the
-    query's own gate ``G_i``, a shift of the whole row that the softmax ignores (the log-sum-exp adds it back)."""
+    """One key chunk (``b_k`` carried to where the query ``b_x`` stands; ``b_gk`` its cumulative gates for the query
+    head, read with the keys, when ``USE_G``) into the online softmax: returns the new ``(max, sum, acc)``. The logits
+    leave out the query's own gate ``G_i``, a shift of the whole row that the softmax ignores (the log-sum-exp adds it
+    back)."""
     b_s = tl.dot(b_x.to(b_k.dtype), tl.trans(b_k), input_precision=PRECISION) * scale
     if USE_G:
-        b_s = b_s - tl.load(gcum + o_g + p_j)[None, :]
+        b_s = b_s - b_gk[None, :]
     b_max_new = tl.maximum(b_max, tl.max(b_s, 1))
     b_rescale = tl.exp(b_max - b_max_new)
     b_p = tl.exp(b_s - b_max_new[:, None])
@@ -119,9 +131,8 @@ def path_fwd_kernel(
         p_kvj = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
         b_kt = tl.load(kt + p_kvj, mask=m_k, other=0.0)
         b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-        b_max, b_sum, b_acc = softmax_step(
-            b_x, b_kt, b_vj, b_max, b_sum, b_acc, gcum, o_g, p_j, scale, USE_G, PRECISION
-        )
+        b_gk = key_gates(gcum, o_g, p_j, BT, USE_G)
+        b_max, b_sum, b_acc = softmax_step(b_x, b_kt, b_vj, b_gk, b_max, b_sum, b_acc, scale, USE_G, PRECISION)
         b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
         b_mwj = tl.load(mw + p_kvj, mask=m_k, other=0.0)
         b_xw = tl.dot(b_x, tl.trans(b_wj), input_precision=CARRY_PRECISION)
@@ -136,9 +147,8 @@ def path_fwd_kernel(
             p_j = bos + ((sb * R + jj) * BT + o_t).to(tl.int64)
             b_kh = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
             b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-            b_max, b_sum, b_acc = softmax_step(
-                b_x, b_kh, b_vj, b_max, b_sum, b_acc, gcum, o_g, p_j, scale, USE_G, PRECISION
-            )
+            b_gk = key_gates(gcum, o_g, p_j, BT, USE_G)
+            b_max, b_sum, b_acc = softmax_step(b_x, b_kh, b_vj, b_gk, b_max, b_sum, b_acc, scale, USE_G, PRECISION)
         if sb > 0:
             b_sig = tl.load(sig + ((sb0 + sb) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :])
             b_x = tl.dot(b_x, tl.trans(b_sig), input_precision=CARRY_PRECISION)
