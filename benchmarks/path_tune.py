@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    fwd, bwd, sup = ([FWD[0], FWD[-1]], [BWD[2], BWD[-1]], SUPER[:1]) if args.quick else (FWD, BWD, SUPER)
+    fwd, bwd, sup = ([FWD[0], FWD[-1]], [BWD[2], BWD[-1]], [SUPER[0], SUPER[2]]) if args.quick else (FWD, BWD, SUPER)
     if args.carry_only:
         fwd, bwd, sup = [FWD[0], FWD[-1]], [], []
     if args.super_only:

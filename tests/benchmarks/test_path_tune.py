@@ -24,8 +24,10 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
 
     assert backward.backward_config(16) == (16, 1) and not backward.carries_key_tile(16)
     assert [r["key_tile"] for r in cells[0]["bwd"]] == [False, True]  # the rule's choice, then the key-tile kernel
-    (sup,) = cells[0]["super"]  # the between-superblock kernels with two stages, the rest their default
-    assert sup["error"] is None and sup["err"] < 1e-5 and (sup["tile"], sup["num_stages"]) == (16, 2)
+    # The between-superblock kernels: their default, then two stages with the rest their default.
+    assert [(r["tile"], r["num_stages"]) for r in cells[0]["super"]] == [(16, 1), (16, 2)]
+    for sup in cells[0]["super"]:
+        assert sup["error"] is None and sup["err"] < 1e-5
     from attnkit.ops.path.triton import backward_super
 
     assert backward_super.launch_config(16, 16) == dict(tile=16, num_warps=1, num_stages=1)
