@@ -8,7 +8,8 @@
 bf16, causal, 32768 tokens per batch (``B = max(1, 32768 // T)``), ``H·D = 1024`` (H=16 at D=64, H=8 at D=128).
 Per (op, D, T) cell: first each implementation's output (and, up to ``--grad-check-max-t``, its gradients) is held
 to the op's PyTorch backend by relative RMS error; then each one is timed, forward (under ``no_grad``) and
-forward+backward, by the median of ``triton.testing.do_bench``, with the peak memory of one call above its
+forward+backward, by the median of ``triton.testing.do_bench`` (of at least ``MIN_REPS`` repetitions: its time
+budget stretched for steps longer than ``--rep`` would allow), with the peak memory of one call above its
 inputs. TFLOP/s count the causal half of ``QKᵀ`` and ``PV``: ``2·B·H·T²·D`` forward, 2.5× that backward, for
 every op (SDPA-equivalent: PaTH's carries and the linear ops' states are not counted).
 An implementation whose single call takes longer than ``--max-ms`` is recorded from that one call and skipped
@@ -305,11 +306,39 @@ def _step(impl: Impl, leaves: dict[str, torch.Tensor], do: torch.Tensor, mode: s
     return step
 
 
-def bench_ms(step: Callable[[], None], grads: list[torch.Tensor], device: torch.device, warmup: int, rep: int) -> float:
-    """Median milliseconds of ``step``: ``do_bench`` on CUDA (``warmup``/``rep`` in ms), wall clock on CPU."""
+MIN_REPS = 5  # do_bench's repetitions at least, whatever a call takes
+
+
+def bench_budget(warmup: float, rep: float, call_ms: float) -> tuple[float, float]:
+    """``do_bench``'s ``(warmup, rep)`` in ms for a step of ``call_ms``: it runs ``int(rep / its estimate)``
+    repetitions, one when a call outlasts ``rep`` (a 150-220 ms PaTH step at 32k got one, so its "median" was one
+    sample, 145 ms in one call and 212 in another); at least ``MIN_REPS`` (and a warm-up of two calls), with a
+    tenth to spare for the estimate's spread."""
+    return max(warmup, 2.2 * call_ms), max(rep, 1.1 * MIN_REPS * call_ms)
+
+
+def bench_ms(
+    step: Callable[[], None],
+    grads: list[torch.Tensor],
+    device: torch.device,
+    warmup: int,
+    rep: int,
+    call_ms: float | None = None,
+) -> float:
+    """Median milliseconds of ``step``: ``do_bench`` on CUDA (``warmup``/``rep`` in ms, stretched by
+    :func:`bench_budget` for long steps; ``call_ms`` one call's time, measured here when not given), wall clock
+    on CPU."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
+        if call_ms is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            call_ms = start.elapsed_time(end)
+        warmup, rep = bench_budget(warmup, rep, call_ms)
         return do_bench(step, warmup=warmup, rep=rep, grad_to_none=grads, return_mode="median")
     times = []
     for _ in range(3):
@@ -352,7 +381,7 @@ def time_impl(
         once_ms = 1e3 * (time.perf_counter() - begin)
     if once_ms > args.max_ms:
         return once_ms, "one call", peak
-    return bench_ms(step, grads, device, args.warmup, args.rep), "do_bench", peak
+    return bench_ms(step, grads, device, args.warmup, args.rep, once_ms), "do_bench", peak
 
 
 def run_cell(

@@ -19,6 +19,14 @@ def test_causal_flops():
     assert ops.FLOP_FACTOR == {"fwd": 1.0, "fwdbwd": 3.5}
 
 
+def test_bench_budget_gives_long_steps_their_repetitions():
+    """do_bench repeats ``int(rep / estimate)`` times: a 200 ms step under the default 100 ms got one sample; the
+    budget gives every step at least MIN_REPS and leaves short steps the asked-for times."""
+    warmup, rep = ops.bench_budget(25, 100, 200.0)
+    assert int(rep / 200.0) >= ops.MIN_REPS and int(warmup / 200.0) >= 2
+    assert ops.bench_budget(25, 100, 0.5) == (25, 100)
+
+
 def test_parse_args_defaults_and_quick():
     args = ops.parse_args([])
     assert args.seq_lens == list(ops.SEQ_LENS) and args.head_dims == [64, 128]
