@@ -317,6 +317,16 @@ def bench_budget(warmup: float, rep: float, call_ms: float) -> tuple[float, floa
     return max(warmup, 2.2 * call_ms), max(rep, 1.1 * MIN_REPS * call_ms)
 
 
+def cuda_call_ms(step: Callable[[], None]) -> float:
+    """One call of ``step`` in milliseconds, by CUDA events (synchronised)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def bench_ms(
     step: Callable[[], None],
     grads: list[torch.Tensor],
@@ -331,14 +341,7 @@ def bench_ms(
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        if call_ms is None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            call_ms = start.elapsed_time(end)
-        warmup, rep = bench_budget(warmup, rep, call_ms)
+        warmup, rep = bench_budget(warmup, rep, cuda_call_ms(step) if call_ms is None else call_ms)
         return do_bench(step, warmup=warmup, rep=rep, grad_to_none=grads, return_mode="median")
     times = []
     for _ in range(3):
@@ -368,12 +371,7 @@ def time_impl(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        once_ms = start.elapsed_time(end)
+        once_ms = cuda_call_ms(step)
         peak = torch.cuda.max_memory_allocated() - base
     else:
         begin = time.perf_counter()
