@@ -4,17 +4,23 @@ kernels replaced by zeros of their outputs' shapes (the interpreter would take h
 working-set estimate of ``attnkit.ops.path.parallel.heads_per_slice`` and what slicing the heads saves.
 
     python benchmarks/path_backward_memory.py [--seq-len 8192] [--heads 16] [--head-dim 64] [--budget BYTES]
+                                              [--count-ops]
 
 Prints the peak resident memory above the start of the backward (Linux's ``VmHWM``, reset just before it through
 ``/proc/self/clear_refs``, so that what the imports and the inputs' setup peaked at does not count; ``--budget``
 defaults to the library's) and the wall time. glibc's allocator is told to return every block of
 64 KB or more to the system when it is freed (``M_MMAP_THRESHOLD``); by default it keeps freed blocks of up to
 32 MB for reuse, and the resident peak then also counts what earlier slices freed.
+
+``--count-ops`` also counts the ATen operators the backward dispatches (views included: on a GPU each costs host
+time, and below T = 32k the step is bound by it), in total and a slice of heads, with the most frequent ten.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import ctypes
 import re
 import sys
@@ -24,6 +30,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -69,6 +76,18 @@ def zeros_for_super_kernels(xh, kh, v, sig, gcum, do, lse, delta, cu_seqlens, sc
     return z(xh.shape), z(kh.shape), z(v.shape), z(sig.shape), z(lse.shape)
 
 
+class CountOps(TorchDispatchMode):
+    """Counts the ATen operators dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=8192)
@@ -76,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--budget", type=int, default=None, help="BACKWARD_BUDGET_BYTES (default: the library's)")
+    parser.add_argument("--count-ops", action="store_true", help="count the ATen operators the backward dispatches")
     args = parser.parse_args(argv)
     return_freed_blocks()
     T, H, K, C = args.seq_len, args.heads, args.head_dim, args.chunk
@@ -94,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
     reset_peak()
     start = resident_kib("VmRSS")
     began = time.perf_counter()
-    parallel._fwd_backward(ctx, do, None)
+    counter = CountOps() if args.count_ops else contextlib.nullcontext()
+    with counter:
+        parallel._fwd_backward(ctx, do, None)
     result = dict(
         heads_per_slice=parallel.heads_per_slice(1, T, H, H, K, K, C),
         peak_mib=(resident_kib("VmHWM") - start) / 1024,
@@ -105,6 +127,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"T={T} H={H} K={K} C={C}: {result['heads_per_slice']} heads a slice, peak {result['peak_mib']:.0f} MiB above "
         f"the start ({result['peak_mib'] / result['input_mib']:.1f}x one float32 input), {result['seconds']:.1f} s"
     )
+    if args.count_ops:
+        slices = -(-H // result["heads_per_slice"])
+        result["aten_ops"] = sum(counter.counts.values())
+        per_slice = result["aten_ops"] / slices
+        print(f"{result['aten_ops']} ATen operators, {per_slice:.0f} a slice of heads ({slices} slices)")
+        for name, n in counter.counts.most_common(10):
+            print(f"  {n:6d} {name}")
     return result
 
 
