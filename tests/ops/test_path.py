@@ -258,7 +258,7 @@ def test_empty_sequence_backward(backend):
 
 @pytest.mark.parametrize("R", [1, 2, 3, 5, 8, 16])
 def test_superblock_terms_against_their_definition(R):
-    """``superblock_terms``'s scans by doubling against the products written out chunk by chunk: the queries carried
+    """``superblock_terms`` against the products written out chunk by chunk: the queries carried
     to their superblock's start, the keys to its end and each superblock's ``Σ = A_firstᵀ ··· A_lastᵀ`` (11 chunks,
     so the last superblock is partial unless R divides 11)."""
     from attnkit.ops.path.torch_impl import superblock_terms

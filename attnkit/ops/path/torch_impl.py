@@ -118,18 +118,16 @@ def superblock_terms(
     else:
         NS = table[0].shape[0]
         A = torch.cat([A, eye.expand(B, H, 1, K, K)], 2)[:, :, table[0]]
-    eye = eye.expand(B, H, NS, 1, K, K)
-    # prefix[r] = A_{r-1} ··· A_0 (from chunk r's start to the superblock's), suffix[r] = A_{r+1}ᵀ ··· A_{R-1}ᵀ
-    # (from chunk r's end to the superblock's): scans by doubling, ⌈log2 R⌉ batched products each instead of R − 1.
-    prefix = torch.cat([eye, A[:, :, :, : R - 1]], 3)
-    suffix = torch.cat([A[:, :, :, 1:].transpose(-1, -2), eye], 3)
-    d = 1
-    while d < R:
-        prefix = torch.cat([prefix[:, :, :, :d], prefix[:, :, :, d:] @ prefix[:, :, :, : R - d]], 3)
-        suffix = torch.cat([suffix[:, :, :, : R - d] @ suffix[:, :, :, d:], suffix[:, :, :, R - d :]], 3)
-        d *= 2
-    sig = A[:, :, :, 0].transpose(-1, -2) @ suffix[:, :, :, 0]
-    prefix, suffix = (t.reshape(B, H, NS * R, K, K) for t in (prefix, suffix))
+    eye = eye.expand(B, H, NS, K, K)
+    prefix = [eye]  # A_{r-1} ··· A_0: from chunk r's start to the superblock's
+    for r in range(1, R):
+        prefix.append(A[:, :, :, r - 1] @ prefix[-1])
+    suffix = [eye]  # A_{r+1}ᵀ ··· A_{R-1}ᵀ: from chunk r's end to the superblock's
+    for r in range(R - 2, -1, -1):
+        suffix.append(A[:, :, :, r + 1].transpose(-1, -2) @ suffix[-1])
+    suffix.reverse()
+    sig = A[:, :, :, 0].transpose(-1, -2) @ suffix[0]
+    prefix, suffix = (torch.stack(t, 3).reshape(B, H, NS * R, K, K) for t in (prefix, suffix))
     chunks = slice(None, N) if table is None else table[1]
     prefix, suffix = prefix[:, :, chunks], suffix[:, :, chunks]
     xh = (x.view(B, H, HQ // H, N, C, K) @ prefix[:, :, None]).view(B, HQ, N, C, K)
