@@ -124,6 +124,26 @@ def key_chunk_grads(
 
 
 @triton.jit
+def load_key_chunk(
+    k, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    BG: tl.constexpr,
+):  # fmt: skip
+    """A key-major program's start for its key chunk ``i_m`` (complete: every row real): its rows ``p_m``, keys
+    (from ``k [*, H, K]``) and values, the identity ``Π`` it carries, and zeroed gradients of the keys, the values
+    and (row ``j`` for query head ``i_h · G + j``) the gates' key side, as :func:`store_key_chunk_grads` takes
+    them."""
+    p_m = bos + (i_m * BT + o_t).to(tl.int64)
+    b_k = tl.load(k + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+    b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+    b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    b_dg = tl.zeros([BG, BT], dtype=tl.float32)
+    return p_m, b_k, b_v, b_pi, b_dk, b_dv, b_dg
+
+
+@triton.jit
 def store_key_chunk_grads(
     dk, dv, dgcum, b_dk, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -161,13 +181,9 @@ def path_bwd_kv_kernel(
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
 
     # Key chunk m is never a sequence's last chunk here, so its rows are all real.
-    p_m = bos + (i_m * BT + o_t).to(tl.int64)
-    b_kt = tl.load(kt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
-    b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-    b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
-    b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
-    b_dg = tl.zeros([BG, BT], dtype=tl.float32)  # row j: query head i_h * G + j
+    p_m, b_kt, b_v, b_pi, b_dkt, b_dv, b_dg = load_key_chunk(
+        kt, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
+    )
     for i_c in range(i_m + 1, n_chunks):
         o_i = i_c * BT + o_t
         m_i = o_i < L

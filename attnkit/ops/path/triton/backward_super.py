@@ -29,7 +29,7 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton import backward
-from attnkit.ops.path.triton.backward import key_chunk_grads, store_key_chunk_grads
+from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
 
@@ -69,13 +69,9 @@ def path_bwd_super_kv_kernel(
     o_k, o_v, o_g = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BG)
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
     # A later superblock exists, so key chunk m is complete.
-    p_m = bos + (i_m * BT + o_t).to(tl.int64)
-    b_kh = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
-    b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-    b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
-    b_dkh = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
-    b_dg = tl.zeros([BG, BT], dtype=tl.float32)  # row j: query head i_h * G + j
+    p_m, b_kh, b_v, b_pi, b_dkh, b_dv, b_dg = load_key_chunk(
+        kh, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
+    )
     for s in range(i_m // R + 1, n_sb):
         b_y = tl.dot(b_kh, tl.trans(b_pi), input_precision=CARRY_PRECISION)  # k̂_m at superblock s's start
         b_dys = tl.zeros([BT, BK], dtype=tl.float32)
