@@ -254,33 +254,3 @@ def test_empty_sequence_backward(backend):
     assert o.shape == (2, 0, 2, 16)
     o.sum().backward()
     assert all(x.grad is not None and x.grad.numel() == 0 for x in (q, k, v, w, beta, g))
-
-
-@pytest.mark.parametrize("R", [1, 2, 3, 5, 8, 16])
-def test_superblock_terms_against_their_definition(R):
-    """``superblock_terms`` against the products written out chunk by chunk: the queries carried
-    to their superblock's start, the keys to its end and each superblock's ``Σ = A_firstᵀ ··· A_lastᵀ`` (11 chunks,
-    so the last superblock is partial unless R divides 11)."""
-    from attnkit.ops.path.torch_impl import superblock_terms
-
-    gen = torch.Generator().manual_seed(R)
-    B, H, HQ, N, C, K = 2, 2, 4, 11, 3, 5
-    A = torch.eye(K, dtype=torch.float64) + 0.3 * torch.randn(B, H, N, K, K, generator=gen, dtype=torch.float64)
-    x = torch.randn(B, HQ, N, C, K, generator=gen, dtype=torch.float64)
-    kt = torch.randn(B, H, N, C, K, generator=gen, dtype=torch.float64)
-    xh, kh, sig = superblock_terms(x, kt, A, R)
-    eye = torch.eye(K, dtype=torch.float64).expand(B, H, K, K)
-    for n in range(N):
-        lo, hi = n // R * R, min(n // R * R + R, N)
-        into = eye.clone()  # A_{n-1} ··· A_lo: from chunk n's start back to the superblock's
-        for c in range(lo, n):
-            into = A[:, :, c] @ into
-        out = eye.clone()  # A_{n+1}ᵀ ··· A_{hi-1}ᵀ: from chunk n's end to the superblock's
-        for c in range(hi - 1, n, -1):
-            out = A[:, :, c].transpose(-1, -2) @ out
-        groups = HQ // H
-        expected_x = (x[:, :, n].view(B, H, groups, C, K) @ into[:, :, None]).view(B, HQ, C, K)
-        torch.testing.assert_close(xh[:, :, n], expected_x, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(kh[:, :, n], kt[:, :, n] @ out, rtol=1e-12, atol=1e-12)
-        if n == lo:
-            torch.testing.assert_close(sig[:, :, n // R], A[:, :, n].transpose(-1, -2) @ out, rtol=1e-12, atol=1e-12)

@@ -169,47 +169,36 @@ def test_triton_backend_forward_and_gradients(B, T, HQ, H, K, V, gate, offsets, 
         assert_close(name, a, e, 1e-5)
 
 
-@pytest.mark.parametrize(
-    "B, T, HQ, H, K, V, gate, offsets, beta_low",
-    [BACKWARD_CASES[i] for i in (0, 5, 7, 8)],
-    ids=["gqa-fox", "K24-V40", "varlen", "varlen-lead"],
-)
-def test_backward_in_head_slices(monkeypatch, B, T, HQ, H, K, V, gate, offsets, beta_low):
-    """A working-set budget of one key/value head at a time (each with its query heads): the backward runs once per
-    head and gives the PyTorch backend's gradients."""
-    from attnkit.ops.path import parallel
+@pytest.mark.parametrize("offsets", [None, [0, 7, 7, 100]], ids=["dense", "varlen"])
+def test_backward_takes_every_head_at_once(monkeypatch, offsets):
+    """The fused backward runs each of its kernels' launchers once for every head together (no slices of heads), and
+    reads nothing back from the device (no ``.item()``, ``.tolist()`` or ``.cpu()`` on a tensor)."""
+    from attnkit.ops.path.triton import local
 
     calls = []
-    whole = parallel._slice_backward
+    whole = local.local_bwd_fn
 
-    def spy(*args, **kwargs):
-        calls.append(args[1].shape[2])  # the slice's key/value heads
-        return whole(*args, **kwargs)
+    def spy(q, k, *args, **kwargs):
+        calls.append((q.shape[2], k.shape[2]))
+        return whole(q, k, *args, **kwargs)
 
-    monkeypatch.setattr(parallel, "BACKWARD_BUDGET_BYTES", 1)
-    monkeypatch.setattr(parallel, "_slice_backward", spy)
-    made = make_inputs(B, T, HQ, H, K, V, gate=gate, dtype=torch.float32, beta_low=beta_low)
-    inputs = [None if x is None else x.to(DEVICE) for x in made]
+    def no_sync(*args, **kwargs):
+        raise AssertionError("the backward read the device")
+
+    monkeypatch.setattr(local, "local_bwd_fn", spy)
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 100, 4, 2, 16, 16, gate=True, dtype=torch.float32)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
-    do = torch.randn(B, T, HQ, V, device=DEVICE)
-    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
-    assert calls == [1] * H
-    for name, a, e in zip(GRAD_NAMES, actual, expected):
-        if e is None:
-            assert a is None, name
-            continue
-        assert_close(name, a, e, 1e-5)
-
-
-def test_heads_per_slice():
-    """All heads while the estimated working set fits the budget, fewer (at least one) beyond it."""
-    from attnkit.ops.path.parallel import BACKWARD_BUDGET_BYTES, heads_per_slice
-
-    assert heads_per_slice(1, 1024, 16, 16, 64, 64, 64) == 16  # 16 heads x 9 MB
-    per_head = 8 * 4096 * (20 * 64 + 15 * 64) * 4  # 32768 tokens, K = C = 64: the benchmark's 293 MB a head
-    assert heads_per_slice(8, 4096, 16, 16, 64, 64, 64) == BACKWARD_BUDGET_BYTES // per_head
-    assert heads_per_slice(1, 1 << 20, 4, 2, 256, 256, 16) == 1  # one head over the budget still runs
-    assert heads_per_slice(1, 1024, 8, 2, 64, 64, 64) == 2  # a group of four query heads counts four times
+    do = torch.randn(1, 100, 4, 16, device=DEVICE)
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    o = path_attention(*leaves, cu_seqlens=cu, backend="triton")
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist"):
+            m.setattr(torch.Tensor, name, no_sync)
+        o.backward(do)
+    assert calls == [(4, 2)]
+    expected = backend_grads(inputs, do, "torch", cu)
+    for name, x, e in zip(GRAD_NAMES[1:], leaves, expected[1:]):
+        assert_close(name, x.grad, e, 1e-5)
 
 
 @pytest.mark.parametrize("chunk", [16, 8], ids=["forward-chunk", "own-chunk"])
@@ -311,20 +300,19 @@ def test_triton_backend_rejects_what_the_kernels_do_not_take():
 
 def test_forward_opcheck_and_compile():
     """``attnkit::path_fwd`` passes ``opcheck`` (forward: fake tensor, schema, AOT dispatch) and compiles with
-    ``fullgraph=True``, forward and backward. The interim backward (autograd through the PyTorch backend inside
-    the backward formula) traces with static shapes only, so ``opcheck`` runs on inputs without gradients; the
-    fused backward will be checked there too."""
-    from attnkit.ops.path.parallel import path_bwd_super_op, path_fwd_op
+    ``fullgraph=True``, forward and backward; so does the fused backward's operator ``attnkit::path_bwd``."""
+    from attnkit.ops.path.parallel import path_bwd_op, path_fwd_op
 
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 40, 2, 1, 16, 16, gate=True, dtype=torch.float32))
     cu = torch.tensor([0, 6, 40], device=DEVICE, dtype=torch.int32)
     torch.library.opcheck(path_fwd_op, (q, k, v, w, beta, g, cu, 0.25))
     torch.library.opcheck(path_fwd_op, (q, k, v, w, beta, None, None, 0.25))
-    # The between-superblock kernels' operator (two superblocks of 32 positions over 40 tokens).
-    sig = torch.randn(2, 1, 16, 16, device=DEVICE) / 4
-    gcum, lse, delta = (torch.randn(1, 40, 2, device=DEVICE) for _ in range(3))
-    args = (q, k, v, sig, gcum, torch.randn(1, 40, 2, 16, device=DEVICE), lse, delta, None, 0.25, 16, 2, 40)
-    torch.library.opcheck(path_bwd_super_op, args)
+    # The fused backward's operator, packed and with gates, dense and without.
+    o, lse = path_fwd_op(q, k, v, w, beta, g, cu, 0.25)
+    do = torch.randn_like(o)
+    torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, g, cu, o, lse, do, 0.25))
+    o, lse = path_fwd_op(q, k, v, w, beta, None, None, 0.25)
+    torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, None, None, o, lse, do, 0.25))
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v, w, beta, g)]
     compiled = torch.compile(lambda *a: path_attention(*a, backend="triton"), fullgraph=True, dynamic=False)
@@ -357,6 +345,84 @@ def test_superblock_spans(monkeypatch, span, offsets):
     actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
     for name, a, e in zip(GRAD_NAMES, actual, expected):
         assert_close(name, a, e, 1e-5)
+
+
+def superblock_products(x, kt, A, lo, hi, groups):
+    """The superblock-local terms of chunks ``lo .. hi-1`` written out: the queries carried to the superblock's start
+    (``x_r A_{r−1} ··· A_lo``), the keys to its end (``k̃_r A_{r+1}ᵀ ··· A_{hi−1}ᵀ``) and ``Σ = A_loᵀ ··· A_{hi−1}ᵀ``;
+    ``x [HQ, chunks, C, K]``, ``kt [H, chunks, C, K]``, ``A [H, chunks, K, K]``."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype).expand(A.shape[0], -1, -1)
+    xh, kh = [], []
+    for r in range(lo, hi):
+        into, out = eye, eye  # A_{r−1} ··· A_lo and A_{r+1}ᵀ ··· A_{hi−1}ᵀ
+        for c in range(lo, r):
+            into = A[:, c] @ into
+        for c in range(hi - 1, r, -1):
+            out = A[:, c].transpose(-1, -2) @ out
+        xh.append(x[:, r] @ into.repeat_interleave(groups, 0))
+        kh.append(kt[:, r] @ out)
+    sig = eye
+    for c in range(hi - 1, lo - 1, -1):
+        sig = A[:, c].transpose(-1, -2) @ sig
+    return xh, kh, sig
+
+
+@pytest.mark.parametrize("K", [16, 24])
+@pytest.mark.parametrize("offsets", [None, [0, 7, 7, 100]], ids=["dense", "varlen"])
+def test_superblock_terms_adjoint(K, offsets):
+    """:func:`local.super_terms_bwd_fn`, the adjoint of the superblock-local terms (the queries carried to their
+    superblock's start, the keys to its end, each superblock's ``Σ``), against autograd through the products
+    written out, in float64 references: superblocks of three 16-position chunks over 100 tokens (a partial last
+    one), dense and packed, GQA, ``K`` padded or not."""
+    from attnkit.ops.common.triton_utils import block_dim
+    from attnkit.ops.path.triton import local
+
+    gen = torch.Generator().manual_seed(K)
+    B, T, HQ, H, C, span = (2 if offsets is None else 1), 100, 4, 2, 16, 3
+    BK = block_dim(K)
+
+    def rand(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=gen, dtype=torch.float64)).float().to(DEVICE)
+
+    x, dxh = rand(B, T, HQ, K), rand(B, T, HQ, K)
+    kt, dkh, w, mw = rand(B, T, H, K), rand(B, T, H, K), rand(B, T, H, K, s=0.3), rand(B, T, H, K, s=0.3)
+    seqs = [(b, 0, T) for b in range(B)] if offsets is None else [(0, lo, hi) for lo, hi in zip(offsets, offsets[1:])]
+    rows_sb = sum(-(-(hi - lo) // (C * span)) for _, lo, hi in seqs) if offsets else B * -(-T // (C * span))
+    rows_c = sum(-(-(hi - lo) // C) for _, lo, hi in seqs) if offsets else B * -(-T // C)
+    dsig = torch.zeros(rows_sb, H, BK, BK, device=DEVICE)
+    dsig[..., :K, :K] = rand(rows_sb, H, K, K)
+    dx, dkt, da = torch.zeros_like(x), torch.zeros_like(kt), torch.zeros(rows_c, H, BK, BK, device=DEVICE)
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    local.super_terms_bwd_fn(x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu, C, span, torch.float32)
+
+    expected_dx, expected_dkt = torch.zeros_like(x, dtype=torch.float64), torch.zeros_like(kt, dtype=torch.float64)
+    expected_da = torch.zeros(rows_c, H, K, K, dtype=torch.float64)
+    row_c = row_sb = 0
+    for b, lo, hi in seqs:
+        n = -(-(hi - lo) // C)
+        if n == 0:
+            continue
+
+        def chunks(t, b=b, lo=lo, hi=hi, n=n):  # [·, T, heads, K] -> [heads, n, C, K], zero-padded
+            t = t[b, lo:hi].double().cpu()
+            return torch.nn.functional.pad(t, (0, 0, 0, 0, 0, n * C - (hi - lo))).view(n, C, -1, K).permute(2, 0, 1, 3)
+
+        xs, kts = chunks(x).requires_grad_(), chunks(kt).requires_grad_()
+        A = (torch.eye(K, dtype=torch.float64) - chunks(w).transpose(-1, -2) @ chunks(mw)).requires_grad_()
+        loss = 0
+        for s_i, c_lo in enumerate(range(0, n, span)):
+            xh, kh, sig = superblock_products(xs, kts, A, c_lo, min(c_lo + span, n), HQ // H)
+            for r, (a, e) in enumerate(zip(xh, kh)):
+                loss = loss + (a * chunks(dxh)[:, c_lo + r]).sum() + (e * chunks(dkh)[:, c_lo + r]).sum()
+            loss = loss + (sig * dsig[row_sb + s_i, :, :K, :K].double().cpu()).sum()
+        gx, gk, ga = torch.autograd.grad(loss, (xs, kts, A))
+        expected_dx[b, lo:hi] = gx.permute(1, 2, 0, 3).reshape(n * C, HQ, K)[: hi - lo]
+        expected_dkt[b, lo:hi] = gk.permute(1, 2, 0, 3).reshape(n * C, H, K)[: hi - lo]
+        expected_da[row_c : row_c + n] = ga.transpose(0, 1)
+        row_c, row_sb = row_c + n, row_sb + -(-n // span)
+    assert_close("dx", dx.double().cpu(), expected_dx, 1e-5)
+    assert_close("dkt", dkt.double().cpu(), expected_dkt, 1e-5)
+    assert_close("dA", da[..., :K, :K].double().cpu(), expected_da, 1e-5)
 
 
 @pytest.mark.parametrize("span", [2, 4], ids=["one-tile-a-superblock", "two-tiles-a-superblock"])

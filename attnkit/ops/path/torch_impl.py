@@ -65,8 +65,7 @@ def chunk_local_terms(
     ``[B,H,N,C,C]``, the chunked directions ``w`` ``[B,H,N,C,K]``, the keys carried to their chunk's end ``kt``
     ``[B,H,N,C,K]``, the queries carried to their chunk's start ``x`` ``[B,HQ,N,C,K]``, the intra-chunk logits
     ``s`` ``[B,HQ,N,C,C]`` (scaled, gated, causally masked with ``-inf``) and the cumulative gates ``G``
-    ``[B,HQ,N,C]`` (None without ``g``). Differentiable; the PyTorch forward and the Triton backward (which
-    differentiates through these) share it."""
+    ``[B,HQ,N,C]`` (None without ``g``). Differentiable (the backward of the PyTorch forward is autograd)."""
     HQ, H = q.shape[2], k.shape[2]
     groups = HQ // H
     qc = _chunk(q, C, dtype)
@@ -89,49 +88,6 @@ def chunk_local_terms(
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~causal, float("-inf"))
     return dict(M=M, w=wc, kt=kt, x=x, s=s, G=G)
-
-
-def superblock_terms(
-    x: torch.Tensor,
-    kt: torch.Tensor,
-    A: torch.Tensor,
-    R: int,
-    table: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What each superblock of ``R`` chunks contributes on its own, from the chunk-local terms ``x [B,HQ,N,C,K]``
-    (queries at their chunk's start), ``kt [B,H,N,C,K]`` (keys at their chunk's end) and the chunks' carries
-    ``A [B,H,N,K,K]`` (rows cross chunk ``c`` as ``x ← x A_c``, ``A_c = I − W_cᵀ M_c W_c``): the queries carried to
-    their superblock's start ``xh [B,HQ,N,C,K]``, the keys carried to its end ``kh [B,H,N,C,K]`` and each
-    superblock's product of transitions ``Σ = A_firstᵀ ··· A_lastᵀ`` ``[B,H,S,K,K]`` (rows cross a whole
-    superblock as ``x ← x Σᵀ``). Differentiable: prefix and suffix products of ``A`` within each superblock, ``K × K``
-    matrices, then one product per chunk. The superblocks are the runs of ``R`` chunks (``S = ⌈N/R⌉``), or with
-    ``table = (chunks [S, R], slot [N])`` the chunks listed in each row of ``chunks`` (``N`` past a sequence's end:
-    an identity carry), chunk ``c`` at ``slot[c]`` of the flattened table (packed sequences, each cut on its own)."""
-    B, HQ, N, C, K = x.shape
-    H = kt.shape[1]
-    eye = torch.eye(K, dtype=A.dtype, device=A.device)
-    if table is None:
-        NS = -(-N // R)
-        if NS * R > N:  # the last superblock's missing chunks carry nothing
-            A = torch.cat([A, eye.expand(B, H, NS * R - N, K, K)], 2)
-        A = A.view(B, H, NS, R, K, K)
-    else:
-        NS = table[0].shape[0]
-        A = torch.cat([A, eye.expand(B, H, 1, K, K)], 2)[:, :, table[0]]
-    eye = eye.expand(B, H, NS, K, K)
-    prefix = [eye]  # A_{r-1} ··· A_0: from chunk r's start to the superblock's
-    for r in range(1, R):
-        prefix.append(A[:, :, :, r - 1] @ prefix[-1])
-    suffix = [eye]  # A_{r+1}ᵀ ··· A_{R-1}ᵀ: from chunk r's end to the superblock's
-    for r in range(R - 2, -1, -1):
-        suffix.append(A[:, :, :, r + 1].transpose(-1, -2) @ suffix[-1])
-    suffix.reverse()
-    sig = A[:, :, :, 0].transpose(-1, -2) @ suffix[0]
-    prefix, suffix = (torch.stack(t, 3).reshape(B, H, NS * R, K, K) for t in (prefix, suffix))
-    chunks = slice(None, N) if table is None else table[1]
-    prefix, suffix = prefix[:, :, chunks], suffix[:, :, chunks]
-    xh = (x.view(B, H, HQ // H, N, C, K) @ prefix[:, :, None]).view(B, HQ, N, C, K)
-    return xh, kt @ suffix, sig
 
 
 def chunk_path_fwd(

@@ -84,19 +84,26 @@ def carry_keys_fn(
     write_sig: bool,
     precision: str,
     launch: dict[str, int],
+    longest: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The prepare kernel's ``K̃`` (``kt [B,T,H,K]``) and ``M`` carried to the end of spans of ``span`` chunks:
     ``(keys [B,T,H,K] in out_dtype, sig [spans,H,BK,BK] float32 or None, span offsets [N+1] int32 or None)``
     (``sig``: each span's product of transitions; the offsets index its rows per packed sequence). ``precision``:
-    the carries' ``input_precision``; ``launch``: warps and stages."""
+    the carries' ``input_precision``; ``launch``: warps and stages. ``longest``: a bound on the sequences' lengths
+    (``T`` will do), which spares the host syncs of measuring them; ``sig`` then has rows for every span the bound
+    allows."""
     B, T, H, K = kt.shape
     BT = m.shape[-1]
     BK = block_dim(K)
     BC = min(BK, 64)
-    N, longest = seq_layout(cu_seqlens, B, T)
-    offsets = chunk_offsets(cu_seqlens, BT)  # on the device: only the spans' total is read back
-    sb_offsets, spans = chunk_offsets_of(cu_seqlens, BT * span)
     NC, NSB = triton.cdiv(T, BT), triton.cdiv(T, BT * span)
+    offsets = chunk_offsets(cu_seqlens, BT)
+    if longest is None:
+        N, longest = seq_layout(cu_seqlens, B, T)
+        sb_offsets, spans = chunk_offsets_of(cu_seqlens, BT * span)
+    else:
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        sb_offsets, spans = chunk_offsets(cu_seqlens, BT * span), NSB + N
     if cu_seqlens is None:
         spans = B * NSB
     out = torch.empty(kt.shape, dtype=out_dtype, device=kt.device)

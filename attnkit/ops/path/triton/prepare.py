@@ -26,21 +26,29 @@ def first_chunk(chunk_offsets, i_n, NC, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def ut_solve(b_w, b_beta, BT: tl.constexpr, PRECISION: tl.constexpr):
-    """``M = (I + diag(β) strict_tril(W Wᵀ))⁻¹ diag(β)`` of one chunk (``b_w [BT, BK]`` float32, ``b_beta [BT]``) by
-    forward substitution, row by row: ``BT`` steps on the ``[BT, BT]`` tile."""
+def unit_lower_inverse(b_gram, b_beta, BT: tl.constexpr):
+    """``Y = L⁻¹`` with ``L = I + diag(β) strict_tril(G)`` (``b_gram`` = ``W Wᵀ``, ``[BT, BT]``) by forward
+    substitution: row ``i`` is ``e_i − β_i Σ_{j<i} G_ij Y_j``, ``BT`` steps on the tile. The UT matrix is
+    ``M = Y diag(β)``."""
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
-    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)  # symmetric: column i is row i
-    b_m = tl.where(rows == cols, b_beta[:, None], 0.0)
-    # Row i of M: beta_i e_i − beta_i Σ_{j<i} (w_i·w_j) M[j, :]. The Gram matrix is symmetric, so its column i
-    # gives the coefficients indexed along the rows of M without a transpose.
+    b_y = tl.where(rows == cols, 1.0, 0.0)
+    # The Gram matrix is symmetric, so its column i gives the coefficients indexed along the rows of Y without a
+    # transpose.
     for i in range(1, BT):
         b_beta_i = tl.sum(tl.where(tl.arange(0, BT) == i, b_beta, 0.0), 0)
         b_coef = tl.sum(tl.where((cols == i) & (rows < i), b_gram, 0.0), 1) * b_beta_i
-        b_row = tl.sum(b_coef[:, None] * b_m, 0)
-        b_m = tl.where(rows == i, b_m - b_row[None, :], b_m)
-    return b_m
+        b_row = tl.sum(b_coef[:, None] * b_y, 0)
+        b_y = tl.where(rows == i, b_y - b_row[None, :], b_y)
+    return b_y
+
+
+@triton.jit
+def ut_solve(b_w, b_beta, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """``M = (I + diag(β) strict_tril(W Wᵀ))⁻¹ diag(β)`` of one chunk (``b_w [BT, BK]`` float32, ``b_beta [BT]``):
+    :func:`unit_lower_inverse` of the Gram matrix, its columns scaled by ``β``."""
+    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)
+    return unit_lower_inverse(b_gram, b_beta, BT) * b_beta[None, :]
 
 
 @triton.jit

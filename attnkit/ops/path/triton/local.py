@@ -1,0 +1,366 @@
+"""PaTH backward: the chunk-local and superblock-local terms and their adjoints, in kernels (no autograd).
+
+The kernels between chunks and superblocks (``backward.py``, ``backward_super.py``) take the queries carried to
+their chunk's start ``x`` and to their superblock's start ``x̂``, the keys carried to their chunk's end ``K̃`` and to
+their superblock's end ``k̂``, and each superblock's product of transitions ``Σ``; they give the gradients of those,
+``dx``, ``dx̂``, ``dK̃``, ``dk̂``, ``dΣ``, and the gradient of each chunk's carry ``A = I − Wᵀ M W`` between chunks.
+This file holds the rest of the backward (``README.md`` beside the op derives every formula):
+
+- :func:`path_query_terms_kernel`: ``x = Q − tril(Q Wᵀ) M W`` and ``x̂`` (``x`` carried across the earlier chunks of
+  its superblock, ``x ← x − (x W_mᵀ)(M_m W_m)``), one program per (chunk, query head).
+- :func:`path_super_terms_bwd_kernel`: the adjoint of ``x̂ = x A_{r−1} ··· A_0``, ``k̂ = K̃ A_{r+1}ᵀ ··· A_{R−1}ᵀ`` and
+  ``Σ = A_0ᵀ ··· A_{R−1}ᵀ`` within each superblock of ``R`` chunks: ``dx += dx̂ Pᵀ``, ``dK̃ += dk̂ Sᵀ`` and
+  ``dA_j += U_j P_jᵀ + S_j V_jᵀ + S_j dΣᵀ P_jᵀ`` with the prefix ``P_j = A_{j−1} ··· A_0``, the suffix
+  ``S_j = A_{j+1}ᵀ ··· A_{R−1}ᵀ``, ``U_j = Σ_{r>j} (A_{j+1}ᵀ ··· A_{r−1}ᵀ) x_rᵀ dx̂_r`` and
+  ``V_j = Σ_{r<j} (A_{j−1} ··· A_{r+1}) K̃_rᵀ dk̂_r``, one program per (superblock, key/value head). The suffix sums are
+  recomputed for each ``j`` (``R²/2`` ``K × K`` steps a superblock, no scratch).
+- :func:`path_local_bwd_kernel`: each chunk's diagonal block (``dS = P (dO Vᵀ − Δ)``, ``dV``, the gates' sums) and
+  the adjoint of the chunk-local terms — ``K̃``, ``x``, the intra-chunk logits, ``A`` — back to ``q, k, w`` and,
+  through the UT transform ``M = L⁻¹ diag(β)``, to ``w`` and ``β``, one program per (chunk, key/value head) with the
+  group's query heads in turn.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_seq import seq_bounds
+from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions, unit_lower_inverse
+
+
+def launch_config(key_dim: int) -> dict[str, int]:
+    """Warps and stages of this file's kernels: one warp under the interpreter, four at ``K <= 64``, eight above
+    (their float32 ``K × K`` and ``C × C`` tiles). Not tuned yet."""
+    if interpreting():
+        return dict(num_warps=1, num_stages=1)
+    return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1)
+
+
+@triton.jit
+def path_query_terms_kernel(
+    q, w, mw, x_out, xh_out, cu_seqlens, T, SPAN,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WRITE_XH: tl.constexpr,
+):  # fmt: skip
+    """``q [*, HQ, K]``, ``w, mw [*, H, K]`` (``mw`` = ``M W`` per chunk, float32) -> ``x_out [*, HQ, K]`` float32,
+    the queries carried to their chunk's start, and with ``WRITE_XH`` ``xh_out`` the same carried on to the start of
+    their superblock of ``SPAN`` chunks. Grid ``(chunks, N * HQ)``."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    i_h = i_hq // (HQ // H)
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    start = i_c * BT
+    if start >= L:
+        return
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = (o_k < K)[None, :]
+    p_t = bos + (start + o_t).to(tl.int64)
+    m_tk = (start + o_t < L)[:, None] & m_k
+    b_q = tl.load(q + p_t[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
+    b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0)
+    b_u = tl.dot(b_q, tl.trans(b_w), input_precision=PRECISION)
+    b_u = tl.where(o_t[:, None] >= o_t[None, :], b_u, 0.0)
+    b_x = b_q - tl.dot(b_u, b_mw, input_precision=PRECISION)
+    p_x = p_t[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
+    tl.store(x_out + p_x, b_x, mask=m_tk)
+    if WRITE_XH:
+        first = (i_c // SPAN) * SPAN
+        for i_back in range(0, i_c - first):  # chunks i_c − 1, …, first: x ← x − (x W_mᵀ)(M_m W_m)
+            p_m = bos + ((i_c - 1 - i_back) * BT + o_t).to(tl.int64)
+            p_mkv = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
+            b_wm = tl.load(w + p_mkv, mask=m_k, other=0.0).to(tl.float32)
+            b_mwm = tl.load(mw + p_mkv, mask=m_k, other=0.0)
+            b_x = b_x - tl.dot(tl.dot(b_x, tl.trans(b_wm), input_precision=PRECISION), b_mwm, input_precision=PRECISION)
+        tl.store(xh_out + p_x, b_x, mask=m_tk)
+
+
+@triton.jit
+def chunk_carry(w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, PRECISION: tl.constexpr):
+    """``A = I − Wᵀ (M W)`` of the chunk whose token offsets are ``p_t`` (valid rows ``m_t``), ``[BK, BK]`` float32."""
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
+    b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0)
+    eye = tl.where(o_k[:, None] == o_k[None, :], 1.0, 0.0)
+    return eye - tl.dot(tl.trans(b_w), b_mw, input_precision=PRECISION)
+
+
+@triton.jit
+def path_super_terms_bwd_kernel(
+    x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
+    ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
+    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``). Grid ``(superblocks, N * H)``; each program owns its
+    superblock's rows, so the adds need no atomics."""
+    i_s, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    G: tl.constexpr = HQ // H
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    c_lo = i_s * SPAN
+    n_chunks = tl.cdiv(L, BT)
+    if c_lo >= n_chunks:
+        return
+    R = tl.minimum(c_lo + SPAN, n_chunks) - c_lo
+    chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = (o_k < K)[None, :]
+    p_kk = o_k[:, None] * BK + o_k[None, :]
+    row = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN) + i_s
+    b_dsig = tl.load(dsig + (row * H + i_h) * (BK * BK) + p_kk)
+    eye = tl.where(o_k[:, None] == o_k[None, :], 1.0, 0.0)
+    b_p = eye  # P_j = A_{j−1} ··· A_0
+    b_v = tl.zeros([BK, BK], dtype=tl.float32)  # V_j
+    for j in range(0, R):
+        b_s = eye  # S_j = A_{j+1}ᵀ ··· A_{R−1}ᵀ
+        b_u = tl.zeros([BK, BK], dtype=tl.float32)  # U_j
+        for i_back in range(0, R - 1 - j):
+            o_r = (c_lo + R - 1 - i_back) * BT + o_t
+            m_r = o_r < L
+            p_r = bos + o_r.to(tl.int64)
+            b_a = chunk_carry(w, mw, p_r, m_r, i_h, o_k, H, K, PRECISION)
+            b_d = tl.zeros([BK, BK], dtype=tl.float32)  # D_r = Σ_heads x_rᵀ dx̂_r
+            for i_g in range(G):
+                p_q = p_r[:, None] * (HQ * K) + (i_h * G + i_g) * K + o_k[None, :]
+                b_x = tl.load(x + p_q, mask=m_r[:, None] & m_k, other=0.0)
+                b_dxh = tl.load(dxh + p_q, mask=m_r[:, None] & m_k, other=0.0)
+                b_d += tl.dot(tl.trans(b_x), b_dxh, input_precision=PRECISION)
+            b_u = b_d + tl.dot(tl.trans(b_a), b_u, input_precision=PRECISION)
+            b_s = tl.dot(tl.trans(b_a), b_s, input_precision=PRECISION)
+        o_j = (c_lo + j) * BT + o_t
+        m_j = o_j < L
+        p_j = bos + o_j.to(tl.int64)
+        m_jk = m_j[:, None] & m_k
+        b_da = tl.dot(b_u, tl.trans(b_p), input_precision=PRECISION)
+        b_da += tl.dot(b_s, tl.trans(b_v), input_precision=PRECISION)
+        b_sd = tl.dot(b_s, tl.trans(b_dsig), input_precision=PRECISION)
+        b_da += tl.dot(b_sd, tl.trans(b_p), input_precision=PRECISION)
+        p_da = da + ((chunk0 + c_lo + j) * H + i_h) * (BK * BK) + p_kk
+        tl.store(p_da, tl.load(p_da) + b_da)
+        for i_g in range(G):
+            p_q = p_j[:, None] * (HQ * K) + (i_h * G + i_g) * K + o_k[None, :]
+            b_dxh = tl.load(dxh + p_q, mask=m_jk, other=0.0)
+            b_dx = tl.load(dx + p_q, mask=m_jk, other=0.0)
+            tl.store(dx + p_q, b_dx + tl.dot(b_dxh, tl.trans(b_p), input_precision=PRECISION), mask=m_jk)
+        p_kv = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_dkh = tl.load(dkh + p_kv, mask=m_jk, other=0.0)
+        b_dkt = tl.load(dkt + p_kv, mask=m_jk, other=0.0)
+        tl.store(dkt + p_kv, b_dkt + tl.dot(b_dkh, tl.trans(b_s), input_precision=PRECISION), mask=m_jk)
+        b_kt = tl.load(kt + p_kv, mask=m_jk, other=0.0)
+        b_a = chunk_carry(w, mw, p_j, m_j, i_h, o_k, H, K, PRECISION)
+        b_v = tl.dot(b_a, b_v, input_precision=PRECISION) + tl.dot(tl.trans(b_kt), b_dkh, input_precision=PRECISION)
+        b_p = tl.dot(b_a, b_p, input_precision=PRECISION)
+
+
+@triton.jit
+def path_local_bwd_kernel(
+    q, k, v, w, beta, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
+    cu_seqlens, chunk_offsets, T, NC, scale,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, DA: tl.constexpr, DM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Each chunk's diagonal block and the adjoint of its local terms (module docstring). Inputs ``q, do [*, HQ, ·]``,
+    ``k, v, w [*, H, ·]``, ``beta [*, H]``, ``gcum, lse, delta [*, HQ]`` float32, the gradients of the local terms
+    (float32): ``dx [*, HQ, K]``, ``dkt [*, H, K]``, with ``DA`` ``da [chunks, H, BK, BK]`` (the carries') and with
+    ``DM`` ``dm [chunks, H, BT, BT]`` and ``dw_in [*, H, K]`` (the carries' gradient as its projections). Writes
+    ``dq [*, HQ, K]``, ``dk, dw [*, H, K]``, ``dbeta [*, H]`` (float32) and adds the diagonal blocks' ``dV`` into
+    ``dv [*, H, V]`` and, with ``USE_G``, their row and column sums of ``dS`` into ``dgcum [*, HQ]``. Grid
+    ``(chunks, N * H)``."""
+    i_c, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    G: tl.constexpr = HQ // H
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    start = i_c * BT
+    if start >= L:
+        return
+    i_chunk = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN) + i_c
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_t = start + o_t < L
+    p_t = bos + (start + o_t).to(tl.int64)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    rows = o_t[:, None]
+    cols = o_t[None, :]
+    p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_kv, mask=m_tk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + p_t[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + p_t * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+
+    # The chunk's terms: Y = L⁻¹, M = Y diag(β), M W, Vk = strict_tril(W Kᵀ), Z = M Vk.
+    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)
+    b_y = unit_lower_inverse(b_gram, b_beta, BT)
+    b_m = b_y * b_beta[None, :]
+    b_mw = tl.dot(b_m, b_w, input_precision=PRECISION)
+    b_vk = tl.where(rows > cols, tl.dot(b_w, tl.trans(b_k), input_precision=PRECISION), 0.0)
+    b_z = tl.dot(b_m, b_vk, input_precision=PRECISION)
+
+    # K̃ = K − Zᵀ W and the carry A = I − Wᵀ M W.
+    b_dkt = tl.load(dkt + p_kv, mask=m_tk, other=0.0)
+    b_dk = b_dkt
+    b_dw = -tl.dot(b_z, b_dkt, input_precision=PRECISION)
+    b_dz = -tl.dot(b_w, tl.trans(b_dkt), input_precision=PRECISION)
+    b_dvk = tl.dot(tl.trans(b_m), b_dz, input_precision=PRECISION)
+    b_dm = tl.dot(b_dz, tl.trans(b_vk), input_precision=PRECISION)
+    if DA:
+        o_kk = o_k[:, None] * BK + o_k[None, :]
+        b_da = tl.load(da + (i_chunk * H + i_h) * (BK * BK) + o_kk)
+        b_wda = tl.dot(b_w, b_da, input_precision=PRECISION)
+        b_dm -= tl.dot(b_wda, tl.trans(b_w), input_precision=PRECISION)
+        b_dw -= tl.dot(b_mw, tl.trans(b_da), input_precision=PRECISION)
+        b_dw -= tl.dot(tl.trans(b_m), b_wda, input_precision=PRECISION)
+    if DM:
+        b_dm += tl.load(dm + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols)
+        b_dw += tl.load(dw_in + p_kv, mask=m_tk, other=0.0)
+
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    causal = (rows >= cols) & m_t[:, None]
+    for i_g in range(G):
+        i_hq = i_h * G + i_g
+        p_q = p_t[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
+        b_q = tl.load(q + p_q, mask=m_tk, other=0.0).to(tl.float32)
+        b_dx = tl.load(dx + p_q, mask=m_tk, other=0.0)
+        b_do = tl.load(do + p_t[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_lse = tl.load(lse + p_t * HQ + i_hq, mask=m_t, other=0.0)
+        b_delta = tl.load(delta + p_t * HQ + i_hq, mask=m_t, other=0.0)
+        # The diagonal block: S = scale (Q Kᵀ − U Z) (+ G_i − G_j), U = tril(Q Wᵀ).
+        b_u = tl.where(rows >= cols, tl.dot(b_q, tl.trans(b_w), input_precision=PRECISION), 0.0)
+        b_s = (tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) - tl.dot(b_u, b_z, input_precision=PRECISION))
+        b_s = b_s * scale
+        if USE_G:
+            b_g = tl.load(gcum + p_t * HQ + i_hq, mask=m_t, other=0.0)
+            b_s += b_g[:, None] - b_g[None, :]
+        b_p = tl.where(causal, tl.exp(b_s - b_lse[:, None]), 0.0)
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
+        b_dv += tl.dot(tl.trans(b_p), b_do, input_precision=PRECISION)
+        if USE_G:
+            p_g = dgcum + p_t * HQ + i_hq
+            tl.store(p_g, tl.load(p_g, mask=m_t, other=0.0) + tl.sum(b_ds, 1) - tl.sum(b_ds, 0), mask=m_t)
+        # x = Q − U M W and the logits' U M Vk: R = dx Wᵀ + scale dS Vkᵀ carries both to U and M.
+        b_r = tl.dot(b_dx, tl.trans(b_w), input_precision=PRECISION)
+        b_r += tl.dot(b_ds, tl.trans(b_vk), input_precision=PRECISION) * scale
+        b_dm -= tl.dot(tl.trans(b_u), b_r, input_precision=PRECISION)
+        b_du = tl.where(rows >= cols, -tl.dot(b_r, tl.trans(b_m), input_precision=PRECISION), 0.0)
+        b_mu = tl.dot(tl.trans(b_m), tl.trans(b_u), input_precision=PRECISION)  # Mᵀ Uᵀ
+        b_dw += tl.dot(tl.trans(b_du), b_q, input_precision=PRECISION)
+        b_dw -= tl.dot(b_mu, b_dx, input_precision=PRECISION)
+        b_dvk -= tl.dot(b_mu, b_ds, input_precision=PRECISION) * scale
+        b_dq = b_dx + tl.dot(b_ds, b_k, input_precision=PRECISION) * scale
+        b_dq += tl.dot(b_du, b_w, input_precision=PRECISION)
+        tl.store(dq + p_q, b_dq, mask=m_tk)
+        b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PRECISION) * scale
+
+    b_dvk = tl.where(rows > cols, b_dvk, 0.0)
+    b_dw += tl.dot(b_dvk, b_k, input_precision=PRECISION)
+    b_dk += tl.dot(tl.trans(b_dvk), b_w, input_precision=PRECISION)
+    # The UT transform M = L⁻¹ diag(β), L = I + diag(β) N, N = strict_tril(W Wᵀ): with Q = Yᵀ dM,
+    # dN = −strict_tril(diag(β) Q Mᵀ) and dβ_i = Σ_j ((I − N M) ∘ Q)_ij.
+    b_qm = tl.dot(tl.trans(b_y), b_dm, input_precision=PRECISION)
+    b_n = tl.where(rows > cols, b_gram, 0.0)
+    b_dn = tl.where(rows > cols, -b_beta[:, None] * tl.dot(b_qm, tl.trans(b_m), input_precision=PRECISION), 0.0)
+    b_inm = tl.where(rows == cols, 1.0, 0.0) - tl.dot(b_n, b_m, input_precision=PRECISION)
+    b_dbeta = tl.sum(b_inm * b_qm, 1)
+    b_dw += tl.dot(b_dn + tl.trans(b_dn), b_w, input_precision=PRECISION)
+    tl.store(dk + p_kv, b_dk, mask=m_tk)
+    tl.store(dw + p_kv, b_dw, mask=m_tk)
+    tl.store(dbeta + p_t * H + i_h, b_dbeta, mask=m_t)
+    p_dv = dv + p_t[:, None] * (H * V) + i_h * V + o_v[None, :]
+    tl.store(p_dv, tl.load(p_dv, mask=m_tv, other=0.0) + b_dv, mask=m_tv)
+
+
+def query_terms_fn(
+    q: torch.Tensor, w: torch.Tensor, mw: torch.Tensor, cu_seqlens: torch.Tensor | None, chunk: int, span: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x, xh)`` float32 ``[B, T, HQ, K]`` (``xh`` None without superblocks, ``span`` None) of contiguous ``q``,
+    ``w`` and the prepare kernel's ``mw``. No host sync: the grid covers ``T`` for every sequence."""
+    B, T, HQ, K = q.shape
+    H = w.shape[2]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    x = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    xh = None if span is None else torch.empty_like(x)
+    path_query_terms_kernel[(triton.cdiv(T, chunk), N * HQ)](
+        q, w, mw, x, xh, cu_seqlens, T, 1 if span is None else span, HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=precisions(q.dtype)[1], WRITE_XH=span is not None,
+        **launch_config(K),
+    )  # fmt: skip
+    return x, xh
+
+
+def super_terms_bwd_fn(
+    x: torch.Tensor,
+    kt: torch.Tensor,
+    w: torch.Tensor,
+    mw: torch.Tensor,
+    dxh: torch.Tensor,
+    dkh: torch.Tensor,
+    dsig: torch.Tensor,
+    dx: torch.Tensor,
+    dkt: torch.Tensor,
+    da: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    chunk: int,
+    span: int,
+    dtype: torch.dtype,
+) -> None:
+    """Adds the superblock-local terms' adjoint into ``dx``, ``dkt`` and ``da`` (in place; shapes as
+    :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision."""
+    B, T, HQ, K = x.shape
+    H = kt.shape[2]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    path_super_terms_bwd_kernel[(triton.cdiv(T, chunk * span), N * H)](
+        x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk_offsets(cu_seqlens, chunk),
+        chunk_offsets(cu_seqlens, chunk * span), T, triton.cdiv(T, chunk), triton.cdiv(T, chunk * span), span,
+        HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk, IS_VARLEN=cu_seqlens is not None,
+        PRECISION=precisions(dtype)[1], **launch_config(K),
+    )  # fmt: skip
+
+
+def local_bwd_fn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    beta: torch.Tensor,
+    gcum: torch.Tensor | None,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dx: torch.Tensor,
+    dkt: torch.Tensor,
+    da: torch.Tensor | None,
+    dm: torch.Tensor | None,
+    dw_in: torch.Tensor | None,
+    dv: torch.Tensor,
+    dgcum: torch.Tensor | None,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dw, dbeta)`` float32 from the local terms' gradients (:func:`path_local_bwd_kernel`; ``da`` or
+    ``dm`` with ``dw_in`` may be None); adds the diagonal blocks into ``dv`` and ``dgcum`` in place."""
+    B, T, HQ, K = q.shape
+    H, V = k.shape[2], v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dq, dk, dw = torch.empty(B, T, HQ, K, **f32), torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
+    dbeta = torch.empty(B, T, H, **f32)
+    path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
+        q, k, v, w, beta, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
+        cu_seqlens, chunk_offsets(cu_seqlens, chunk), T, triton.cdiv(T, chunk), scale,
+        HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
+        IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype)[1],
+        **launch_config(K),
+    )  # fmt: skip
+    return dq, dk, dw, dbeta
