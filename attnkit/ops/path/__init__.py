@@ -10,9 +10,9 @@ from ..common.validation import check_cu_seqlens, check_like, check_qkv, check_s
 from .decoding import path_carry_keys, path_decode_step, path_decode_step_
 from .torch_impl import chunk_path_fwd
 
-# "auto" takes the fused kernels on CUDA once they have passed their GPU tests and outrun the PyTorch backend
-# (benchmarks/results/path_h200.md: the backward's GPU tests have not all run yet).
-AUTO_TRITON = False
+# "auto" takes the fused kernels on CUDA: they pass their GPU tests and outrun the PyTorch backend many times over
+# (benchmarks/results/path_h200.md).
+AUTO_TRITON = True
 # Widest head dims the fused kernels are built for (above 128: 16-position chunks, and the backward's key side
 # carries its key chunk instead of a K × K product).
 TRITON_MAX_HEAD_DIM = 256
@@ -49,9 +49,9 @@ def path_attention(
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (requires ``B == 1``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``;
             ``q, k, v`` float16 / bfloat16 / float32, head dims up to 256): the fused forward (UT transform per
-            chunk, right-to-left scan over key chunks, online softmax) and backward (the chunk-local terms by
-            autograd, the gradients between chunks by two kernels, O(T) memory). ``"auto"`` is the PyTorch
-            backend until the kernels have passed their GPU tests.
+            chunk, right-to-left scan over key chunks, online softmax) and backward (kernels only: the gradients
+            between chunks and between superblocks, then the adjoint of the chunk- and superblock-local terms).
+            ``"auto"`` takes them for CUDA tensors, the PyTorch backend otherwise.
 
     Returns:
         ``[B, T, HQ, V]`` in the dtype of ``v``.

@@ -157,7 +157,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         dkt, dv, dx, dw_in, dm, da, dgcum = backward.path_bwd_between_fn(*inputs, scale, cu_seqlens, chunk, T)
     has_da, has_dm = da.numel() > 0, dm.numel() > 0
     dq, dk, dw, dbeta = local.local_bwd_fn(
-        q, k, v, w, beta, gcum, do, lse, delta, dx, dkt, da if has_da else None, dm if has_dm else None,
+        q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da if has_da else None, dm if has_dm else None,
         dw_in if has_dm else None, dv, dgcum if g is not None else None, scale, cu_seqlens, chunk,
     )  # fmt: skip
     # gcum is a cumulative sum: its gradient sums from each token to the end of its sequence.

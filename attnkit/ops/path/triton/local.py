@@ -28,7 +28,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions, unit_lower_inverse
+from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -81,27 +81,33 @@ def path_query_terms_kernel(
 
 
 @triton.jit
-def chunk_carry(w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, PRECISION: tl.constexpr):
-    """``A = I − Wᵀ (M W)`` of the chunk whose token offsets are ``p_t`` (valid rows ``m_t``), ``[BK, BK]`` float32."""
+def carry_columns(b_r, w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, TRANSPOSED: tl.constexpr,
+                  PRECISION: tl.constexpr):  # fmt: skip
+    """Columns ``R [BK, BC]`` multiplied on the left by the carry of the chunk whose token offsets are ``p_t`` (valid
+    rows ``m_t``): ``A R = R − Wᵀ ((M W) R)``, or with ``TRANSPOSED`` ``Aᵀ R = R − (M W)ᵀ (W R)`` (``A = I − Wᵀ M W``),
+    two rank-``BT`` products instead of the ``K × K`` carry."""
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
     b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0)
-    eye = tl.where(o_k[:, None] == o_k[None, :], 1.0, 0.0)
-    return eye - tl.dot(tl.trans(b_w), b_mw, input_precision=PRECISION)
+    if TRANSPOSED:
+        return b_r - tl.dot(tl.trans(b_mw), tl.dot(b_w, b_r, input_precision=PRECISION), input_precision=PRECISION)
+    return b_r - tl.dot(tl.trans(b_w), tl.dot(b_mw, b_r, input_precision=PRECISION), input_precision=PRECISION)
 
 
 @triton.jit
 def path_super_terms_bwd_kernel(
     x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN,
-    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
     ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
-    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``). Grid ``(superblocks, N * H)``; each program owns its
-    superblock's rows, so the adds need no atomics."""
-    i_s, i_nh = tl.program_id(0), tl.program_id(1)
+    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) by atomic adds. Grid ``(superblocks, BK / BC, N * H)``: ``P``,
+    ``S``, ``U`` and ``V`` evolve by products on the left, so their columns do independently; a program takes ``BC``
+    of them and adds its share of ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums over the columns).
+    The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``."""
+    i_s, i_b, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     G: tl.constexpr = HQ // H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -113,69 +119,87 @@ def path_super_terms_bwd_kernel(
     chunk0 = first_chunk(chunk_offsets, i_n, NC, IS_VARLEN)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    m_k = (o_k < K)[None, :]
-    p_kk = o_k[:, None] * BK + o_k[None, :]
+    o_c = i_b * BC + tl.arange(0, BC)
+    m_c = (o_c < K)[None, :]
     row = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN) + i_s
-    b_dsig = tl.load(dsig + (row * H + i_h) * (BK * BK) + p_kk)
-    eye = tl.where(o_k[:, None] == o_k[None, :], 1.0, 0.0)
+    eye = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)  # [BK, BC]: these columns of the identity
     b_p = eye  # P_j = A_{j−1} ··· A_0
-    b_v = tl.zeros([BK, BK], dtype=tl.float32)  # V_j
+    b_v = tl.load(dsig + (row * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_c[None, :])  # V_0 = dΣ
     for j in range(0, R):
         b_s = eye  # S_j = A_{j+1}ᵀ ··· A_{R−1}ᵀ
-        b_u = tl.zeros([BK, BK], dtype=tl.float32)  # U_j
+        b_u = tl.zeros([BK, BC], dtype=tl.float32)  # U_j
         for i_back in range(0, R - 1 - j):
             o_r = (c_lo + R - 1 - i_back) * BT + o_t
             m_r = o_r < L
             p_r = bos + o_r.to(tl.int64)
-            b_a = chunk_carry(w, mw, p_r, m_r, i_h, o_k, H, K, PRECISION)
-            b_d = tl.zeros([BK, BK], dtype=tl.float32)  # D_r = Σ_heads x_rᵀ dx̂_r
-            for i_g in range(G):
-                p_q = p_r[:, None] * (HQ * K) + (i_h * G + i_g) * K + o_k[None, :]
-                b_x = tl.load(x + p_q, mask=m_r[:, None] & m_k, other=0.0)
-                b_dxh = tl.load(dxh + p_q, mask=m_r[:, None] & m_k, other=0.0)
-                b_d += tl.dot(tl.trans(b_x), b_dxh, input_precision=PRECISION)
-            b_u = b_d + tl.dot(tl.trans(b_a), b_u, input_precision=PRECISION)
-            b_s = tl.dot(tl.trans(b_a), b_s, input_precision=PRECISION)
+            b_u = carry_columns(b_u, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION)
+            b_s = carry_columns(b_s, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION)
+            for i_g in range(G):  # U ← D_r + A_rᵀ U, D_r = Σ_heads x_rᵀ dx̂_r
+                p_q = p_r[:, None] * (HQ * K) + (i_h * G + i_g) * K
+                b_x = tl.load(x + p_q + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0)
+                b_dxh = tl.load(dxh + p_q + o_c[None, :], mask=m_r[:, None] & m_c, other=0.0)
+                b_u += tl.dot(tl.trans(b_x), b_dxh, input_precision=PRECISION)
         o_j = (c_lo + j) * BT + o_t
         m_j = o_j < L
         p_j = bos + o_j.to(tl.int64)
-        m_jk = m_j[:, None] & m_k
         b_da = tl.dot(b_u, tl.trans(b_p), input_precision=PRECISION)
         b_da += tl.dot(b_s, tl.trans(b_v), input_precision=PRECISION)
-        b_sd = tl.dot(b_s, tl.trans(b_dsig), input_precision=PRECISION)
-        b_da += tl.dot(b_sd, tl.trans(b_p), input_precision=PRECISION)
-        p_da = da + ((chunk0 + c_lo + j) * H + i_h) * (BK * BK) + p_kk
-        tl.store(p_da, tl.load(p_da) + b_da)
+        p_da = da + ((chunk0 + c_lo + j) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :]
+        tl.atomic_add(p_da, b_da, sem="relaxed")
+        m_jk = m_j[:, None] & (o_k < K)[None, :]
         for i_g in range(G):
-            p_q = p_j[:, None] * (HQ * K) + (i_h * G + i_g) * K + o_k[None, :]
-            b_dxh = tl.load(dxh + p_q, mask=m_jk, other=0.0)
-            b_dx = tl.load(dx + p_q, mask=m_jk, other=0.0)
-            tl.store(dx + p_q, b_dx + tl.dot(b_dxh, tl.trans(b_p), input_precision=PRECISION), mask=m_jk)
-        p_kv = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_dkh = tl.load(dkh + p_kv, mask=m_jk, other=0.0)
-        b_dkt = tl.load(dkt + p_kv, mask=m_jk, other=0.0)
-        tl.store(dkt + p_kv, b_dkt + tl.dot(b_dkh, tl.trans(b_s), input_precision=PRECISION), mask=m_jk)
-        b_kt = tl.load(kt + p_kv, mask=m_jk, other=0.0)
-        b_a = chunk_carry(w, mw, p_j, m_j, i_h, o_k, H, K, PRECISION)
-        b_v = tl.dot(b_a, b_v, input_precision=PRECISION) + tl.dot(tl.trans(b_kt), b_dkh, input_precision=PRECISION)
-        b_p = tl.dot(b_a, b_p, input_precision=PRECISION)
+            p_q = p_j[:, None] * (HQ * K) + (i_h * G + i_g) * K
+            b_dxh = tl.load(dxh + p_q + o_c[None, :], mask=m_j[:, None] & m_c, other=0.0)
+            b_dx = tl.dot(b_dxh, tl.trans(b_p), input_precision=PRECISION)
+            tl.atomic_add(dx + p_q + o_k[None, :], b_dx, mask=m_jk, sem="relaxed")
+        p_kv = p_j[:, None] * (H * K) + i_h * K
+        b_dkh = tl.load(dkh + p_kv + o_c[None, :], mask=m_j[:, None] & m_c, other=0.0)
+        tl.atomic_add(dkt + p_kv + o_k[None, :], tl.dot(b_dkh, tl.trans(b_s), input_precision=PRECISION), mask=m_jk,
+                      sem="relaxed")  # fmt: skip
+        b_kt = tl.load(kt + p_kv + o_k[None, :], mask=m_jk, other=0.0)
+        b_v = carry_columns(b_v, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION)
+        b_v += tl.dot(tl.trans(b_kt), b_dkh, input_precision=PRECISION)  # V ← A_j V + k̃_jᵀ dk̂_j
+        b_p = carry_columns(b_p, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION)
+
+
+@triton.jit
+def unit_upper_solve(b_gram, b_beta, b_rhs, BT: tl.constexpr):
+    """``Q = L⁻ᵀ R`` with ``L = I + diag(β) strict_tril(G)`` (``b_gram`` = ``W Wᵀ``) by back substitution: row ``i``
+    is ``R_i − Σ_{k>i} β_k G_ki Q_k``, ``BT`` steps on the ``[BT, BT]`` tiles."""
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    b_q = b_rhs
+    for i_back in range(1, BT):
+        i = BT - 1 - i_back
+        b_coef = tl.sum(tl.where((cols == i) & (rows > i), b_gram, 0.0), 1) * b_beta
+        b_row = tl.sum(b_coef[:, None] * b_q, 0)
+        b_q = tl.where(rows == i, b_q - b_row[None, :], b_q)
+    return b_q
+
+
+@triton.jit
+def load_rows(t, p_t, i_h, o_d, m_t, HD: tl.constexpr, D: tl.constexpr):
+    """Rows ``p_t`` of head ``i_h`` of ``t [*, heads, D]`` (``HD`` = heads · D) as float32, zeros where masked.
+    The kernel below loads its operands again where each phase uses them: one value would keep its shared-memory
+    copy for a dot alive from the first use to the last."""
+    return tl.load(t + p_t[:, None] * HD + i_h * D + o_d[None, :], mask=m_t[:, None] & (o_d < D)[None, :], other=0.0)
 
 
 @triton.jit
 def path_local_bwd_kernel(
-    q, k, v, w, beta, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
+    q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
     cu_seqlens, chunk_offsets, T, NC, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, DA: tl.constexpr, DM: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Each chunk's diagonal block and the adjoint of its local terms (module docstring). Inputs ``q, do [*, HQ, ·]``,
-    ``k, v, w [*, H, ·]``, ``beta [*, H]``, ``gcum, lse, delta [*, HQ]`` float32, the gradients of the local terms
-    (float32): ``dx [*, HQ, K]``, ``dkt [*, H, K]``, with ``DA`` ``da [chunks, H, BK, BK]`` (the carries') and with
-    ``DM`` ``dm [chunks, H, BT, BT]`` and ``dw_in [*, H, K]`` (the carries' gradient as its projections). Writes
-    ``dq [*, HQ, K]``, ``dk, dw [*, H, K]``, ``dbeta [*, H]`` (float32) and adds the diagonal blocks' ``dV`` into
-    ``dv [*, H, V]`` and, with ``USE_G``, their row and column sums of ``dS`` into ``dgcum [*, HQ]``. Grid
-    ``(chunks, N * H)``."""
+    ``k, v, w [*, H, ·]``, ``beta [*, H]``, the prepare kernel's ``m [chunks, H, BT, BT]``, ``gcum, lse, delta
+    [*, HQ]`` float32, the gradients of the local terms (float32): ``dx [*, HQ, K]``, ``dkt [*, H, K]``, with ``DA``
+    ``da [chunks, H, BK, BK]`` (the carries') and with ``DM`` ``dm [chunks, H, BT, BT]`` and ``dw_in [*, H, K]`` (the
+    carries' gradient as its projections). Writes ``dq [*, HQ, K]``, ``dk, dw [*, H, K]``, ``dbeta [*, H]`` (float32)
+    and adds the diagonal blocks' ``dV`` into ``dv [*, H, V]`` and, with ``USE_G``, their row and column sums of
+    ``dS`` into ``dgcum [*, HQ]``. Grid ``(chunks, N * H)``."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     G: tl.constexpr = HQ // H
@@ -194,20 +218,15 @@ def path_local_bwd_kernel(
     rows = o_t[:, None]
     cols = o_t[None, :]
     p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_kv, mask=m_tk, other=0.0).to(tl.float32)
-    b_v = tl.load(v + p_t[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    p_mm = m + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols
     b_beta = tl.load(beta + p_t * H + i_h, mask=m_t, other=0.0).to(tl.float32)
 
-    # The chunk's terms: Y = L⁻¹, M = Y diag(β), M W, Vk = strict_tril(W Kᵀ), Z = M Vk.
-    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)
-    b_y = unit_lower_inverse(b_gram, b_beta, BT)
-    b_m = b_y * b_beta[None, :]
-    b_mw = tl.dot(b_m, b_w, input_precision=PRECISION)
+    # K̃ = K − Zᵀ W (Z = M Vk, Vk = strict_tril(W Kᵀ)) and the carry A = I − Wᵀ M W.
+    b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
+    b_k = load_rows(k, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
+    b_m = tl.load(p_mm)
     b_vk = tl.where(rows > cols, tl.dot(b_w, tl.trans(b_k), input_precision=PRECISION), 0.0)
     b_z = tl.dot(b_m, b_vk, input_precision=PRECISION)
-
-    # K̃ = K − Zᵀ W and the carry A = I − Wᵀ M W.
     b_dkt = tl.load(dkt + p_kv, mask=m_tk, other=0.0)
     b_dk = b_dkt
     b_dw = -tl.dot(b_z, b_dkt, input_precision=PRECISION)
@@ -215,11 +234,12 @@ def path_local_bwd_kernel(
     b_dvk = tl.dot(tl.trans(b_m), b_dz, input_precision=PRECISION)
     b_dm = tl.dot(b_dz, tl.trans(b_vk), input_precision=PRECISION)
     if DA:
-        o_kk = o_k[:, None] * BK + o_k[None, :]
-        b_da = tl.load(da + (i_chunk * H + i_h) * (BK * BK) + o_kk)
+        b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
+        b_m = tl.load(p_mm)
+        b_da = tl.load(da + (i_chunk * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :])
         b_wda = tl.dot(b_w, b_da, input_precision=PRECISION)
         b_dm -= tl.dot(b_wda, tl.trans(b_w), input_precision=PRECISION)
-        b_dw -= tl.dot(b_mw, tl.trans(b_da), input_precision=PRECISION)
+        b_dw -= tl.dot(tl.dot(b_m, b_w, input_precision=PRECISION), tl.trans(b_da), input_precision=PRECISION)
         b_dw -= tl.dot(tl.trans(b_m), b_wda, input_precision=PRECISION)
     if DM:
         b_dm += tl.load(dm + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols)
@@ -227,24 +247,28 @@ def path_local_bwd_kernel(
 
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     causal = (rows >= cols) & m_t[:, None]
-    for i_g in range(G):
+    for i_g in tl.static_range(G):
         i_hq = i_h * G + i_g
         p_q = p_t[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
+        b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
+        b_k = load_rows(k, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
+        b_m = tl.load(p_mm)
         b_q = tl.load(q + p_q, mask=m_tk, other=0.0).to(tl.float32)
         b_dx = tl.load(dx + p_q, mask=m_tk, other=0.0)
-        b_do = tl.load(do + p_t[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_lse = tl.load(lse + p_t * HQ + i_hq, mask=m_t, other=0.0)
         b_delta = tl.load(delta + p_t * HQ + i_hq, mask=m_t, other=0.0)
         # The diagonal block: S = scale (Q Kᵀ − U Z) (+ G_i − G_j), U = tril(Q Wᵀ).
         b_u = tl.where(rows >= cols, tl.dot(b_q, tl.trans(b_w), input_precision=PRECISION), 0.0)
-        b_s = (tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) - tl.dot(b_u, b_z, input_precision=PRECISION))
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) - tl.dot(b_u, b_z, input_precision=PRECISION)
         b_s = b_s * scale
         if USE_G:
             b_g = tl.load(gcum + p_t * HQ + i_hq, mask=m_t, other=0.0)
             b_s += b_g[:, None] - b_g[None, :]
         b_p = tl.where(causal, tl.exp(b_s - b_lse[:, None]), 0.0)
-        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
-        b_dv += tl.dot(tl.trans(b_p), b_do, input_precision=PRECISION)
+        b_do = load_rows(do, p_t, i_hq, o_v, m_t, HQ * V, V)
+        b_vv = load_rows(v, p_t, i_h, o_v, m_t, H * V, V)
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_vv), input_precision="ieee").to(tl.float32) - b_delta[:, None])
+        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do)
         if USE_G:
             p_g = dgcum + p_t * HQ + i_hq
             tl.store(p_g, tl.load(p_g, mask=m_t, other=0.0) + tl.sum(b_ds, 1) - tl.sum(b_ds, 0), mask=m_t)
@@ -262,16 +286,21 @@ def path_local_bwd_kernel(
         tl.store(dq + p_q, b_dq, mask=m_tk)
         b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PRECISION) * scale
 
+    b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
+    b_k = load_rows(k, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
     b_dvk = tl.where(rows > cols, b_dvk, 0.0)
     b_dw += tl.dot(b_dvk, b_k, input_precision=PRECISION)
     b_dk += tl.dot(tl.trans(b_dvk), b_w, input_precision=PRECISION)
-    # The UT transform M = L⁻¹ diag(β), L = I + diag(β) N, N = strict_tril(W Wᵀ): with Q = Yᵀ dM,
+    # The UT transform M = L⁻¹ diag(β), L = I + diag(β) N, N = strict_tril(W Wᵀ): with Q = L⁻ᵀ dM,
     # dN = −strict_tril(diag(β) Q Mᵀ) and dβ_i = Σ_j ((I − N M) ∘ Q)_ij.
-    b_qm = tl.dot(tl.trans(b_y), b_dm, input_precision=PRECISION)
-    b_n = tl.where(rows > cols, b_gram, 0.0)
+    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)
+    b_qm = unit_upper_solve(b_gram, b_beta, b_dm, BT)
+    b_m = tl.load(p_mm)
     b_dn = tl.where(rows > cols, -b_beta[:, None] * tl.dot(b_qm, tl.trans(b_m), input_precision=PRECISION), 0.0)
+    b_n = tl.where(rows > cols, b_gram, 0.0)
     b_inm = tl.where(rows == cols, 1.0, 0.0) - tl.dot(b_n, b_m, input_precision=PRECISION)
     b_dbeta = tl.sum(b_inm * b_qm, 1)
+    b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
     b_dw += tl.dot(b_dn + tl.trans(b_dn), b_w, input_precision=PRECISION)
     tl.store(dk + p_kv, b_dk, mask=m_tk)
     tl.store(dw + p_kv, b_dw, mask=m_tk)
@@ -319,10 +348,12 @@ def super_terms_bwd_fn(
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    path_super_terms_bwd_kernel[(triton.cdiv(T, chunk * span), N * H)](
+    BK = block_dim(K)
+    BC = min(BK, 64)
+    path_super_terms_bwd_kernel[(triton.cdiv(T, chunk * span), BK // BC, N * H)](
         x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk_offsets(cu_seqlens, chunk),
         chunk_offsets(cu_seqlens, chunk * span), T, triton.cdiv(T, chunk), triton.cdiv(T, chunk * span), span,
-        HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk, IS_VARLEN=cu_seqlens is not None,
+        HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
         PRECISION=precisions(dtype)[1], **launch_config(K),
     )  # fmt: skip
 
@@ -333,6 +364,7 @@ def local_bwd_fn(
     v: torch.Tensor,
     w: torch.Tensor,
     beta: torch.Tensor,
+    m: torch.Tensor,
     gcum: torch.Tensor | None,
     do: torch.Tensor,
     lse: torch.Tensor,
@@ -348,7 +380,8 @@ def local_bwd_fn(
     cu_seqlens: torch.Tensor | None,
     chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dw, dbeta)`` float32 from the local terms' gradients (:func:`path_local_bwd_kernel`; ``da`` or
+    """``(dq, dk, dw, dbeta)`` float32 from the local terms' gradients (:func:`path_local_bwd_kernel`; ``m``: the
+    prepare kernel's UT matrices; ``da`` or
     ``dm`` with ``dw_in`` may be None); adds the diagonal blocks into ``dv`` and ``dgcum`` in place."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
@@ -357,7 +390,7 @@ def local_bwd_fn(
     dq, dk, dw = torch.empty(B, T, HQ, K, **f32), torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
     dbeta = torch.empty(B, T, H, **f32)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
-        q, k, v, w, beta, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
+        q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
         cu_seqlens, chunk_offsets(cu_seqlens, chunk), T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
         IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype)[1],
