@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
+
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from attnkit.ops.common.utils import rel_rms
 
-__all__ = ["assert_close", "rel_rms", "tol_for"]
+__all__ = ["assert_close", "count_aten_ops", "rel_rms", "tol_for"]
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
@@ -19,3 +23,29 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
 def tol_for(dtype: torch.dtype) -> float:
     """The bars of the foundation issue: 1e-10 in float64, 1e-5 in float32."""
     return 1e-10 if dtype == torch.float64 else 1e-5
+
+
+# What the operator count leaves out: views, allocations and zero-fills, the copies Triton's interpreter makes of
+# kernel arguments (``set_``, ``copy_``), and ``to`` when it is a leaf (a no-op: a real conversion goes through
+# ``_to_copy``).
+UNCOUNTED_OPS = frozenset(
+    "empty empty_strided empty_like new_empty new_empty_strided zeros zeros_like new_zeros zero_ fill_ resize_ set_ "
+    "copy_ to view _unsafe_view reshape _reshape_alias as_strided transpose t permute expand expand_as select slice "
+    "narrow unsqueeze squeeze alias detach flatten unflatten contiguous lift_fresh resolve_conj resolve_neg view_as "
+    "unbind split movedim".split()
+)
+
+
+def count_aten_ops(fn: Callable[[], object]) -> collections.Counter[str]:
+    """The leaf ATen operators that do work while ``fn`` runs, by name, from ``torch.profiler`` on the CPU: every
+    depth, inside custom operators too, less :data:`UNCOUNTED_OPS`."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if not event.name.startswith("aten::") or any(c.name.startswith("aten::") for c in event.cpu_children):
+            continue
+        name = event.name.removeprefix("aten::")
+        if name not in UNCOUNTED_OPS:
+            counts[name] += 1
+    return counts

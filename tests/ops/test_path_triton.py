@@ -8,6 +8,8 @@ between chunks by the kernels of ``triton/backward.py``); every gradient is held
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -201,6 +203,31 @@ def test_backward_takes_every_head_at_once(monkeypatch, offsets):
         assert_close(name, x.grad, e, 1e-5)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="counted on the CPU, under the interpreter")
+@pytest.mark.parametrize(
+    "shapes",
+    [[(2, 40, None), (1, 100, None), (3, 170, None)], [(1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])]],
+    ids=["dense", "varlen"],
+)
+def test_operator_count(shapes):
+    """One forward+backward dispatches at most 40 PyTorch operators outside the Triton kernels (leaf ATen operators
+    that do work, :func:`tests.helpers.count_aten_ops`), and the same number whatever the batch, the length or the
+    packed sequences: nothing in the op loops over heads, sequences or chunks in Python."""
+    from tests.helpers import count_aten_ops
+
+    totals = []
+    for B, T, offsets in shapes:
+        inputs = make_inputs(B, T, 4, 2, 16, 16, gate=True, dtype=torch.float32)
+        leaves = [x.requires_grad_() for x in inputs]
+        cu = None if offsets is None else torch.tensor(offsets)
+        do = torch.randn(B, T, 4, 16)
+        step = partial(path_attention, *leaves, cu_seqlens=cu, backend="triton")
+        counts = count_aten_ops(lambda step=step, do=do: step().backward(do))
+        totals.append(sum(counts.values()))
+        assert totals[-1] <= 40, counts
+    assert len(set(totals)) == 1, totals
+
+
 @pytest.mark.parametrize("chunk", [16, 8], ids=["forward-chunk", "own-chunk"])
 def test_backward_in_waves(monkeypatch, chunk):
     """A scratch budget of one query chunk per launch (many waves) gives the same gradients as one wave; so does a
@@ -376,6 +403,7 @@ def test_superblock_terms_adjoint(K, offsets):
     one), dense and packed, GQA, ``K`` padded or not."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import local
+    from attnkit.ops.path.triton.prepare import chunk_offsets
 
     gen = torch.Generator().manual_seed(K)
     B, T, HQ, H, C, span = (2 if offsets is None else 1), 100, 4, 2, 16, 3
@@ -393,7 +421,8 @@ def test_superblock_terms_adjoint(K, offsets):
     dsig[..., :K, :K] = rand(rows_sb, H, K, K)
     dx, dkt, da = torch.zeros_like(x), torch.zeros_like(kt), torch.zeros(rows_c, H, BK, BK, device=DEVICE)
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
-    local.super_terms_bwd_fn(x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu, C, span, torch.float32)
+    offsets = chunk_offsets(cu, C), chunk_offsets(cu, C * span)
+    local.super_terms_bwd_fn(x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu, C, span, torch.float32, *offsets)
 
     expected_dx, expected_dkt = torch.zeros_like(x, dtype=torch.float64), torch.zeros_like(kt, dtype=torch.float64)
     expected_da = torch.zeros(rows_c, H, K, K, dtype=torch.float64)

@@ -76,19 +76,24 @@ def _setup_fwd(ctx, inputs, output):
     ctx.scale = scale
 
 
-def _superblock_cuts(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int, length: int, device) -> torch.Tensor:
-    """Offsets (int32) that cut the ``batch * seq_len`` tokens of the flattened batch into runs of at most ``length``
-    within each sequence, computed on the device: ``⌈seq_len / length⌉`` runs a sequence, those past its end empty.
-    The chunk-by-chunk kernels, run on these runs as on packed sequences, meet the chunk pairs inside a superblock
-    only."""
-    steps = torch.arange(0, seq_len, length, device=device, dtype=torch.int64)
+def _superblock_cuts(
+    cu_seqlens: torch.Tensor | None, offsets: torch.Tensor | None, batch: int, seq_len: int, chunk: int, span: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cuts, their chunk offsets)`` (int32), computed on the device: ``cuts`` cut the ``batch * seq_len`` tokens of
+    the flattened batch into runs of ``span`` chunks (superblocks) within each sequence, ``⌈seq_len / (span·chunk)⌉``
+    runs a sequence, those past its end empty; the chunk-by-chunk kernels, run on these runs as on packed sequences,
+    meet the chunk pairs inside a superblock only. A run starts on a chunk of its sequence, so the chunks keep their
+    rows in the per-chunk arrays (``offsets``: each sequence's first row, ``chunk_offsets(cu_seqlens, chunk)``)."""
+    steps = torch.arange(0, triton.cdiv(seq_len, chunk * span), device=device)
     if cu_seqlens is None:
-        starts = torch.arange(batch, device=device, dtype=torch.int64)[:, None] * seq_len
-        cuts = (starts + steps[None, :]).flatten()
-        return torch.cat([cuts, cuts.new_full((1,), batch * seq_len)]).to(torch.int32)
-    bounds = cu_seqlens.to(torch.int64)
-    cuts = torch.minimum(bounds[:-1, None] + steps[None, :], bounds[1:, None]).flatten()
-    return torch.cat([cuts, bounds[-1:]]).to(torch.int32)
+        starts = torch.arange(batch + 1, device=device)
+        bounds, first = starts * seq_len, starts * triton.cdiv(seq_len, chunk)
+    else:
+        bounds, first = cu_seqlens.to(torch.int64), offsets.to(torch.int64)
+    cuts = torch.minimum(bounds[:-1, None] + steps * (span * chunk), bounds[1:, None]).flatten()
+    rows = torch.minimum(first[:-1, None] + steps * span, first[1:, None]).flatten()
+    return torch.cat([cuts, bounds[-1:]]).to(torch.int32), torch.cat([rows, first[-1:]]).to(torch.int32)
 
 
 def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -104,20 +109,22 @@ def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tens
 
 
 def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
-    """The fused backward of ``attnkit::path_fwd`` (contiguous inputs): float32 ``(dq, dk, dv, dw, dbeta)`` and
-    ``dg`` in ``g``'s dtype (empty without gates). Kernels only, a fixed number of launches besides the waves of
-    the kernels between chunks, and no host sync:
+    """The fused backward of ``attnkit::path_fwd`` (contiguous inputs): ``(dq, dk, dw, dbeta)`` in the inputs'
+    dtypes, ``dv`` float32 and ``dg`` in ``g``'s dtype (empty without gates). Kernels only, a fixed number of
+    launches besides the waves of the kernels between chunks, and no host sync:
 
     1. the prepare kernel (``M``, ``K̃``, ``M W`` per chunk), the queries carried to their chunk's and superblock's
        start (:func:`local.query_terms_fn`), the keys carried to their superblock's end and each superblock's ``Σ``
        (:func:`carry.carry_keys_fn`);
-    2. the gradients between chunks inside each superblock (``backward.py``, on the flattened batch cut at
-       superblock boundaries) and between superblocks (``backward_super.py``);
+    2. the gradients between superblocks (``backward_super.py``) and between chunks inside each superblock
+       (``backward.py``, on the flattened batch cut at superblock boundaries);
     3. the superblock-local terms' adjoint and the chunk-local terms' adjoint with the diagonal blocks
        (``local.py``), which give ``dq, dk, dw, dbeta``.
+
+    Buffers are dropped as soon as the last kernel that reads them has run.
     """
     B, T, HQ, K = q.shape
-    H = k.shape[2]
+    H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     chunk = backward.backward_config(K)[0]
     span = prepare.superblock_chunks(K, chunk)
@@ -137,28 +144,41 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None)
     delta = (do.float() * o.float()).sum(-1)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
-    inputs = (x, kt, v, w, m, mw, gcum, do, lse, delta)
+    dv, dgcum = torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, **f32)
     if supers:
+        sb_offsets = prepare.chunk_offsets(cu_seqlens, chunk * span)
+        kh, sig, _ = carry_keys_fn(
+            w, kt, m, cu_seqlens, span, torch.float32, True, carry, config, longest=T, offsets=offsets,
+            sb_offsets=sb_offsets,
+        )  # fmt: skip
+        dxh, dkh, _, dsig, _ = path_bwd_super_fn(
+            xh, kh, kh.to(v.dtype), v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, T, sb_offsets, dv,
+            dgcum,
+        )  # fmt: skip
+        del xh, kh, sig
         # Within superblocks: the chunk-by-chunk kernels on the flattened batch cut at superblock boundaries.
-        cuts = _superblock_cuts(cu_seqlens, B, T, span * chunk, q.device)
+        cuts, cut_offsets = _superblock_cuts(cu_seqlens, offsets, B, T, chunk, span, q.device)
+        inputs = (x, kt, v, w, m, mw, gcum, do, lse, delta)
         flat = [t if t is None or i == 4 else t.reshape(1, B * T, *t.shape[2:]) for i, t in enumerate(inputs)]
-        dkt, dv, dx, dw_in, dm, da, dgcum = backward.path_bwd_between_fn(*flat, scale, cuts, chunk, span * chunk)
-        dkt, dv, dx, dgcum = (t.view(B, T, *t.shape[2:]) for t in (dkt, dv, dx, dgcum))
-        kh, sig, _ = carry_keys_fn(w, kt, m, cu_seqlens, span, torch.float32, True, carry, config, longest=T)
-        dxh, dkh, dv_super, dsig, dg_super = path_bwd_super_fn(
-            xh, kh, kh.to(v.dtype), v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, T
+        dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
+            *flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V), dgcum.view(1, B * T, HQ)
         )
-        dv += dv_super
-        dgcum += dg_super
+        dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
         if da.numel() == 0:  # the kernels between chunks gave dM, dW: the superblocks' dA goes on its own
             da = torch.zeros(rows, H, block_dim(K), block_dim(K), **f32)
-        local.super_terms_bwd_fn(x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk, span, q.dtype)
+        local.super_terms_bwd_fn(
+            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk, span, q.dtype, offsets, sb_offsets
+        )
+        del dxh, dkh, dsig
     else:
-        dkt, dv, dx, dw_in, dm, da, dgcum = backward.path_bwd_between_fn(*inputs, scale, cu_seqlens, chunk, T)
+        dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
+            x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk, T, offsets, dv, dgcum
+        )
+    del x, kt, mw
     has_da, has_dm = da.numel() > 0, dm.numel() > 0
     dq, dk, dw, dbeta = local.local_bwd_fn(
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da if has_da else None, dm if has_dm else None,
-        dw_in if has_dm else None, dv, dgcum if g is not None else None, scale, cu_seqlens, chunk,
+        dw_in if has_dm else None, dv, dgcum if g is not None else None, scale, cu_seqlens, chunk, offsets,
     )  # fmt: skip
     # gcum is a cumulative sum: its gradient sums from each token to the end of its sequence.
     dg = q.new_empty(0) if g is None else _suffix_sums(dgcum, cu_seqlens).to(g.dtype)
@@ -179,18 +199,17 @@ def path_bwd_op(
     do: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused backward (:func:`path_bwd_fn`) as one operator: float32 ``(dq, dk, dv, dw, dbeta)`` and ``dg``
-    (empty without gates)."""
+    """The fused backward (:func:`path_bwd_fn`) as one operator: ``(dq, dk, dw, dbeta)`` in the inputs' dtypes,
+    ``dv`` float32 and ``dg`` (empty without gates)."""
     q, k, v, w, beta, o, do = (t.contiguous() for t in (q, k, v, w, beta, o, do))
     return path_bwd_fn(q, k, v, w, beta, None if g is None else g.contiguous(), cu_seqlens, o, lse, do, scale)
 
 
 @path_bwd_op.register_fake
 def _(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
-    f32 = dict(dtype=torch.float32)
     dg = q.new_empty(0) if g is None else g.new_empty(g.shape)
-    return (q.new_empty(q.shape, **f32), q.new_empty(k.shape, **f32), q.new_empty(v.shape, **f32),
-            q.new_empty(w.shape, **f32), q.new_empty(beta.shape, **f32), dg)  # fmt: skip
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape, dtype=torch.float32),
+            w.new_empty(w.shape), beta.new_empty(beta.shape), dg)  # fmt: skip
 
 
 def _fwd_backward(ctx, do, dlse):

@@ -149,11 +149,14 @@ def store_key_chunk_grads(
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
 ):  # fmt: skip
     """A key-major program's results for its key chunk (rows ``p_m``, key/value head ``i_h``): the keys' and values'
-    gradients and, per query head of the group (rows of ``b_dg``), the gates' key side (added: other programs add
-    the same rows' query side)."""
+    gradients, added to what earlier launches left there (the program owns these rows in its own launch), and, per
+    query head of the group (rows of ``b_dg``), the gates' key side (added: other programs add the same rows' query
+    side)."""
     G: tl.constexpr = HQ // H
-    tl.store(dk + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], b_dk, mask=m_k)
-    tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], b_dv, mask=m_v)
+    p_dk = dk + p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
+    tl.store(p_dk, tl.load(p_dk, mask=m_k, other=0.0) + b_dk, mask=m_k)
+    p_dv = dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :]
+    tl.store(p_dv, tl.load(p_dv, mask=m_v, other=0.0) + b_dv, mask=m_v)
     tl.atomic_add(dgcum + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None], sem="relaxed")
 
 
@@ -400,9 +403,14 @@ def path_bwd_between_fn(
     cu_seqlens: torch.Tensor | None,
     chunk: int,
     longest: int,
+    offsets: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    dgcum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of the logits between chunks (``longest``: the longest sequence's length, known to the caller,
-    so that the launch reads nothing back from the device). ``x [B,T,HQ,K]``, ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
+    so that the launch reads nothing back from the device; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)`` where
+    the caller has it; ``dv``, ``dgcum``: float32 buffers to add into, else new zeros). ``x [B,T,HQ,K]``,
+    ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
     ``(dkt [B,T,H,K], dv [B,T,H,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], da [chunks,H,BK,BK],
@@ -413,11 +421,13 @@ def path_bwd_between_fn(
     H, V = kt.shape[2], v.shape[-1]
     BT, BK, BV = chunk, block_dim(K), block_dim(V)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    offsets = chunk_offsets(cu_seqlens, BT)
+    if offsets is None:
+        offsets = chunk_offsets(cu_seqlens, BT)
     NC = triton.cdiv(T, BT)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dkt, dv, dx = torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, K, **f32)
-    dgcum = torch.zeros(B, T, HQ, **f32)
+    dkt, dx = torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, HQ, K, **f32)
+    dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
+    dgcum = torch.zeros(B, T, HQ, **f32) if dgcum is None else dgcum
     sums_da = sums_carry_gradient(K, BT)
     if sums_da:  # the op's outputs may not alias one another: separate empty tensors
         dw, dm, da = torch.empty(0, **f32), torch.empty(0, **f32), torch.zeros(m.shape[0], H, BK, BK, **f32)

@@ -189,6 +189,9 @@ def path_bwd_super_fn(
     chunk: int,
     span: int,
     longest: int,
+    sb_offsets: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    dgcum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of the logits between superblocks of ``span`` chunks of ``chunk`` positions. ``xh [B,T,HQ,K]``
     and ``kh [B,T,H,K]`` float32, ``kh_low`` the same keys in ``v.dtype`` (the query kernel's operand),
@@ -196,7 +199,8 @@ def path_bwd_super_fn(
     :func:`attnkit.ops.path.triton.carry.carry_keys_fn` lays them out), ``gcum`` (or None), ``lse``, ``delta
     [B,T,HQ]`` float32, ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dxh [B,T,HQ,K], dkh [B,T,H,K],
     dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``, both sides). ``longest``:
-    the longest sequence's length (no host sync)."""
+    the longest sequence's length (no host sync); ``sb_offsets``: ``chunk_offsets(cu_seqlens, chunk * span)`` where
+    the caller has it; ``dv``, ``dgcum``: float32 buffers to add into (returned), else new zeros."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
     config = launch_config(K, chunk)
@@ -206,12 +210,14 @@ def path_bwd_super_fn(
         raise ValueError(f"launch_config: a tile of {BT} rows does not divide a superblock of {length} positions")
     tiles = length // BT  # a superblock's tiles
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    sb_offsets = chunk_offsets(cu_seqlens, length)
+    if sb_offsets is None:
+        sb_offsets = chunk_offsets(cu_seqlens, length)
     NSB = triton.cdiv(T, length)
     f32 = dict(dtype=torch.float32, device=xh.device)
-    dxh, dkh, dv = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, H, V, **f32)
+    dxh, dkh = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, H, K, **f32)
+    dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
     dsig = torch.zeros_like(sig)
-    dgcum = torch.zeros(B, T, HQ, **f32)
+    dgcum = torch.zeros(B, T, HQ, **f32) if dgcum is None else dgcum
     n_long = triton.cdiv(longest, BT)
     n_sb = triton.cdiv(n_long, tiles)
     if n_sb < 2:

@@ -85,25 +85,30 @@ def carry_keys_fn(
     precision: str,
     launch: dict[str, int],
     longest: int | None = None,
+    offsets: torch.Tensor | None = None,
+    sb_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The prepare kernel's ``K̃`` (``kt [B,T,H,K]``) and ``M`` carried to the end of spans of ``span`` chunks:
     ``(keys [B,T,H,K] in out_dtype, sig [spans,H,BK,BK] float32 or None, span offsets [N+1] int32 or None)``
     (``sig``: each span's product of transitions; the offsets index its rows per packed sequence). ``precision``:
     the carries' ``input_precision``; ``launch``: warps and stages. ``longest``: a bound on the sequences' lengths
     (``T`` will do), which spares the host syncs of measuring them; ``sig`` then has rows for every span the bound
-    allows."""
+    allows. ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by spans, where the caller
+    has them."""
     B, T, H, K = kt.shape
     BT = m.shape[-1]
     BK = block_dim(K)
     BC = min(BK, 64)
     NC, NSB = triton.cdiv(T, BT), triton.cdiv(T, BT * span)
-    offsets = chunk_offsets(cu_seqlens, BT)
+    if offsets is None:
+        offsets = chunk_offsets(cu_seqlens, BT)
     if longest is None:
         N, longest = seq_layout(cu_seqlens, B, T)
         sb_offsets, spans = chunk_offsets_of(cu_seqlens, BT * span)
     else:
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        sb_offsets, spans = chunk_offsets(cu_seqlens, BT * span), NSB + N
+        sb_offsets = chunk_offsets(cu_seqlens, BT * span) if sb_offsets is None else sb_offsets
+        spans = NSB + N
     if cu_seqlens is None:
         spans = B * NSB
     out = torch.empty(kt.shape, dtype=out_dtype, device=kt.device)

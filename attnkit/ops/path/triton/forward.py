@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
+from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton import prepare
 from attnkit.ops.path.triton.carry import carry_keys_fn
 from attnkit.ops.path.triton.prepare import (
-    chunk_offsets_of,
+    chunk_offsets,
     chunk_size,
     first_chunk,
     launch_config,
@@ -178,11 +178,13 @@ def path_fwd_fn(
     H, V = k.shape[2], v.shape[-1]
     BT = chunk_size(K)
     BK, BV = block_dim(K), block_dim(V)
-    N, longest = seq_layout(cu_seqlens, B, T)
-    offsets, chunks = chunk_offsets_of(cu_seqlens, BT)
+    # No host sync: T bounds every packed sequence's length (programs past a sequence's end return at once), and the
+    # per-chunk arrays have rows for every chunk that bound allows.
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    longest = T if N else 0
+    offsets = chunk_offsets(cu_seqlens, BT)
     NC = triton.cdiv(T, BT)
-    if cu_seqlens is None:
-        chunks = B * NC
+    chunks = B * NC if cu_seqlens is None else NC + N
     precision, carry = precisions(q.dtype)
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
@@ -201,7 +203,7 @@ def path_fwd_fn(
     )  # fmt: skip
     R = prepare.superblock_chunks(K, BT)
     if R < grid_chunks:  # some query chunk has an earlier superblock
-        kh, sig, sb_offsets = carry_keys_fn(w, kt, m, cu_seqlens, R, k.dtype, True, carry, launch)
+        kh, sig, sb_offsets = carry_keys_fn(w, kt, m, cu_seqlens, R, k.dtype, True, carry, launch, T, offsets)
     else:
         kh, sig, sb_offsets = kt, m, offsets  # never read
     # Gates enter as differences within a sequence, so one cumulative sum over the packed tokens serves all.

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
+from attnkit.ops.path.triton.prepare import first_chunk, precisions
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -283,7 +283,7 @@ def path_local_bwd_kernel(
         b_dvk -= tl.dot(b_mu, b_ds, input_precision=PRECISION) * scale
         b_dq = b_dx + tl.dot(b_ds, b_k, input_precision=PRECISION) * scale
         b_dq += tl.dot(b_du, b_w, input_precision=PRECISION)
-        tl.store(dq + p_q, b_dq, mask=m_tk)
+        tl.store(dq + p_q, b_dq.to(dq.dtype.element_ty), mask=m_tk)
         b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PRECISION) * scale
 
     b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
@@ -302,9 +302,9 @@ def path_local_bwd_kernel(
     b_dbeta = tl.sum(b_inm * b_qm, 1)
     b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
     b_dw += tl.dot(b_dn + tl.trans(b_dn), b_w, input_precision=PRECISION)
-    tl.store(dk + p_kv, b_dk, mask=m_tk)
-    tl.store(dw + p_kv, b_dw, mask=m_tk)
-    tl.store(dbeta + p_t * H + i_h, b_dbeta, mask=m_t)
+    tl.store(dk + p_kv, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dw + p_kv, b_dw.to(dw.dtype.element_ty), mask=m_tk)
+    tl.store(dbeta + p_t * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     p_dv = dv + p_t[:, None] * (H * V) + i_h * V + o_v[None, :]
     tl.store(p_dv, tl.load(p_dv, mask=m_tv, other=0.0) + b_dv, mask=m_tv)
 
@@ -342,17 +342,20 @@ def super_terms_bwd_fn(
     chunk: int,
     span: int,
     dtype: torch.dtype,
+    offsets: torch.Tensor | None,
+    sb_offsets: torch.Tensor | None,
 ) -> None:
     """Adds the superblock-local terms' adjoint into ``dx``, ``dkt`` and ``da`` (in place; shapes as
-    :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision."""
+    :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision;
+    ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks."""
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK = block_dim(K)
     BC = min(BK, 64)
     path_super_terms_bwd_kernel[(triton.cdiv(T, chunk * span), BK // BC, N * H)](
-        x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk_offsets(cu_seqlens, chunk),
-        chunk_offsets(cu_seqlens, chunk * span), T, triton.cdiv(T, chunk), triton.cdiv(T, chunk * span), span,
+        x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, offsets, sb_offsets, T, triton.cdiv(T, chunk),
+        triton.cdiv(T, chunk * span), span,
         HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
         PRECISION=precisions(dtype)[1], **launch_config(K),
     )  # fmt: skip
@@ -379,19 +382,19 @@ def local_bwd_fn(
     scale: float,
     cu_seqlens: torch.Tensor | None,
     chunk: int,
+    offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dw, dbeta)`` float32 from the local terms' gradients (:func:`path_local_bwd_kernel`; ``m``: the
-    prepare kernel's UT matrices; ``da`` or
-    ``dm`` with ``dw_in`` may be None); adds the diagonal blocks into ``dv`` and ``dgcum`` in place."""
+    """``(dq, dk, dw, dbeta)`` in the dtypes of ``q, k, w, beta`` from the local terms' gradients
+    (:func:`path_local_bwd_kernel`; ``m``: the prepare kernel's UT matrices; ``da`` or
+    ``dm`` with ``dw_in`` may be None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks
+    into ``dv`` and ``dgcum`` in place."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    f32 = dict(dtype=torch.float32, device=q.device)
-    dq, dk, dw = torch.empty(B, T, HQ, K, **f32), torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
-    dbeta = torch.empty(B, T, H, **f32)
+    dq, dk, dw, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w), torch.empty_like(beta)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
-        cu_seqlens, chunk_offsets(cu_seqlens, chunk), T, triton.cdiv(T, chunk), scale,
+        cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
         IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype)[1],
         **launch_config(K),
