@@ -1,9 +1,8 @@
 """PaTH backward: the gradients of the logits between chunks, by two kernels with O(T) memory.
 
-The chunk-local terms (the UT matrices ``M``, the keys carried to their chunk's end ``K̃``, the queries carried to
-their chunk's start ``x``, the logits inside each chunk) are recomputed in PyTorch with autograd
-(:func:`attnkit.ops.path.torch_impl.chunk_local_terms`, ``T·C`` numbers a head); the kernels give the gradients
-of what lies between chunks, and autograd takes them back through the chunk-local terms. With
+They take the chunk-local terms (the UT matrices ``M``, the keys carried to their chunk's end ``K̃``, the queries
+carried to their chunk's start ``x``) from the prepare and query-terms kernels and give the gradients of what lies
+between chunks; ``local.py`` takes those back through the chunk-local terms. With
 ``A_m = I − W_mᵀ M_m W_m`` the carry across chunk ``m``, query chunk ``c`` meets key chunk ``m < c`` with the
 logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··· A_{m+1}`` (``README.md`` beside the op):
 
@@ -15,7 +14,7 @@ logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··
   once, checkpointing ``L_{c,m}`` at the right end of every segment of ``⌈√c⌉`` key chunks, then walks the
   segments left to right: each segment's ``L`` recomputed from its checkpoint into scratch, then the gradient
   ``Γ`` of the carried query (``Γ ← Γ A_mᵀ + scale · dS_cm K̃_m``): ``dA_m += L_{c,m}ᵀ Γ`` by atomic adds, either
-  as itself (:func:`sums_carry_gradient`; autograd takes it back through ``A_m − I = −W_mᵀ M_m W_m``) or as
+  as itself (:func:`sums_carry_gradient`; the local adjoint takes it back through ``A_m − I = −W_mᵀ M_m W_m``) or as
   ``dM_m = −Uᵀ V`` and ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``), and ``dx_c = Γ`` at the
   end. Scratch: ``2√N`` tiles a program, for one extra pass of carries; the launcher runs
   the query chunks in waves that fit a fixed budget (linear in ``T`` however long the sequence).
@@ -47,8 +46,9 @@ def checkpoint_every(chunks: int) -> int:
 
 def sums_carry_gradient(key_dim: int, chunk: int) -> bool:
     """Whether the query kernel sums each chunk's carry gradient ``dA_m`` (``BK × BK``: one product and ``BK²``
-    atomic adds a chunk pair) rather than its projections ``dM_m``, ``dW_m`` (seven products, ``C² + C·K``
-    atomics), which autograd then takes from ``A = I − Wᵀ M W``: when ``BK <= chunk``, where it is the cheaper."""
+    atomic adds a chunk pair), which the local adjoint then takes back through ``A = I − Wᵀ M W``, rather than its
+    projections ``dM_m``, ``dW_m`` (seven products, ``C² + C·K`` atomics): when ``BK <= chunk``, where it is the
+    cheaper."""
     return block_dim(key_dim) <= chunk
 
 

@@ -2,12 +2,13 @@
 superblocks, by two kernels with O(T) memory.
 
 A superblock is ``R`` consecutive chunks. With ``q̂`` the queries carried to their superblock's start, ``k̂`` the
-keys carried to their superblock's end and ``Σ_n`` superblock ``n``'s product of transitions (all three chunk-local
-to a superblock, computed and differentiated by PyTorch), a query chunk ``c`` of superblock ``s`` meets a key chunk
-``m`` of superblock ``n < s`` with the logits ``S = scale · L_{c,n} k̂_mᵀ``, where ``L_{c,s−1} = q̂_c`` and
-``L_{c,n−1} = L_{c,n} Σ_nᵀ`` (one dense ``K × K`` carry a superblock). It is the chunk-level scheme of
-``backward.py`` with a superblock in place of a chunk and a dense carry in place of the rank-``C`` one; every key
-chunk of a superblock meets the same carried query, so the carries cost ``R`` times less per chunk pair.
+keys carried to their superblock's end and ``Σ_n`` superblock ``n``'s product of transitions (all three local to a
+superblock: ``local.py`` and ``carry.py`` compute them, ``local.py`` takes their gradients back), a query chunk
+``c`` of superblock ``s`` meets a key chunk ``m`` of superblock ``n < s`` with the logits
+``S = scale · L_{c,n} k̂_mᵀ``, where ``L_{c,s−1} = q̂_c`` and ``L_{c,n−1} = L_{c,n} Σ_nᵀ`` (one dense ``K × K``
+carry a superblock). It is the chunk-level scheme of ``backward.py`` with a superblock in place of a chunk and a
+dense carry in place of the rank-``C`` one; every key chunk of a superblock meets the same carried query, so the
+carries cost ``R`` times less per chunk pair.
 
 - ``path_bwd_super_kv_kernel``, one program per (key chunk ``m``, key/value head), walks the later superblocks left
   to right carrying ``Π = Σ_{s−1}ᵀ ··· Σ_{n+1}ᵀ`` once for the query heads of its group: ``y = k̂_m Πᵀ`` meets
