@@ -193,6 +193,25 @@ def test_dtypes_and_no_state():
     assert o.dtype == torch.bfloat16 and S.dtype == n.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_delta_rule_under_autocast(dtype):
+    """Autocast makes the products 16-bit; the triangular solve still runs, in float32, the state stays float32, and
+    the output and gradients are as close to float32's as 16-bit products allow."""
+    inputs, state = delta_inputs(2, 150, 2, 16, 16, with_state=True)
+
+    def run(xs, st):
+        o, S = delta_rule(*xs, initial_state=st[0], output_final_state=True, backend="torch")
+        o.square().sum().backward()
+        return o, S, *(x.grad for x in xs), st[0].grad
+
+    expected = run(leaf_copy(inputs, torch.float32), leaf_copy(state, torch.float32))
+    with torch.autocast("cpu", dtype=dtype):
+        actual = run(leaf_copy(inputs, torch.float32), leaf_copy(state, torch.float32))
+    assert actual[1].dtype == torch.float32
+    for name, x, y in zip(("o", "S", "dq", "dk", "dv", "dbeta", "dS0"), actual, expected, strict=True):
+        assert_close(name, x, y, 3e-2)
+
+
 # Validation: one test per rule, each naming the argument.
 
 

@@ -156,6 +156,21 @@ def test_half_precision_dtypes():
     assert_close("o", o, o_ref, 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gates_ignore_autocast(dtype):
+    """The gates run in their inputs' float32 under autocast, to the bit: built from 16-bit products, the matrices
+    they factor need not be positive definite (with these un-normalised ``u``, a head's ``I + U A0 Uᵀ`` of a
+    64-token chunk is not in bf16)."""
+    torch.manual_seed(0)
+    k_hat = F.normalize(torch.randn(1, 4, 128, 8), dim=-1)
+    u = torch.randn(1, 4, 128, 8)
+    expected = vla_chunk_gates(k_hat, u, 0.1, None, 64)
+    with torch.autocast("cpu", dtype=dtype):
+        actual = vla_chunk_gates(k_hat, u, 0.1, None, 64)
+    for name, x, y in zip(("alpha", "A_end"), actual, expected, strict=True):
+        assert x.dtype == torch.float32 and torch.equal(x, y), name
+
+
 def test_empty_sequence():
     q, k, v, u = make_inputs(2, 0, 2, 4, 3)
     o, (S, A, n) = vla_attention(q, k, v, u, lam0=0.5, output_final_state=True)

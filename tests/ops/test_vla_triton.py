@@ -178,6 +178,18 @@ def test_gate_kernels_match_torch_gates(K, lam0, with_state):
         assert_close(name, x.double().cpu(), y, 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gate_kernels_ignore_autocast(dtype):
+    """The Gram sums that the gate kernels invert, and the final inverse, are float32 under autocast: the same bits
+    as without it."""
+    k_hat, u = (x.float().to(DEVICE) for x in gate_inputs(1, 2, 3, 16, 0.1))
+    expected = vla_gates_triton(k_hat, u, 0.1, None, gates_chunk_size())
+    with torch.autocast(DEVICE, dtype=dtype):
+        actual = vla_gates_triton(k_hat, u, 0.1, None, gates_chunk_size())
+    for name, x, y in zip(("alpha", "A_end"), actual, expected, strict=True):
+        assert x.dtype == torch.float32 and torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("group", [2, 3, 8])
 def test_gate_groups_carry_the_inverse(group):
     """Chunks grouped per program and 16-row downdate blocks (``A`` carried by ``A − R_bᵀR_b`` instead of a sweep

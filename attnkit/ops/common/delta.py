@@ -46,7 +46,9 @@ def chunk_generalized_delta_rule(
 
     # unitriangular=True ignores the (zero) diagonal, so the strict lower triangle is the whole matrix.
     t_mat = (k @ a.transpose(-1, -2)).tril(-1)
-    sol = torch.linalg.solve_triangular(t_mat, torch.cat([v, k], -1), upper=False, unitriangular=True)
+    # The solve in the inputs' dtype: under autocast t_mat is 16-bit, and torch.linalg has no 16-bit solves.
+    with torch.autocast(k.device.type, enabled=False):
+        sol = torch.linalg.solve_triangular(t_mat.to(k.dtype), torch.cat([v, k], -1), upper=False, unitriangular=True)
     v_new, w = sol.split([V, K], dim=-1)
 
     # unbind once so the backward assembles each gradient with one stack, not one scatter per chunk.

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+Fn = TypeVar("Fn", bound=Callable[..., object])
 
 
 def compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
     """float64 when any input is float64 (the reference precision of the tests), float32 otherwise."""
     return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def autocast_off(fn: Fn) -> Fn:
+    """``fn`` with autocast off on the device of its first argument, a tensor: its operations run in the dtypes of
+    their inputs, which the caller chose (:func:`compute_dtype`), whatever autocast is on around it.
+
+    For code that builds matrices and then factors, solves with or inverts them (VLA's gates): ``torch.linalg`` has
+    no 16-bit kernels for that, and a Gram matrix built from 16-bit products need not be positive definite. Outside
+    autocast nothing changes.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(x: torch.Tensor, *args: object, **kwargs: object) -> object:
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(x, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:

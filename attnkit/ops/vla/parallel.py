@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from attnkit.ops.common.triton_utils import interpreting
+from attnkit.ops.common.utils import autocast_off
 from attnkit.ops.vla.triton.decode import vla_decode_fn
 from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
 from attnkit.ops.vla.triton.normalize import normalize_bwd_fn, normalize_fwd_fn
@@ -87,6 +88,7 @@ def _backward(ctx, dalpha, *_):
 vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@autocast_off
 def vla_gates_triton(
     k_hat: torch.Tensor, u: torch.Tensor, lam0: float, A_init: torch.Tensor | None, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +97,7 @@ def vla_gates_triton(
     The penalty at every chunk's start, ``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU``, is a cumulative sum of
     Gram matrices computed here, in PyTorch, so that autograd takes ``dΛ_c`` from the backward kernel back to the
     earlier chunks' ``u`` and to ``A_init``; ``A_init⁻¹`` and the final ``A`` are inverted in float64 (one
-    ``K×K`` matrix per sequence and head).
+    ``K×K`` matrix per sequence and head). Autocast does not apply: the Gram sums are the penalties inverted.
     """
     B, H, TP, K = k_hat.shape
     NC = TP // chunk_size

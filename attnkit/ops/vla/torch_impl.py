@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.ops.common.delta import chunk_generalized_delta_rule
-from attnkit.ops.common.utils import compute_dtype
+from attnkit.ops.common.utils import autocast_off, compute_dtype
 
 CHUNK_SIZE = 64
 
 
+@autocast_off
 def vla_chunk_gates(
     k_hat: torch.Tensor, u: torch.Tensor, lam0: float, A_init: torch.Tensor | None, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +31,8 @@ def vla_chunk_gates(
         A_init: ``A_0`` as ``[B, H, K, K]`` (SPD; its symmetric part is used), or ``None`` for ``I / lam0``.
 
     Returns:
-        ``α̂ [B, H, NC * C, K]`` and the final inverse penalty ``A [B, H, K, K]``.
+        ``α̂ [B, H, NC * C, K]`` and the final inverse penalty ``A [B, H, K, K]``, in the dtype of the inputs
+        (autocast does not apply).
     """
     B, H, TP, K = k_hat.shape
     C = chunk_size
