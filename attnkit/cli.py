@@ -83,7 +83,10 @@ def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N steps (0: at the end)"
     )
     p.add_argument("--out", default="runs/train", help="run folder")
-    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt (it must exist)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="move an earlier run in --out aside to <out>.old-<time>, then start"
+    )
     p.add_argument("--stop-at", type=int, default=d.stop_at, help="stop after this step (0: run to --steps)")
     p.add_argument("--profile", action="store_true", help="print the step-time fraction outside forward+backward")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -94,7 +97,7 @@ def _options(pairs: list[str], name: str) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"{name}: expected KEY=VALUE, got {pair!r}")
+            raise ValueError(f"{name}: expected KEY=VALUE, got {pair!r}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -131,6 +134,7 @@ def config_from_args(args: argparse.Namespace, mixer, lr: float, out: str) -> Tr
         checkpoint_every=args.checkpoint_every,
         out=out,
         resume=args.resume,
+        overwrite=args.overwrite,
         stop_at=args.stop_at,
         profile=args.profile,
         quiet=args.quiet,
@@ -138,11 +142,19 @@ def config_from_args(args: argparse.Namespace, mixer, lr: float, out: str) -> Tr
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import NonFiniteLossError, train
+    from .train import NonFiniteLossError, RunFolderError, train
 
     mixer = args.mixer[0] if len(args.mixer) == 1 else args.mixer
     try:
-        result = train(config_from_args(args, mixer, args.lr, args.out))
+        config = config_from_args(args, mixer, args.lr, args.out)
+    except ValueError as err:
+        print(f"attnkit train: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = train(config)
+    except RunFolderError as err:
+        print(f"attnkit train: {err}", file=sys.stderr)
+        return 2
     except NonFiniteLossError as err:
         print(f"attnkit train: {err}", file=sys.stderr)
         return 1

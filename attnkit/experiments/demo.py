@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, data and test sets")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tests)")
     parser.add_argument("--out", default="runs/demo", help="run folder: per-mixer runs, demo.json, demo.png")
+    parser.add_argument("--overwrite", action="store_true", help="move earlier per-mixer runs in --out aside")
 
 
 def format_table(rows: list[dict], seq_len: int) -> str:
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             device=device,
             out=os.path.join(args.out, mixer),
+            overwrite=args.overwrite,
         )
         result = train(config)
         rows.append(

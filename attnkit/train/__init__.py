@@ -2,17 +2,29 @@
 
 from .checkpoint import load_checkpoint, save_atomic
 from .distributed import DistInfo, setup_distributed
-from .trainer import CHECKPOINT_NAME, NonFiniteLossError, TrainConfig, TrainResult, build_model, lr_at, train
+from .trainer import (
+    CHECKPOINT_NAME,
+    NonFiniteLossError,
+    RunFolderError,
+    TrainConfig,
+    TrainResult,
+    build_model,
+    lr_at,
+    prepare_run_folder,
+    train,
+)
 
 __all__ = [
     "CHECKPOINT_NAME",
     "DistInfo",
     "NonFiniteLossError",
+    "RunFolderError",
     "TrainConfig",
     "TrainResult",
     "build_model",
     "load_checkpoint",
     "lr_at",
+    "prepare_run_folder",
     "save_atomic",
     "setup_distributed",
     "train",

@@ -54,10 +54,22 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0  # 0: checkpoint at the end only
     out: str | None = None  # run folder: metrics.jsonl, final.json, checkpoint.pt
-    resume: bool = False  # continue from <out>/checkpoint.pt when it exists
+    resume: bool = False  # continue from <out>/checkpoint.pt (an error when there is none)
+    overwrite: bool = False  # move an earlier run in <out> aside to <out>.old-<time> and start afresh
     stop_at: int = 0  # stop after this step (the schedule still spans `steps`); 0: run to `steps`
     profile: bool = False  # time forward+backward against the rest of the step
     quiet: bool = False  # no progress lines on stderr
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _validate(c: TrainConfig) -> None:
+    """Raise ``ValueError`` naming the first field that is out of range or of the wrong type."""
+    if isinstance(c.log_every, bool) or not isinstance(c.log_every, int) or c.log_every <= 0:
+        raise ValueError(f"log_every: expected a positive integer, got {c.log_every!r}")
+    if c.resume and c.overwrite:
+        raise ValueError("resume, overwrite: pass one of them, not both")
 
 
 @dataclass
@@ -76,6 +88,44 @@ class TrainResult:
 
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN or inf; the last good checkpoint was left as it was."""
+
+
+class RunFolderError(ValueError):
+    """The run folder does not fit the request: an earlier run is in the way, or there is nothing to resume."""
+
+
+RUN_FILES = (CHECKPOINT_NAME, "metrics.jsonl", "final.json")
+
+
+def prepare_run_folder(config: TrainConfig, is_main: bool = True) -> bool:
+    """Check ``config.out`` against ``resume``/``overwrite``; returns whether there is a checkpoint to resume.
+
+    A folder holding an earlier run (any of ``RUN_FILES``) is refused unless the run is resumed (which needs
+    a checkpoint) or ``overwrite`` moves the folder aside to ``<out>.old-<UTC time>``; nothing is ever deleted.
+    """
+    out = config.out
+    if not out:
+        return False
+    ckpt_path = os.path.join(out, CHECKPOINT_NAME)
+    has_checkpoint = os.path.isfile(ckpt_path)
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+    if config.resume:
+        if not has_checkpoint:
+            raise RunFolderError(f"--resume: there is no checkpoint to resume at {ckpt_path}")
+        return True
+    if found and not config.overwrite:
+        hint = "pass --resume to continue it, " if has_checkpoint else ""
+        raise RunFolderError(
+            f"{out} already holds a run ({', '.join(found)}): {hint}pass --overwrite to move it aside, "
+            "or choose another --out"
+        )
+    if found and is_main:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        aside, n = f"{os.path.normpath(out)}.old-{stamp}", 1
+        while os.path.exists(aside):
+            aside, n = f"{os.path.normpath(out)}.old-{stamp}-{n}", n + 1
+        os.rename(out, aside)
+    return False
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -148,6 +198,9 @@ def train(config: TrainConfig) -> TrainResult:
     if config.distributed not in ("ddp", "fsdp"):
         raise ValueError(f"distributed: expected 'ddp' or 'fsdp', got {config.distributed!r}")
     local_batch = config.batch_size // world
+    resuming = prepare_run_folder(config, info.is_main)
+    if info.enabled:
+        dist.barrier()  # the folder is in its final state before any rank writes to it
     task = get_task(config.task, seed=config.seed, **config.task_options)
     raw_model = build_model(config, task.vocab_size, task.seq_len).to(device)
     fsdp = info.enabled and config.distributed == "fsdp"
@@ -177,7 +230,7 @@ def train(config: TrainConfig) -> TrainResult:
     if out and info.is_main:
         os.makedirs(out, exist_ok=True)
     start_step = 0
-    if config.resume and ckpt_path and os.path.exists(ckpt_path):
+    if resuming:
         ckpt = load_checkpoint(ckpt_path)
         _load_model_state(raw_model, optimizer, ckpt, fsdp)
         scheduler.load_state_dict(ckpt["scheduler"])

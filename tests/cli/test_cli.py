@@ -71,6 +71,19 @@ def test_train(tmp_path, capsys):
     assert "profile:" in capsys.readouterr().err
 
 
+def test_train_refuses_an_old_run_folder(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--mixer", "rope", "--out", str(out), *TINY]) == 0
+    capsys.readouterr()
+    assert main(["train", "--mixer", "rope", "--out", str(out), *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--resume" in err and "another --out" in err
+    assert main(["train", "--mixer", "rope", "--out", str(out), "--overwrite", *TINY]) == 0
+    assert [p.name.startswith("run.old-") for p in tmp_path.iterdir()].count(True) == 1
+    assert main(["train", "--mixer", "rope", "--out", str(tmp_path / "none"), "--resume", *TINY]) == 2
+    assert "no checkpoint to resume" in capsys.readouterr().err
+
+
 def test_compare(tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main(["compare", "--mixers", "path", "rope", "--lrs", "1e-3", "3e-3", "--out", str(out), *TINY]) == 0

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 import attnkit.train.trainer as trainer
-from attnkit.train import NonFiniteLossError, TrainConfig, load_checkpoint, lr_at, save_atomic, train
+from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, save_atomic, train
 
 
 def tiny(tmp_path, name: str, **overrides) -> TrainConfig:
@@ -60,11 +60,41 @@ def test_resume_is_bit_exact(tmp_path):
     assert json.load(open(tmp_path / "resumed" / "final.json"))["step"] == 6
 
 
-def test_fresh_run_starts_a_fresh_log(tmp_path):
+def _tree(folder) -> dict[str, bytes]:
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+def test_fresh_run_in_an_old_run_folder_is_refused(tmp_path):
+    train(tiny(tmp_path, "again", steps=4, checkpoint_every=2))
+    before = _tree(tmp_path / "again")
+    with pytest.raises(RunFolderError, match=r"already holds a run.*--resume.*--overwrite.*another --out"):
+        train(tiny(tmp_path, "again", steps=2))
+    assert _tree(tmp_path / "again") == before
+    assert load_checkpoint(str(tmp_path / "again" / "checkpoint.pt"))["step"] == 4
+
+
+def test_overwrite_moves_the_old_run_aside(tmp_path):
     train(tiny(tmp_path, "again", steps=4))
-    train(tiny(tmp_path, "again", steps=4))
+    before = _tree(tmp_path / "again")
+    train(tiny(tmp_path, "again", steps=2, overwrite=True))
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("again.old-")]
+    assert _tree(aside) == before
     events = [json.loads(line) for line in open(tmp_path / "again" / "metrics.jsonl")]
-    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3, 4]
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2]
+    train(tiny(tmp_path, "again", steps=2, overwrite=True))
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("again.old-")]) == 2
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(RunFolderError, match="no checkpoint to resume"):
+        train(tiny(tmp_path, "empty", resume=True))
+    assert not os.path.exists(tmp_path / "empty" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_log_every_must_be_positive(value):
+    with pytest.raises(ValueError, match="log_every"):
+        TrainConfig(log_every=value)
 
 
 def test_nan_guard_keeps_last_good_checkpoint(tmp_path, monkeypatch):
