@@ -268,7 +268,7 @@ def path_local_bwd_kernel(
         b_do = load_rows(do, p_t, i_hq, o_v, m_t, HQ * V, V)
         b_vv = load_rows(v, p_t, i_h, o_v, m_t, H * V, V)
         b_ds = b_p * (tl.dot(b_do, tl.trans(b_vv), input_precision="ieee").to(tl.float32) - b_delta[:, None])
-        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do)
+        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision="ieee")  # exact for float32 inputs
         if USE_G:
             p_g = dgcum + p_t * HQ + i_hq
             tl.store(p_g, tl.load(p_g, mask=m_t, other=0.0) + tl.sum(b_ds, 1) - tl.sum(b_ds, 0), mask=m_t)
