@@ -5,10 +5,12 @@
 # JSON/PNG land in $OUT; the tables print last.
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
-#                              [vlaacc] [vlaprof] [path] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry] [decode] [tune]
+#                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
+#                              [train] [decode] [tune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests` alone;
-#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`.
+#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathgrid` alone; `train` alone
+#   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
 # and flash-linear-attention==0.6.0 + fla-core==0.6.0 for the FLA baselines.
@@ -90,6 +92,14 @@ for step in $steps; do
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens 32768 --head-dims 64 128 --out "$OUT" \
                 > "$OUT/pathcarry.log" 2>&1 ;;
+        pathgrid)  # PaTH and PaTH-FoX forward+backward at D = 64 and 128 without the gradient check (issue 16's cells)
+            timeout 300 python3 benchmarks/ops.py --ops path path_fox --impls sdpa path_triton fla_parallel_path_attn \
+                --seq-lens ${PATH_SEQ_LENS:-1024 4096 16384} --grad-check-max-t 0 --out "$OUT" \
+                --name ops_path_grid_h200 > "$OUT/pathgrid.log" 2>&1 ;;
+        train)  # the model-level training step (issue 16's and 17's bars): attnkit's mixers, FLA's models as anchors
+            timeout 400 python3 benchmarks/train_throughput.py --mixers ${TRAIN_MIXERS:-rope path path_fox} \
+                --seq-lens ${TRAIN_SEQ_LENS:-4096 16384} --fla --out "$OUT/train_throughput_h200.json" \
+                > "$OUT/train.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
@@ -106,7 +116,8 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathacc pathsuper pathprof pathtune pathcarry flex decode tune; do
+for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathgrid pathacc pathsuper pathprof pathtune pathcarry train \
+    flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0
