@@ -64,6 +64,58 @@ class TrainConfig:
         _validate(self)
 
 
+# Every TrainConfig field is in exactly one of these (a test holds them to the dataclass). A resume may change
+# only RESUMABLE_FIELDS: how the run is watched, where and how fast it runs. RUN_FIELDS define the run: a
+# resume that changes one of them would silently train something else, so it is refused.
+RUN_FIELDS = frozenset(
+    {
+        "task",
+        "task_options",
+        "mixer",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "model_options",
+        "steps",
+        "batch_size",  # global, so the world size may change
+        "lr",
+        "weight_decay",
+        "warmup_steps",
+        "min_lr_ratio",
+        "grad_clip",
+        "seed",
+        "bf16",  # the precision of the run's arithmetic
+    }
+)
+RESUMABLE_FIELDS = frozenset(
+    {
+        "device",
+        "distributed",
+        "eval_every",
+        "eval_batch_size",
+        "log_every",
+        "checkpoint_every",
+        "out",
+        "resume",
+        "overwrite",
+        "stop_at",
+        "profile",
+        "quiet",
+    }
+)
+
+
+def resume_mismatches(saved: dict[str, Any], config: TrainConfig) -> list[str]:
+    """``"name: saved X, new Y"`` for every field of ``RUN_FIELDS`` where ``config`` differs from ``saved``."""
+    new = asdict(config)
+    missing = "(not saved)"
+    return [
+        f"{name}: saved {saved.get(name, missing)!r}, new {new[name]!r}"
+        for name in sorted(RUN_FIELDS)
+        if saved.get(name, missing) != new[name]
+    ]
+
+
 def _validate(c: TrainConfig) -> None:
     """Raise ``ValueError`` naming the first field that is out of range or of the wrong type."""
     if isinstance(c.log_every, bool) or not isinstance(c.log_every, int) or c.log_every <= 0:
@@ -199,6 +251,15 @@ def train(config: TrainConfig) -> TrainResult:
         raise ValueError(f"distributed: expected 'ddp' or 'fsdp', got {config.distributed!r}")
     local_batch = config.batch_size // world
     resuming = prepare_run_folder(config, info.is_main)
+    ckpt_path = os.path.join(config.out, CHECKPOINT_NAME) if config.out else None
+    ckpt = load_checkpoint(ckpt_path) if resuming else None
+    if ckpt is not None:
+        changed = resume_mismatches(ckpt["config"], config)
+        if changed:
+            raise RunFolderError(
+                f"--resume: these settings define the run and may not change: {'; '.join(changed)} "
+                "(start a new run with another --out)"
+            )
     if info.enabled:
         dist.barrier()  # the folder is in its final state before any rank writes to it
     task = get_task(config.task, seed=config.seed, **config.task_options)
@@ -226,12 +287,10 @@ def train(config: TrainConfig) -> TrainResult:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and device.type == "cuda")
 
     out = config.out
-    ckpt_path = os.path.join(out, CHECKPOINT_NAME) if out else None
     if out and info.is_main:
         os.makedirs(out, exist_ok=True)
     start_step = 0
-    if resuming:
-        ckpt = load_checkpoint(ckpt_path)
+    if ckpt is not None:
         _load_model_state(raw_model, optimizer, ckpt, fsdp)
         scheduler.load_state_dict(ckpt["scheduler"])
         torch.set_rng_state(ckpt["rng"]["torch"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -12,6 +13,7 @@ import torch.multiprocessing as mp
 
 import attnkit.train.trainer as trainer
 from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, save_atomic, train
+from attnkit.train.trainer import RESUMABLE_FIELDS, RUN_FIELDS
 
 
 def tiny(tmp_path, name: str, **overrides) -> TrainConfig:
@@ -89,6 +91,35 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     with pytest.raises(RunFolderError, match="no checkpoint to resume"):
         train(tiny(tmp_path, "empty", resume=True))
     assert not os.path.exists(tmp_path / "empty" / "metrics.jsonl")
+
+
+def test_every_config_field_is_classified_for_resume():
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not RUN_FIELDS & RESUMABLE_FIELDS
+    assert RUN_FIELDS | RESUMABLE_FIELDS == names, "classify a new TrainConfig field in RUN_FIELDS or RESUMABLE_FIELDS"
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [{"lr": 0.03}, {"weight_decay": 0.5}, {"seed": 7}, {"hidden_size": 32}, {"steps": 8}, {"lr": 0.03, "seed": 7}],
+    ids=lambda d: "-".join(d),
+)
+def test_resume_refuses_a_changed_run_setting(tmp_path, changed):
+    train(tiny(tmp_path, "run", stop_at=3))
+    before = _tree(tmp_path / "run")
+    with pytest.raises(RunFolderError, match="may not change") as err:
+        train(tiny(tmp_path, "run", resume=True, **changed))
+    for name, value in changed.items():
+        assert f"{name}: saved {getattr(tiny(tmp_path, 'run'), name)!r}, new {value!r}" in str(err.value)
+    assert _tree(tmp_path / "run") == before
+
+
+def test_resume_may_change_how_the_run_is_watched(tmp_path):
+    straight = train(tiny(tmp_path, "straight"))
+    train(tiny(tmp_path, "run", stop_at=3))
+    watch = dict(log_every=2, eval_every=2, eval_batch_size=3, checkpoint_every=1, profile=True, quiet=False)
+    resumed = train(tiny(tmp_path, "run", resume=True, **watch))
+    assert resumed.step == 6 and resumed.loss == straight.loss
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
