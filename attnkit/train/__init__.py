@@ -1,6 +1,6 @@
 """Training: ``TrainConfig`` and ``train(config) -> TrainResult`` (single process, DDP or FSDP2 under torchrun)."""
 
-from .checkpoint import load_checkpoint, save_atomic
+from .checkpoint import load_checkpoint, remove_stale_temporaries, save_atomic, write_text_atomic
 from .distributed import DistInfo, setup_distributed
 from .trainer import (
     CHECKPOINT_NAME,
@@ -25,7 +25,9 @@ __all__ = [
     "load_checkpoint",
     "lr_at",
     "prepare_run_folder",
+    "remove_stale_temporaries",
     "save_atomic",
     "setup_distributed",
     "train",
+    "write_text_atomic",
 ]

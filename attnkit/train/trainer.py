@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..tasks import IGNORE_INDEX, get_task, make_generator
-from .checkpoint import load_checkpoint, save_atomic
+from .checkpoint import load_checkpoint, remove_stale_temporaries, save_atomic, write_text_atomic
 from .distributed import setup_distributed
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -260,6 +260,8 @@ def train(config: TrainConfig) -> TrainResult:
                 f"--resume: these settings define the run and may not change: {'; '.join(changed)} "
                 "(start a new run with another --out)"
             )
+    if config.out and info.is_main and os.path.isdir(config.out):
+        remove_stale_temporaries(config.out, RUN_FILES)
     if info.enabled:
         dist.barrier()  # the folder is in its final state before any rank writes to it
     task = get_task(config.task, seed=config.seed, **config.task_options)
@@ -305,8 +307,7 @@ def train(config: TrainConfig) -> TrainResult:
         if start_step and os.path.exists(metrics_path):
             with open(metrics_path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        with open(metrics_path, "w") as f:
-            f.writelines(kept)
+        write_text_atomic("".join(kept), metrics_path)
 
     def log(event: dict[str, Any]) -> None:
         if out and info.is_main:
@@ -460,8 +461,9 @@ def train(config: TrainConfig) -> TrainResult:
             )
     result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model)
     if out and info.is_main:
-        with open(os.path.join(out, "final.json"), "w") as f:
-            json.dump({"config": asdict(config), **result.to_json()}, f, indent=2)
+        write_text_atomic(
+            json.dumps({"config": asdict(config), **result.to_json()}, indent=2), os.path.join(out, "final.json")
+        )
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return result

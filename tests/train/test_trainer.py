@@ -171,6 +171,32 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
 
 
+def test_a_run_removes_stale_temporary_files(tmp_path):
+    train(tiny(tmp_path, "run", stop_at=3))
+    stale = [tmp_path / "run" / "checkpoint.pt.1a2b3c.tmp", tmp_path / "run" / "final.json.x.tmp"]
+    for p in stale:
+        p.write_bytes(b"partial")
+    keep = tmp_path / "run" / "notes.tmp"
+    keep.write_bytes(b"not ours")
+    train(tiny(tmp_path, "run", resume=True))
+    assert not any(p.exists() for p in stale) and keep.exists()
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "checkpoint.pt.dead.tmp").write_bytes(b"partial")
+    train(tiny(tmp_path, "fresh", steps=2))
+    assert not [f for f in os.listdir(tmp_path / "fresh") if f.endswith(".tmp")]
+
+
+def test_run_files_get_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        train(tiny(tmp_path, "run", steps=2))
+        save_atomic({"step": 1}, str(tmp_path / "ckpt.pt"))
+    finally:
+        os.umask(old)
+    for path in [tmp_path / "ckpt.pt", *(tmp_path / "run" / name for name in trainer.RUN_FILES)]:
+        assert os.stat(path).st_mode & 0o777 == 0o640, path
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
