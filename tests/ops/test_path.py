@@ -245,12 +245,13 @@ def test_cu_seqlens_needs_batch_one():
         path_attention(*args, cu_seqlens=torch.tensor([0, 4, 8]))
 
 
+@pytest.mark.parametrize("B, T", [(2, 0), (0, 20)], ids=["T0", "B0"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_empty_sequence_backward(backend):
-    """T = 0: an empty output whose backward gives empty gradients, on both backends."""
-    q, k, v, w = (torch.zeros(2, 0, 2, 16, requires_grad=True) for _ in range(4))
-    beta, g = (torch.zeros(2, 0, 2, requires_grad=True) for _ in range(2))
+def test_empty_sequence_backward(backend, B, T):
+    """T = 0 or B = 0: an empty output whose backward gives empty gradients, on both backends."""
+    q, k, v, w = (torch.zeros(B, T, 2, 16, requires_grad=True) for _ in range(4))
+    beta, g = (torch.zeros(B, T, 2, requires_grad=True) for _ in range(2))
     o = path_attention(q, k, v, w, beta, g, backend=backend)
-    assert o.shape == (2, 0, 2, 16)
+    assert o.shape == (B, T, 2, 16)
     o.sum().backward()
     assert all(x.grad is not None and x.grad.numel() == 0 for x in (q, k, v, w, beta, g))

@@ -70,9 +70,9 @@ def path_attention(
     use = resolve_backend(
         backend, "path_attention", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
     )
-    if T == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
+    if T == 0 or B == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
         inputs = (q, k, v, w, beta) + (() if g is None else (g,))
-        return v.new_zeros(B, 0, HQ, v.shape[-1]) + sum(x.sum() for x in inputs).to(v.dtype)
+        return v.new_zeros(B, T, HQ, v.shape[-1]) + sum(x.sum() for x in inputs).to(v.dtype)
     if use == "triton":
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from .parallel import path_fwd_op
