@@ -136,7 +136,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     carry = prepare.precisions(q.dtype)[1]
     m = torch.empty(rows, H, chunk, chunk, **f32)
     kt, mw = torch.empty(k.shape, **f32), torch.empty(k.shape, **f32)
-    config = local.launch_config(K)
+    config = prepare.launch_config()  # the prepare and carry kernels as the forward launches them
     prepare.path_prepare_kernel[(NC, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=chunk,
         IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk), **config,
