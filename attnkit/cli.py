@@ -142,7 +142,7 @@ def config_from_args(args: argparse.Namespace, mixer, lr: float, out: str) -> Tr
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import NonFiniteLossError, RunFolderError, train
+    from .train import CheckpointError, NonFiniteLossError, RunFolderError, train
 
     mixer = args.mixer[0] if len(args.mixer) == 1 else args.mixer
     try:
@@ -155,7 +155,7 @@ def _train(args: argparse.Namespace) -> int:
     except RunFolderError as err:
         print(f"attnkit train: {err}", file=sys.stderr)
         return 2
-    except NonFiniteLossError as err:
+    except (CheckpointError, NonFiniteLossError) as err:
         print(f"attnkit train: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:

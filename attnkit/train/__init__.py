@@ -1,6 +1,13 @@
 """Training: ``TrainConfig`` and ``train(config) -> TrainResult`` (single process, DDP or FSDP2 under torchrun)."""
 
-from .checkpoint import load_checkpoint, remove_stale_temporaries, save_atomic, write_text_atomic
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_atomic,
+    write_text_atomic,
+)
 from .distributed import DistInfo, setup_distributed
 from .trainer import (
     CHECKPOINT_NAME,
@@ -15,6 +22,8 @@ from .trainer import (
 )
 
 __all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointError",
     "CHECKPOINT_NAME",
     "DistInfo",
     "NonFiniteLossError",

@@ -11,11 +11,20 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import pickle
 import secrets
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import torch
+
+# Bumped when the layout of a checkpoint changes; a checkpoint without the key predates it and is format 1.
+CHECKPOINT_FORMAT = 1
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the file and what is wrong."""
 
 
 @contextlib.contextmanager
@@ -65,5 +74,56 @@ def remove_stale_temporaries(folder: str, names: Iterable[str]) -> list[str]:
 
 
 def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """A checkpoint written by the trainer: ``{"model", "optimizer", "scheduler", "step", "rng", "config"}``."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """A checkpoint written by the trainer: ``{"format", "model", "optimizer", "scheduler", "step", "rng", "config"}``.
+
+    Raises ``CheckpointError`` (one line: the file, then "truncated or corrupt", "not an attnkit checkpoint" or
+    "saved by an incompatible version") when the file cannot be read or its fields are not what the trainer
+    writes; the file is only read.
+    """
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(_ZIP_MAGIC))
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if not magic:
+        raise CheckpointError(f"{path}: truncated or corrupt (the file is empty)")
+    if magic != _ZIP_MAGIC:
+        raise CheckpointError(f"{path}: not an attnkit checkpoint (not a file that torch.save wrote)")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path}: not an attnkit checkpoint (it holds objects other than tensors, numbers and containers)"
+        ) from None
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path}: truncated or corrupt ({reason})") from None
+    _check_fields(path, ckpt)
+    return ckpt
+
+
+def _check_fields(path: str, ckpt: Any) -> None:
+    keys = ("model", "optimizer", "scheduler", "step", "rng", "config")
+    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
+    if missing:
+        raise CheckpointError(f"{path}: not an attnkit checkpoint (no {', '.join(map(repr, missing))})")
+    version = ckpt.get("format", 1)
+    if version != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"{path}: saved by an incompatible version (format {version!r}; this attnkit reads {CHECKPOINT_FORMAT})"
+        )
+
+    def invalid(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: truncated or corrupt (invalid field: {what})")
+
+    for k in ("model", "optimizer", "scheduler", "config", "rng"):
+        if not isinstance(ckpt[k], dict):
+            raise invalid(f"{k} is a {type(ckpt[k]).__name__}, expected a dict")
+    step, steps = ckpt["step"], ckpt["config"].get("steps")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise invalid(f"step = {step!r}, expected an integer >= 0")
+    if isinstance(steps, int) and step > steps:
+        raise invalid(f"step = {step} is past the run's {steps} steps")
+    rng = ckpt["rng"].get("torch")
+    if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.dim() == 1):
+        raise invalid("rng['torch'] is not a generator state (a 1-d uint8 tensor)")

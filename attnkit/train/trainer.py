@@ -21,7 +21,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..tasks import IGNORE_INDEX, get_task, make_generator
-from .checkpoint import load_checkpoint, remove_stale_temporaries, save_atomic, write_text_atomic
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_atomic,
+    write_text_atomic,
+)
 from .distributed import setup_distributed
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -293,11 +300,17 @@ def train(config: TrainConfig) -> TrainResult:
         os.makedirs(out, exist_ok=True)
     start_step = 0
     if ckpt is not None:
-        _load_model_state(raw_model, optimizer, ckpt, fsdp)
-        scheduler.load_state_dict(ckpt["scheduler"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and "cuda" in ckpt["rng"]:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        try:
+            _load_model_state(raw_model, optimizer, ckpt, fsdp)
+            scheduler.load_state_dict(ckpt["scheduler"])
+            torch.set_rng_state(ckpt["rng"]["torch"])
+            if device.type == "cuda" and "cuda" in ckpt["rng"]:
+                torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(
+                f"{ckpt_path}: saved by an incompatible version (its state does not fit this model: {reason})"
+            ) from None
         start_step = int(ckpt["step"])
     last_good = start_step if start_step else None
     if out and info.is_main:
@@ -340,7 +353,7 @@ def train(config: TrainConfig) -> TrainResult:
             if device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state()
             state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
-            state.update(step=step, rng=rng, config=asdict(config))
+            state.update(format=CHECKPOINT_FORMAT, step=step, rng=rng, config=asdict(config))
             save_atomic(state, ckpt_path)
         last_good = step
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from attnkit.cli import build_parser, main
 
@@ -82,6 +84,65 @@ def test_train_refuses_an_old_run_folder(tmp_path, capsys):
     assert [p.name.startswith("run.old-") for p in tmp_path.iterdir()].count(True) == 1
     assert main(["train", "--mixer", "rope", "--out", str(tmp_path / "none"), "--resume", *TINY]) == 2
     assert "no checkpoint to resume" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("good") / "run"
+    assert main(["train", "--mixer", "rope", "--out", str(out), "--stop-at", "2", *TINY]) == 0
+    return out
+
+
+def _edited(path, **changes):
+    ckpt = torch.load(path, weights_only=True)
+    ckpt.update(changes)
+    return ckpt
+
+
+def _drop_a_weight(path):
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model"].pop(next(iter(ckpt["model"])))
+    return ckpt
+
+
+class NotATensor:
+    pass
+
+
+BAD_CHECKPOINTS = {
+    "truncated": (lambda good: good.read_bytes()[: good.stat().st_size // 2], "truncated or corrupt"),
+    "empty": (lambda good: b"", "truncated or corrupt"),
+    "zeroed": (lambda good: good.read_bytes()[:64] + bytes(good.stat().st_size - 64), "truncated or corrupt"),
+    "text": (lambda good: b"hello world\n" * 10, "not an attnkit checkpoint"),
+    "object": (lambda good: {"model": NotATensor()}, "not an attnkit checkpoint"),
+    "no-model": (lambda good: {"step": 1}, "not an attnkit checkpoint"),
+    "format": (lambda good: _edited(good, format=99), "saved by an incompatible version"),
+    "weights": (_drop_a_weight, "saved by an incompatible version"),
+    "step-negative": (lambda good: _edited(good, step=-5), "step = -5"),
+    "step-float": (lambda good: _edited(good, step=1.5), "step = 1.5"),
+    "step-past-end": (lambda good: _edited(good, step=99), "past the run's 3 steps"),
+    "rng": (lambda good: _edited(good, rng={}), "rng"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_an_unreadable_checkpoint_gets_one_line_and_exit_1(tmp_path, capsys, good_run, case):
+    make, expected = BAD_CHECKPOINTS[case]
+    out = tmp_path / "run"
+    shutil.copytree(good_run, out)
+    path = out / "checkpoint.pt"
+    content = make(good_run / "checkpoint.pt")
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    before = path.read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--mixer", "rope", "--out", str(out), "--resume", *TINY]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and expected in err, err
+    assert "Traceback" not in err
+    assert path.read_bytes() == before
 
 
 def test_compare(tmp_path, capsys):
