@@ -11,6 +11,8 @@ import sys
 import torch
 
 from .experiments import bench, extrapolate, probe_state
+from .models import MIXERS
+from .tasks import TASKS
 from .train import TrainConfig
 
 # Other experiments register themselves when their module exists: add_arguments(parser) and run(args) -> int.
@@ -43,7 +45,7 @@ def _table(args: argparse.Namespace) -> int:
 
 def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None:
     d = TrainConfig()
-    p.add_argument("--task", default=d.task, help="task registry name (attnkit.tasks.TASKS)")
+    p.add_argument("--task", default=d.task, choices=sorted(TASKS), help="task (attnkit.tasks.TASKS)")
     p.add_argument(
         "--task-option",
         action="append",
@@ -53,7 +55,7 @@ def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None
     )
     p.add_argument("--seq-len", type=int, default=0, help="task sequence length (0: the task's default)")
     if single_mixer:
-        p.add_argument("--mixer", nargs="+", default=[d.mixer], help="mixer, or one per layer")
+        p.add_argument("--mixer", nargs="+", default=[d.mixer], choices=MIXERS, help="mixer, or one per layer")
     p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width")
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="layers")
     p.add_argument("--num-heads", type=int, default=d.num_heads, help="heads")
@@ -169,24 +171,38 @@ def _flat_metrics(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def _compare(args: argparse.Namespace) -> int:
     from .experiments.plots import plot_curves
-    from .train import train
+    from .train import CheckpointError, RunFolderError, prepare_run_folder, train
 
+    # Every run's settings and folder are checked before the first one trains.
+    try:
+        configs = {
+            (mixer, lr): config_from_args(args, mixer, lr, os.path.join(args.out, f"{mixer}_lr{lr:g}"))
+            for mixer in args.mixers
+            for lr in args.lrs
+        }
+        for config in configs.values():
+            if not config.overwrite:
+                prepare_run_folder(config)
+    except (ValueError, RunFolderError) as err:
+        print(f"attnkit compare: {err}", file=sys.stderr)
+        return 2
     runs, rows = {}, []
-    for mixer in args.mixers:
-        for lr in args.lrs:
-            label = f"{mixer} lr={lr:g}"
-            out = os.path.join(args.out, f"{mixer}_lr{lr:g}")
-            result = train(config_from_args(args, mixer, lr, out))
-            runs[label] = out
-            rows.append(
-                {
-                    "mixer": mixer,
-                    "lr": lr,
-                    "loss": result.loss,
-                    "wall_time_s": result.wall_time_s,
-                    **_flat_metrics(result.metrics),
-                }
-            )
+    for (mixer, lr), config in configs.items():
+        try:
+            result = train(config)
+        except CheckpointError as err:
+            print(f"attnkit compare: {err}", file=sys.stderr)
+            return 1
+        runs[f"{mixer} lr={lr:g}"] = config.out
+        rows.append(
+            {
+                "mixer": mixer,
+                "lr": lr,
+                "loss": result.loss,
+                "wall_time_s": result.wall_time_s,
+                **_flat_metrics(result.metrics),
+            }
+        )
     keys = [k for k in rows[0] if k not in ("mixer", "lr", "loss", "wall_time_s")]
     print(f"{'mixer':<10} {'lr':>8} {'loss':>8} " + " ".join(f"{k:>28}" for k in keys) + f" {'train s':>8}")
     for r in rows:
@@ -195,7 +211,10 @@ def _compare(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compare.json"), "w") as f:
         json.dump(
-            {"config": dataclasses.asdict(config_from_args(args, args.mixers, args.lrs[0], args.out)), "rows": rows},
+            {
+                "config": {**dataclasses.asdict(config), "mixer": args.mixers, "lr": args.lrs, "out": args.out},
+                "rows": rows,
+            },
             f,
             indent=2,
         )
@@ -216,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare", help="train several mixers (and learning rates); table, JSON and plot", formatter_class=fmt
     )
-    p.add_argument("--mixers", nargs="+", default=["path", "rope"], help="mixers to compare")
+    p.add_argument("--mixers", nargs="+", default=["path", "rope"], choices=MIXERS, help="mixers to compare")
     p.add_argument("--lrs", nargs="+", type=float, default=[TrainConfig().lr], help="learning rates to sweep")
     _add_train_arguments(p, single_mixer=False)
     p.set_defaults(func=_compare, out="runs/compare")

@@ -8,6 +8,7 @@ which DDP's gradient averaging divides back out), so N ranks compute the same gr
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -123,10 +124,96 @@ def resume_mismatches(saved: dict[str, Any], config: TrainConfig) -> list[str]:
     ]
 
 
+def _int(name: str, value: Any, low: int, high: int | None = None, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: expected an integer {bound}{note}, got {value!r}")
+
+
+def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, note: str = "") -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > high or value < low or (low_open and value == low):
+        bound = f"> {low}" if low_open else f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected a finite number {bound}{note}, got {value!r}")
+
+
+def _choice(name: str, value: Any, choices: Any) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {sorted(choices)}, got {value!r}")
+
+
+# AttnKitConfig keywords that TrainConfig sets itself, and the field that does.
+_MODEL_FIELDS = {"vocab_size": "task", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers"}
+_MODEL_FIELDS.update(num_heads="num_heads", mixer="mixer")
+
+
 def _validate(c: TrainConfig) -> None:
-    """Raise ``ValueError`` naming the first field that is out of range or of the wrong type."""
-    if isinstance(c.log_every, bool) or not isinstance(c.log_every, int) or c.log_every <= 0:
-        raise ValueError(f"log_every: expected a positive integer, got {c.log_every!r}")
+    """Raise ``ValueError`` naming the first field that is out of range, of the wrong type, or unknown to its
+    task or model; nothing is built but the model's config."""
+    from ..models.configuration import MIXERS, AttnKitConfig
+    from ..tasks import TASKS
+
+    _choice("task", c.task, TASKS)
+    if not isinstance(c.task_options, dict) or not all(isinstance(k, str) for k in c.task_options):
+        raise ValueError(f"task_options: expected a dict of keyword arguments, got {c.task_options!r}")
+    known = set(inspect.signature(TASKS[c.task]).parameters) - {"seed"}
+    unknown = sorted(set(c.task_options) - known)
+    if unknown:
+        note = " (the seed is the field seed)" if "seed" in unknown else ""
+        raise ValueError(f"task_options: {c.task!r} has no option {unknown[0]!r}{note}; known: {sorted(known)}")
+    _int("num_layers", c.num_layers, 1)
+    if isinstance(c.mixer, str):
+        _choice("mixer", c.mixer, MIXERS)
+    elif isinstance(c.mixer, (list, tuple)) and len(c.mixer) == c.num_layers:
+        for name in c.mixer:
+            _choice("mixer", name, MIXERS)
+    else:
+        raise ValueError(f"mixer: expected a mixer name or {c.num_layers} of them (one per layer), got {c.mixer!r}")
+    _int("hidden_size", c.hidden_size, 1)
+    _int("num_heads", c.num_heads, 1)
+    if not isinstance(c.model_options, dict) or not all(isinstance(k, str) for k in c.model_options):
+        raise ValueError(f"model_options: expected a dict of AttnKitConfig keywords, got {c.model_options!r}")
+    known = set(inspect.signature(AttnKitConfig).parameters) - {"kwargs"} - set(_MODEL_FIELDS)
+    for key in c.model_options:
+        if key in _MODEL_FIELDS:
+            raise ValueError(f"model_options: {key!r} is set by the field {_MODEL_FIELDS[key]}")
+        if key not in known:
+            raise ValueError(f"model_options: unknown AttnKitConfig keyword {key!r}; known: {sorted(known)}")
+    try:  # the model config's own checks; the vocabulary is the task's, unknown here
+        AttnKitConfig(
+            vocab_size=2**31 - 1,
+            hidden_size=c.hidden_size,
+            num_hidden_layers=c.num_layers,
+            num_heads=c.num_heads,
+            mixer=c.mixer,
+            **c.model_options,
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model_options: {err}") from None
+    _int("steps", c.steps, 1)
+    _int("batch_size", c.batch_size, 1)
+    _number("lr", c.lr, 0.0, low_open=True)
+    _number("weight_decay", c.weight_decay, 0.0)
+    _int("warmup_steps", c.warmup_steps, 0)
+    _number("min_lr_ratio", c.min_lr_ratio, 0.0, 1.0)
+    _number("grad_clip", c.grad_clip, 0.0, note=" (0: no clipping)")
+    _int("seed", c.seed, 0, 2**32 - 1)
+    _choice("device", c.device, ("auto", "cpu", "cuda"))
+    if c.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for, but torch sees no CUDA GPU; use 'cpu' or 'auto'")
+    _choice("distributed", c.distributed, ("ddp", "fsdp"))
+    _int("eval_every", c.eval_every, 0, note=" (0: at the end only)")
+    _int("eval_batch_size", c.eval_batch_size, 1)
+    _int("log_every", c.log_every, 1)
+    _int("checkpoint_every", c.checkpoint_every, 0, note=" (0: at the end only)")
+    _int("stop_at", c.stop_at, 0, c.steps, note=" (0: run to steps)")
+    for name in ("bf16", "resume", "overwrite", "profile", "quiet"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name}: expected True or False, got {getattr(c, name)!r}")
+    if c.out is not None and (not isinstance(c.out, str) or not c.out):
+        raise ValueError(f"out: expected a folder path or None, got {c.out!r}")
+    if (c.resume or c.overwrite) and c.out is None:
+        raise ValueError(f"{'resume' if c.resume else 'overwrite'}: needs a run folder (out)")
     if c.resume and c.overwrite:
         raise ValueError("resume, overwrite: pass one of them, not both")
 
@@ -254,8 +341,6 @@ def train(config: TrainConfig) -> TrainResult:
     device, world, rank = info.device, info.world_size, info.rank
     if config.batch_size % world:
         raise ValueError(f"batch_size: {config.batch_size} is not divisible by the {world} ranks")
-    if config.distributed not in ("ddp", "fsdp"):
-        raise ValueError(f"distributed: expected 'ddp' or 'fsdp', got {config.distributed!r}")
     local_batch = config.batch_size // world
     resuming = prepare_run_folder(config, info.is_main)
     ckpt_path = os.path.join(config.out, CHECKPOINT_NAME) if config.out else None

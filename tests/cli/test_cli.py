@@ -86,6 +86,45 @@ def test_train_refuses_an_old_run_folder(tmp_path, capsys):
     assert "no checkpoint to resume" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--min-lr-ratio", "-1"],
+        ["--weight-decay", "-1"],
+        ["--grad-clip", "nan"],
+        ["--steps", "-5"],
+        ["--stop-at", "-1"],
+        ["--model-option", "bogus=1"],
+        ["--task-option", "bogus=1"],
+        ["--task-option", "bogus"],
+        ["--eval-batch-size", "0"],
+        ["--batch-size", "0"],
+        ["--log-every", "0"],
+        ["--device", "cuda"],
+    ],
+    ids=lambda f: "".join(f),
+)
+def test_bad_flags_get_one_line_and_exit_2_before_anything_is_built(tmp_path, capsys, monkeypatch, flags):
+    import attnkit.train.trainer as trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(trainer, "get_task", None)  # building data would fail loudly
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), *TINY, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("attnkit train: "), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [["--task", "bogus"], ["--mixer", "bogus"], ["--mixer", "path", "bogus"]])
+def test_unknown_task_or_mixer_is_an_argparse_error(capsys, flags):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and "Traceback" not in err
+
+
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("good") / "run"

@@ -122,10 +122,58 @@ def test_resume_may_change_how_the_run_is_watched(tmp_path):
     assert resumed.step == 6 and resumed.loss == straight.loss
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, True])
-def test_log_every_must_be_positive(value):
-    with pytest.raises(ValueError, match="log_every"):
-        TrainConfig(log_every=value)
+# For every TrainConfig field, values it must refuse (with the other fields at their defaults).
+BAD_VALUES = {
+    "task": ["nope", None],
+    "task_options": [{"bogus": 1}, {"seed": 3}, [("seq_len", 16)]],
+    "mixer": ["bogus", None, ["path", "rope"], []],
+    "hidden_size": [0, -64, 64.0],
+    "num_layers": [0, True],
+    "num_heads": [0, 3],
+    "model_options": [{"bogus": 1}, {"vocab_size": 3}, {"rms_norm_eps": -1.0}, {"backend": "cuda"}, None],
+    "steps": [-5, 0, 1.5],
+    "batch_size": [0, -1],
+    "lr": [0.0, -1e-3, float("nan"), float("inf"), "3e-3"],
+    "weight_decay": [-1.0, float("nan")],
+    "warmup_steps": [-1],
+    "min_lr_ratio": [-1.0, 1.5, float("nan")],
+    "grad_clip": [float("nan"), float("inf"), -1.0],
+    "seed": [-1, 1.5, 2**40],
+    "device": ["tpu", "cuda"],
+    "bf16": ["yes", 1],
+    "distributed": ["deepspeed"],
+    "eval_every": [-1],
+    "eval_batch_size": [0, -1],
+    "log_every": [0, -1, 1.5, True],
+    "checkpoint_every": [-1],
+    "out": ["", 3],
+    "resume": ["yes"],
+    "overwrite": [1],
+    "stop_at": [-1, 2000],
+    "profile": [None],
+    "quiet": ["no"],
+}
+
+
+def test_every_config_field_has_bad_values():
+    assert set(BAD_VALUES) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+@pytest.mark.parametrize(
+    "name,value", [(k, v) for k, vs in BAD_VALUES.items() for v in vs], ids=lambda x: str(x)[:20].replace(" ", "")
+)
+def test_config_refuses_a_bad_field(monkeypatch, name, value):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=name):
+        TrainConfig(**{name: value})
+
+
+def test_config_refuses_bad_combinations():
+    with pytest.raises(ValueError, match="resume: needs a run folder"):
+        TrainConfig(resume=True)
+    with pytest.raises(ValueError, match="resume, overwrite"):
+        TrainConfig(resume=True, overwrite=True, out="x")
+    TrainConfig(num_heads=3, model_options={"head_dim": 16}, mixer=["path", "rope"], num_layers=2, grad_clip=0.0)
 
 
 def test_nan_guard_keeps_last_good_checkpoint(tmp_path, monkeypatch):
