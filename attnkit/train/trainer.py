@@ -328,6 +328,15 @@ def _load_model_state(model, optimizer, ckpt: dict, fsdp: bool) -> None:
     )
 
 
+def _logged_by(line: str, step: int) -> bool:
+    """Whether ``line`` of metrics.jsonl is a whole event of a step up to ``step``."""
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return line.endswith("\n") and isinstance(event, dict) and event.get("step", 0) <= step
+
+
 def train(config: TrainConfig) -> TrainResult:
     """Train ``config.mixer`` on ``config.task``; see ``TrainConfig`` for every option.
 
@@ -399,12 +408,13 @@ def train(config: TrainConfig) -> TrainResult:
         start_step = int(ckpt["step"])
     last_good = start_step if start_step else None
     if out and info.is_main:
-        # a fresh run starts a fresh log; a resumed one drops what was logged after its checkpoint
+        # a fresh run starts a fresh log; a resumed one drops what was logged after its checkpoint, and the
+        # line a kill cut short
         metrics_path = os.path.join(out, "metrics.jsonl")
         kept = []
         if start_step and os.path.exists(metrics_path):
             with open(metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start_step]
+                kept = [line for line in f if _logged_by(line, start_step)]
         write_text_atomic("".join(kept), metrics_path)
 
     def log(event: dict[str, Any]) -> None:

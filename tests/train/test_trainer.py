@@ -234,6 +234,15 @@ def test_a_run_removes_stale_temporary_files(tmp_path):
     assert not [f for f in os.listdir(tmp_path / "fresh") if f.endswith(".tmp")]
 
 
+def test_resume_drops_a_log_line_a_kill_cut_short(tmp_path):
+    train(tiny(tmp_path, "run", stop_at=3))
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"event": "train", "step": 4, "lo')
+    train(tiny(tmp_path, "run", resume=True))
+    events = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
 def test_run_files_get_the_umask_mode(tmp_path):
     old = os.umask(0o027)
     try:

@@ -1,0 +1,118 @@
+"""Fault injection: a run SIGKILLed at random moments, and once in the middle of a checkpoint write, then resumed,
+ends exactly where an uninterrupted run ends (bit for bit on CPU) and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import time
+
+import torch
+
+from attnkit.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint
+from attnkit.train.trainer import RUN_FILES
+
+KILLS = 12
+
+
+def _config(folder: str, **overrides) -> TrainConfig:
+    options = dict(
+        task="flipflop",
+        task_options={"seq_len": 16, "test_sizes": {"in_distribution": 8, "sparse": 8, "dense": 8}},
+        mixer="path",
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        steps=40,
+        batch_size=4,
+        lr=1e-2,
+        warmup_steps=2,
+        log_every=1,
+        checkpoint_every=1,
+        device="cpu",
+        out=folder,
+        quiet=True,
+    )
+    options.update(overrides)
+    return TrainConfig(**options)
+
+
+def _train_child(config: TrainConfig, in_write=None) -> None:
+    from attnkit.train import train
+
+    torch.set_num_threads(1)
+    if in_write is not None:  # hang inside save_atomic, the temporary file written but not yet renamed
+        real_save = torch.save
+
+        def save_then_hang(obj, f, *args, **kwargs):
+            real_save(obj, f, *args, **kwargs)
+            f.flush()
+            in_write.set()
+            time.sleep(600)
+
+        torch.save = save_then_hang
+    train(config)
+
+
+def _losses(folder: str) -> list[tuple[int, float]]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [(e["step"], e["loss"]) for e in map(json.loads, f) if e["event"] == "train"]
+
+
+def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
+    # A fork server imports torch once; each run is a fork of it, so a kill costs no interpreter start.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "attnkit.train", __name__])
+
+    def run(config: TrainConfig, in_write=None):
+        p = ctx.Process(target=_train_child, args=(config, in_write))
+        p.start()
+        return p
+
+    straight = str(tmp_path / "straight")
+    run(_config(straight)).join()  # warms the fork server up
+    os.rename(straight, straight + ".warm")
+    t0 = time.perf_counter()
+    p = run(_config(straight))
+    p.join()
+    assert p.exitcode == 0
+    duration = time.perf_counter() - t0
+
+    folder = str(tmp_path / "killed")
+    ckpt_path = os.path.join(folder, CHECKPOINT_NAME)
+    rng = random.Random(0)
+    killed, stale_seen, steps_seen = 0, 0, set()
+    for attempt in range(KILLS + 1):
+        has_run = os.path.isdir(folder) and any(os.path.exists(os.path.join(folder, n)) for n in RUN_FILES)
+        resume = os.path.exists(ckpt_path)
+        config = _config(folder, resume=resume, overwrite=has_run and not resume)
+        if attempt == 0:  # the first save of a fresh run: killed with the temporary file written, not renamed
+            in_write = ctx.Event()
+            p = run(config, in_write)
+            assert in_write.wait(timeout=120)
+        elif attempt < KILLS:  # a random moment: setting up, in a step, logging, writing a checkpoint
+            p = run(config)
+            time.sleep(rng.uniform(0, duration / 3))
+        else:
+            p = run(config)
+            p.join(timeout=120)
+        p.kill()
+        p.join()
+        if p.exitcode == 0:
+            break
+        killed += 1
+        if os.path.exists(ckpt_path):
+            steps_seen.add(load_checkpoint(ckpt_path)["step"])
+        stale_seen += os.path.isdir(folder) and any(f.endswith(".tmp") for f in os.listdir(folder))
+    assert p.exitcode == 0
+    # most kills came before the run could finish, in different steps, and some while a checkpoint was written
+    assert killed >= KILLS // 2 and len(steps_seen) >= 3 and stale_seen >= 1
+
+    want, got = load_checkpoint(os.path.join(straight, CHECKPOINT_NAME)), load_checkpoint(ckpt_path)
+    assert got["step"] == want["step"] == 40
+    assert want["model"].keys() == got["model"].keys()
+    assert all(torch.equal(want["model"][k], got["model"][k]) for k in want["model"])
+    assert _losses(folder) == _losses(straight)
+    assert sorted(os.listdir(folder)) == sorted(RUN_FILES)
