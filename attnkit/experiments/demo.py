@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -47,7 +48,7 @@ def format_table(rows: list[dict], seq_len: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import TrainConfig, train
+    from ..train import TrainConfig, prepare_run_folder, train
     from ..train.distributed import resolve_device
     from .plots import plot_curves
 
@@ -58,25 +59,35 @@ def run(args: argparse.Namespace) -> int:
             setting[key] = getattr(args, key)
     test_sizes = dict(zip(SETS, setting["test"]))
     t0 = time.perf_counter()
+    try:  # every run's settings and folder are checked before the first one trains
+        configs = [
+            TrainConfig(
+                task="flipflop",
+                task_options={"seq_len": setting["seq_len"], "test_sizes": test_sizes},
+                mixer=mixer,
+                hidden_size=args.hidden_size,
+                num_layers=1,
+                num_heads=2,
+                steps=setting["steps"],
+                batch_size=setting["batch_size"],
+                lr=setting["lr"],
+                warmup_steps=max(setting["steps"] // 10, 1),
+                log_every=max(setting["steps"] // 20, 1),
+                seed=args.seed,
+                device=device,
+                out=os.path.join(args.out, mixer),
+                overwrite=args.overwrite,
+            )
+            for mixer in args.mixers
+        ]
+        for config in configs:
+            if not config.overwrite:
+                prepare_run_folder(config)
+    except ValueError as err:  # a RunFolderError too
+        print(f"attnkit demo: {err}", file=sys.stderr)
+        return 2
     rows = []
-    for mixer in args.mixers:
-        config = TrainConfig(
-            task="flipflop",
-            task_options={"seq_len": setting["seq_len"], "test_sizes": test_sizes},
-            mixer=mixer,
-            hidden_size=args.hidden_size,
-            num_layers=1,
-            num_heads=2,
-            steps=setting["steps"],
-            batch_size=setting["batch_size"],
-            lr=setting["lr"],
-            warmup_steps=max(setting["steps"] // 10, 1),
-            log_every=max(setting["steps"] // 20, 1),
-            seed=args.seed,
-            device=device,
-            out=os.path.join(args.out, mixer),
-            overwrite=args.overwrite,
-        )
+    for mixer, config in zip(args.mixers, configs):
         result = train(config)
         rows.append(
             {

@@ -184,6 +184,15 @@ def test_an_unreadable_checkpoint_gets_one_line_and_exit_1(tmp_path, capsys, goo
     assert path.read_bytes() == before
 
 
+def test_resume_with_a_changed_setting_gets_one_line_and_exit_2(tmp_path, capsys, good_run):
+    out = tmp_path / "run"
+    shutil.copytree(good_run, out)
+    assert main(["train", "--mixer", "rope", "--out", str(out), "--resume", "--lr", "0.03", *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lr: saved 0.003, new 0.03" in err, err
+    assert main(["train", "--mixer", "rope", "--out", str(out), "--resume", "--log-every", "2", *TINY]) == 0
+
+
 def test_compare(tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main(["compare", "--mixers", "path", "rope", "--lrs", "1e-3", "3e-3", "--out", str(out), *TINY]) == 0
@@ -200,3 +209,8 @@ def test_demo_tiny(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "T=16" in text and "(6.9)" in text and "path" in text and "rope" in text
     assert len(json.load(open(out / "demo.json"))["rows"]) == 2
+    assert main(["demo", "--tiny", "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite" in err
+    assert main(["demo", "--tiny", "--device", "cpu", "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name.split(".old-")[0] for p in out.iterdir() if ".old-" in p.name) == ["path", "rope"]
