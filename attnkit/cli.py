@@ -171,7 +171,7 @@ def _flat_metrics(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def _compare(args: argparse.Namespace) -> int:
     from .experiments.plots import plot_curves
-    from .train import CheckpointError, RunFolderError, prepare_run_folder, train
+    from .train import CheckpointError, RunFolderError, open_run_folder, train
 
     # Every run's settings and folder are checked before the first one trains.
     try:
@@ -181,8 +181,7 @@ def _compare(args: argparse.Namespace) -> int:
             for lr in args.lrs
         }
         for config in configs.values():
-            if not config.overwrite:
-                prepare_run_folder(config)
+            open_run_folder(config, is_main=False)
     except (ValueError, RunFolderError) as err:
         print(f"attnkit compare: {err}", file=sys.stderr)
         return 2

@@ -48,7 +48,7 @@ def format_table(rows: list[dict], seq_len: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import TrainConfig, prepare_run_folder, train
+    from ..train import TrainConfig, open_run_folder, train
     from ..train.distributed import resolve_device
     from .plots import plot_curves
 
@@ -81,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
             for mixer in args.mixers
         ]
         for config in configs:
-            if not config.overwrite:
-                prepare_run_folder(config)
+            open_run_folder(config, is_main=False)
     except ValueError as err:  # a RunFolderError too
         print(f"attnkit demo: {err}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from .trainer import (
     TrainResult,
     build_model,
     lr_at,
-    prepare_run_folder,
+    open_run_folder,
     train,
 )
 
@@ -33,7 +33,7 @@ __all__ = [
     "build_model",
     "load_checkpoint",
     "lr_at",
-    "prepare_run_folder",
+    "open_run_folder",
     "remove_stale_temporaries",
     "save_atomic",
     "setup_distributed",

@@ -243,35 +243,46 @@ class RunFolderError(ValueError):
 RUN_FILES = (CHECKPOINT_NAME, "metrics.jsonl", "final.json")
 
 
-def prepare_run_folder(config: TrainConfig, is_main: bool = True) -> bool:
-    """Check ``config.out`` against ``resume``/``overwrite``; returns whether there is a checkpoint to resume.
+def open_run_folder(config: TrainConfig, is_main: bool = True) -> dict[str, Any] | None:
+    """Check ``config.out`` against ``resume`` and ``overwrite``; the checkpoint to resume from, or ``None``.
 
-    A folder holding an earlier run (any of ``RUN_FILES``) is refused unless the run is resumed (which needs
-    a checkpoint) or ``overwrite`` moves the folder aside to ``<out>.old-<UTC time>``; nothing is ever deleted.
+    A folder holding an earlier run (any of ``RUN_FILES``) is refused unless the run is resumed or ``overwrite``
+    moves the folder aside to ``<out>.old-<UTC time>``; nothing is ever deleted. A resume needs a checkpoint that
+    loads (``CheckpointError`` otherwise) and was saved with the same ``RUN_FIELDS``. Only ``is_main`` changes
+    the folder (the move, and removing the temporary files of interrupted writes); with it off this is a check.
     """
     out = config.out
     if not out:
-        return False
+        return None
     ckpt_path = os.path.join(out, CHECKPOINT_NAME)
     has_checkpoint = os.path.isfile(ckpt_path)
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+    ckpt = None
     if config.resume:
         if not has_checkpoint:
             raise RunFolderError(f"--resume: there is no checkpoint to resume at {ckpt_path}")
-        return True
-    if found and not config.overwrite:
+        ckpt = load_checkpoint(ckpt_path)
+        changed = resume_mismatches(ckpt["config"], config)
+        if changed:
+            raise RunFolderError(
+                f"--resume: these settings define the run and may not change: {'; '.join(changed)} "
+                "(start a new run with another --out)"
+            )
+    elif found and not config.overwrite:
         hint = "pass --resume to continue it, " if has_checkpoint else ""
         raise RunFolderError(
             f"{out} already holds a run ({', '.join(found)}): {hint}pass --overwrite to move it aside, "
             "or choose another --out"
         )
-    if found and is_main:
+    elif found and is_main:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         aside, n = f"{os.path.normpath(out)}.old-{stamp}", 1
         while os.path.exists(aside):
             aside, n = f"{os.path.normpath(out)}.old-{stamp}-{n}", n + 1
         os.rename(out, aside)
-    return False
+    if is_main and os.path.isdir(out):
+        remove_stale_temporaries(out, RUN_FILES)
+    return ckpt
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -351,18 +362,8 @@ def train(config: TrainConfig) -> TrainResult:
     if config.batch_size % world:
         raise ValueError(f"batch_size: {config.batch_size} is not divisible by the {world} ranks")
     local_batch = config.batch_size // world
-    resuming = prepare_run_folder(config, info.is_main)
+    ckpt = open_run_folder(config, info.is_main)
     ckpt_path = os.path.join(config.out, CHECKPOINT_NAME) if config.out else None
-    ckpt = load_checkpoint(ckpt_path) if resuming else None
-    if ckpt is not None:
-        changed = resume_mismatches(ckpt["config"], config)
-        if changed:
-            raise RunFolderError(
-                f"--resume: these settings define the run and may not change: {'; '.join(changed)} "
-                "(start a new run with another --out)"
-            )
-    if config.out and info.is_main and os.path.isdir(config.out):
-        remove_stale_temporaries(config.out, RUN_FILES)
     if info.enabled:
         dist.barrier()  # the folder is in its final state before any rank writes to it
     task = get_task(config.task, seed=config.seed, **config.task_options)
