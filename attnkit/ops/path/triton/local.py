@@ -385,9 +385,15 @@ def local_bwd_fn(
     offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dw, dbeta)`` in the dtypes of ``q, k, w, beta`` from the local terms' gradients
-    (:func:`path_local_bwd_kernel`; ``m``: the prepare kernel's UT matrices; ``da`` or
-    ``dm`` with ``dw_in`` may be None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks
-    into ``dv`` and ``dgcum`` in place."""
+    (:func:`path_local_bwd_kernel`; ``m``: the prepare kernel's UT matrices; ``da`` or ``dm`` with ``dw_in`` may be
+    None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks into ``dv`` and ``dgcum`` in
+    place.
+
+    The kernel's products take the attention products' precision: one TF32 pass for 16-bit inputs, exact for
+    float32 ones. Nothing here accumulates across chunks, unlike the carries (3×TF32), and the 3×TF32 form spilled
+    7.9 KB of registers a thread at K = C = 64 and 66 KB at K = 128 (1.5 and 2.7 KB in one pass; Triton 3.6,
+    sm_90a). On the H200 a whole step with every carry in one TF32 pass stayed within 3.9e-3 of 3×TF32 at 4k
+    (``benchmarks/results/path_h200.md``, "Carry precision")."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -396,7 +402,7 @@ def local_bwd_fn(
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
         cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
-        IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype)[1],
+        IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype)[0],
         **launch_config(K),
     )  # fmt: skip
     return dq, dk, dw, dbeta
