@@ -10,10 +10,11 @@ This file holds the rest of the backward (``README.md`` beside the op derives ev
   its superblock, ``x ← x − (x W_mᵀ)(M_m W_m)``), one program per (chunk, query head).
 - :func:`path_super_terms_bwd_kernel`: the adjoint of ``x̂ = x A_{r−1} ··· A_0``, ``k̂ = K̃ A_{r+1}ᵀ ··· A_{R−1}ᵀ`` and
   ``Σ = A_0ᵀ ··· A_{R−1}ᵀ`` within each superblock of ``R`` chunks: ``dx += dx̂ Pᵀ``, ``dK̃ += dk̂ Sᵀ`` and
-  ``dA_j += U_j P_jᵀ + S_j V_jᵀ + S_j dΣᵀ P_jᵀ`` with the prefix ``P_j = A_{j−1} ··· A_0``, the suffix
+  ``dA_j += U_j P_jᵀ + S_j V_jᵀ`` with the prefix ``P_j = A_{j−1} ··· A_0``, the suffix
   ``S_j = A_{j+1}ᵀ ··· A_{R−1}ᵀ``, ``U_j = Σ_{r>j} (A_{j+1}ᵀ ··· A_{r−1}ᵀ) x_rᵀ dx̂_r`` and
-  ``V_j = Σ_{r<j} (A_{j−1} ··· A_{r+1}) K̃_rᵀ dk̂_r``, one program per (superblock, key/value head). The suffix sums are
-  recomputed for each ``j`` (``R²/2`` ``K × K`` steps a superblock, no scratch).
+  ``V_j = P_j dΣ + Σ_{r<j} (A_{j−1} ··· A_{r+1}) K̃_rᵀ dk̂_r``, one program per (superblock, 64 columns of these
+  matrices, key/value head). ``S`` and ``U`` are recomputed for each ``j`` (``R²/2`` steps of rank-``C`` products a
+  superblock, no scratch).
 - :func:`path_local_bwd_kernel`: each chunk's diagonal block (``dS = P (dO Vᵀ − Δ)``, ``dV``, the gates' sums) and
   the adjoint of the chunk-local terms — ``K̃``, ``x``, the intra-chunk logits, ``A`` — back to ``q, k, w`` and,
   through the UT transform ``M = L⁻¹ diag(β)``, to ``w`` and ``β``, one program per (chunk, key/value head) with the
