@@ -140,3 +140,38 @@ def test_opcheck():
     g_buf = torch.randn(2, 9, 4, device=DEVICE).cumsum(1)
     mask = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
     torch.library.opcheck(path_decode_op, (q, w, beta, k_buf, v_buf, 5, g_buf, mask, 0.25))
+
+
+def bad_step_inputs():
+    """``(name, inputs)``: one decode step's inputs (B = 2, HQ = 4, H = 2, K = 16, V = 8) with one of them wrong."""
+    cases = []
+    for name, bad in [
+        ("q", torch.randn(2, 2, 4, 16)),  # two tokens
+        ("k", torch.randn(2, 1, 2, 8)),  # the wrong head dim
+        ("v", torch.randn(2, 1, 2, 8).to(torch.int64)),  # not floating
+        ("v", torch.randn(2, 1, 2, 8).double()),  # not q's dtype
+        ("w", torch.randn(2, 1, 1, 16)),  # one head: it would broadcast
+        ("beta", torch.rand(2, 1, 1)),
+        ("g", torch.randn(2, 1, 2)),  # the key/value heads, not the query heads'
+        ("q", torch.randn(2, 1, 3, 16)),  # 3 query heads over 2 key/value heads
+    ]:
+        inputs = dict(zip(("q", "k", "v", "w", "beta", "g"), [x.cpu() for x in token(2, 4, 2, 16, 8, True)]))
+        inputs[name] = bad
+        cases.append((name, {key: x.to(DEVICE) for key, x in inputs.items()}))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("in_place", [False, True], ids=["copying", "in-place"])
+def test_step_inputs_are_checked(case, in_place):
+    """A bad input of either decode step is a ``ValueError`` that names it (before: ``w [B, 1, 1, K]`` and
+    ``beta [B, 1, 1]`` broadcast silently, an int64 ``v`` gave an int64 output)."""
+    name, x = bad_step_inputs()[case]
+    k_cache, v_cache = torch.zeros(2, 6, 2, 16, device=DEVICE), torch.zeros(2, 6, 2, 8, device=DEVICE)
+    g_cache = torch.zeros(2, 6, 4, device=DEVICE)
+    args = (x["q"], x["k"], x["v"], x["w"], x["beta"])
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        if in_place:
+            path_decode_step_(*args, k_cache, v_cache, 3, x["g"], g_cache)
+        else:
+            path_decode_step(*args, k_cache[:, :3], v_cache[:, :3], x["g"], g_cache[:, :3], backend="torch")
