@@ -108,7 +108,7 @@ class PaTHAttention(TokenMixer):
         beta, g = self._gates(x)
         o = path_attention(q, k, v, w, beta, g, cu_seqlens=cu_seqlens, backend=self.backend)
 
-        out = self.o_proj(o.reshape(B, T, -1))
+        out = self.o_proj(o.reshape(B, T, o.shape[2] * o.shape[3]))
         if not use_cache:
             return out, {}, {}
         token_state = {"k": path_carry_keys(k, w, beta, cu_seqlens=cu_seqlens, backend=self.backend), "v": v}

@@ -120,7 +120,7 @@ class SoftmaxAttention(TokenMixer):
         token_state = {"k": k, "v": v}
         if g is not None:
             token_state["g"] = segment_cumsum(g, cu_seqlens)
-        return self.o_proj(o.reshape(B, T, -1)), token_state, {}
+        return self.o_proj(o.reshape(B, T, o.shape[2] * o.shape[3])), token_state, {}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
         B = x.shape[0]

@@ -52,7 +52,7 @@ class TAPAAttention(TokenMixer):
         q, k, v = self.qkv(x)
         o = tapa_attention(q, k, v, theta=self.theta, alpha=self.alpha, cu_seqlens=cu_seqlens, backend=self.backend)
         token_state = {"k": k, "v": v, "pos": token_positions(x, cu_seqlens)}
-        return self.o_proj(o.reshape(B, T, -1)), token_state, {}
+        return self.o_proj(o.reshape(B, T, o.shape[2] * o.shape[3])), token_state, {}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
         B = x.shape[0]

@@ -177,3 +177,15 @@ def test_built_on_meta_device_then_loaded(name):
     empty.load_state_dict(layer.state_dict())
     x = torch.randn(2, 9, HIDDEN)
     assert torch.equal(empty(x)[0], layer(x)[0])
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_empty_sequence(name):
+    """T = 0: an empty output on the input's graph, whose backward gives an empty gradient (it raised a reshape
+    error)."""
+    layer = make(name)
+    x = torch.randn(2, 0, HIDDEN, requires_grad=True)
+    out, _ = layer(x)
+    assert out.shape == (2, 0, HIDDEN)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

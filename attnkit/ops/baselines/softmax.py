@@ -77,8 +77,9 @@ def softmax_attention(
     scale = K**-0.5 if scale is None else check_scalar("scale", scale, low=0.0)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    if T == 0:
-        return v.new_zeros(B, 0, HQ, v.shape[-1])
+    if T == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
+        inputs = (q, k, v) + (() if g is None else (g,))
+        return v.new_zeros(B, 0, HQ, v.shape[-1]) + sum(x.sum() for x in inputs).to(v.dtype)
     outputs = [
         _softmax_dense(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], None if g is None else g[:, bos:eos], scale)
         for bos, eos in segment_bounds(cu_seqlens, T)
