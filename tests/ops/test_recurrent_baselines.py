@@ -297,3 +297,13 @@ def test_delta_rule_bad_input_raises(overrides, kwargs, match):
     args.setdefault("beta", torch.rand(args["v"].shape[:3]))
     with pytest.raises(ValueError, match=match):
         delta_rule(args["q"], args["k"], args["v"], args["beta"], **kwargs)
+
+
+def test_delta_rule_empty_sequence_backward():
+    """T = 0: an empty output on the inputs' graph, whose backward gives empty gradients (it was detached)."""
+    q, k, v = (torch.randn(2, 0, 2, 8, requires_grad=True) for _ in range(3))
+    beta = torch.rand(2, 0, 2, requires_grad=True)
+    o, _ = delta_rule(q, k, v, beta)
+    assert o.shape == (2, 0, 2, 8)
+    o.sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in (q, k, v, beta))

@@ -177,6 +177,10 @@ def test_empty_sequence():
     assert o.shape == (2, 0, 2, 3)
     torch.testing.assert_close(A, torch.eye(4, dtype=torch.float64).expand(2, 2, 4, 4) / 0.5)
     assert (S == 0).all() and (n == 0).all()
+    # on the inputs' graph: a backward through the empty output gives empty gradients
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, u)]
+    vla_attention(*leaves)[0].sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in leaves)
 
 
 def test_no_state_without_output_final_state():

@@ -33,8 +33,8 @@ def chunk_generalized_delta_rule(
     B, H, T, K = k.shape
     V = v.shape[-1]
     S = k.new_zeros(B, H, V, K) if initial_state is None else initial_state
-    if T == 0:
-        return v.new_zeros(B, H, 0, V), S
+    if T == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
+        return v.new_zeros(B, H, 0, V) + (q.sum() + k.sum() + v.sum() + a.sum()).to(v.dtype), S
     C = chunk_size
     NC = -(-T // C)
     pad = NC * C - T

@@ -114,7 +114,9 @@ def vla_chunk(
     if T == 0:
         S_end = k.new_zeros(B, H, V, K) if S0 is None else S0
         A_end = torch.eye(K, dtype=dtype, device=k.device).repeat(B, H, 1, 1) / lam0 if A_init is None else A_init
-        return v.new_zeros(B, 0, H, V, dtype=out_dtype), (S_end, A_end, n0)
+        # empty, but on the inputs' graph, so that a backward through it gives empty gradients
+        on_graph = (q.sum() + k.sum() + v.sum() + u.sum()).to(out_dtype)
+        return v.new_zeros(B, 0, H, V, dtype=out_dtype) + on_graph, (S_end, A_end, n0)
 
     k_hat = k / k.norm(dim=-1, keepdim=True)
     C = chunk_size
