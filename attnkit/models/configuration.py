@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from transformers import PretrainedConfig
 
 MIXERS = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet")
+
+
+def _finite(value: object) -> bool:
+    """A real number (not a bool), finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -69,6 +75,10 @@ class AttnKitConfig(PretrainedConfig):
                 raise ValueError(f"num_heads: {num_heads} does not divide hidden_size={hidden_size}; set head_dim")
             head_dim = hidden_size // num_heads
         self.head_dim = _positive_int("head_dim", head_dim)
+        if not isinstance(mixer, str) and not (
+            isinstance(mixer, (list, tuple)) and all(isinstance(m, str) for m in mixer)
+        ):
+            raise ValueError(f"mixer: expected a mixer name or a list of them (one per layer), got {mixer!r}")
         layers = [mixer] * num_hidden_layers if isinstance(mixer, str) else list(mixer)
         if len(layers) != num_hidden_layers:
             raise ValueError(f"mixer: expected {num_hidden_layers} names (one per layer), got {len(layers)}")
@@ -84,11 +94,19 @@ class AttnKitConfig(PretrainedConfig):
         if intermediate_size is None:
             intermediate_size = -(-8 * hidden_size // 3 // 32) * 32
         self.intermediate_size = _positive_int("intermediate_size", intermediate_size)
-        if not rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps: expected a positive number, got {rms_norm_eps!r}")
+        if not _finite(rms_norm_eps) or not rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps: expected a positive finite number, got {rms_norm_eps!r}")
         self.rms_norm_eps = rms_norm_eps
+        if not _finite(initializer_range) or initializer_range < 0:
+            raise ValueError(f"initializer_range: expected a non-negative finite number, got {initializer_range!r}")
         self.initializer_range = initializer_range
-        self.max_position_embeddings = max_position_embeddings
+        self.max_position_embeddings = _positive_int("max_position_embeddings", max_position_embeddings)
+        special = {"pad_token_id": pad_token_id, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+        for name, token in special.items():
+            ids = token if isinstance(token, (list, tuple)) and name == "eos_token_id" else [token]
+            valid = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+            if token is not None and not valid:
+                raise ValueError(f"{name}: expected a token id in [0, vocab_size={vocab_size}) or None, got {token!r}")
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
         self.backend = backend

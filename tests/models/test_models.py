@@ -171,8 +171,15 @@ def test_auto_model_from_config_after_import():
         (dict(backend="cuda"), "^backend"),
         (dict(mixer_kwargs={"path": 3}), "^mixer_kwargs"),
         (dict(rms_norm_eps=0.0), "^rms_norm_eps"),
+        (dict(mixer=None), "^mixer"),
+        (dict(rms_norm_eps=float("inf")), "^rms_norm_eps"),
+        (dict(initializer_range=-0.02), "^initializer_range"),
+        (dict(pad_token_id=61), "^pad_token_id"),
+        (dict(eos_token_id=[1, 99]), "^eos_token_id"),
+        (dict(max_position_embeddings=0), "^max_position_embeddings"),
     ],
-    ids=["mixer", "mixer-list", "kv-heads", "hidden", "vocab", "layers", "backend", "mixer-kwargs", "eps"],
+    ids=["mixer", "mixer-list", "kv-heads", "hidden", "vocab", "layers", "backend", "mixer-kwargs", "eps", "mixer-none",
+         "eps-inf", "init-range", "pad-id", "eos-ids", "max-positions"],  # fmt: skip
 )
 def test_bad_config(kwargs, match):
     settings = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=4)

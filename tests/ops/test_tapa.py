@@ -117,6 +117,15 @@ def test_empty_sequence(cu_seqlens):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
+def test_empty_batch():
+    """B = 0: an empty output on the inputs' graph (it raised a reshape error)."""
+    q, k, v = (x.requires_grad_() for x in make_inputs(0, 5, 2, 1, 8, 6))
+    o = tapa_attention(q, k, v)
+    assert o.shape == (0, 5, 2, 6)
+    o.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 3, 3, 7]], ids=["dense", "varlen"])
 def test_gradcheck(cu_seqlens):
     B, T = (2, 7) if cu_seqlens is None else (1, 7)

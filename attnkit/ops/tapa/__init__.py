@@ -57,7 +57,10 @@ def tapa_attention(
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
     dims = dict(head_dims=(D, v.shape[-1]), max_head_dim=MAX_HEAD_DIM)
-    if resolve_backend(backend, "tapa_attention", q.device, has_triton=True, dtype=q.dtype, **dims) == "triton":
+    use = resolve_backend(backend, "tapa_attention", q.device, has_triton=True, dtype=q.dtype, **dims)
+    if B == 0 or T == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
+        return v.new_zeros(B, T, q.shape[2], v.shape[-1]) + (q.sum() + k.sum() + v.sum()).to(v.dtype)
+    if use == "triton":
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.tapa.parallel import tapa_triton
 
