@@ -14,6 +14,7 @@ from ..common.utils import segment_bounds
 from ..common.validation import (
     check_cache_mask,
     check_cu_seqlens,
+    check_decode_cache,
     check_like,
     check_scalar,
     check_tensor,
@@ -62,20 +63,12 @@ def path_carry_keys(
 def _check_step(
     q: object, k: object, v: object, w: object, beta: object, g: object, k_cache: object, v_cache: object
 ) -> tuple[int, int, int, int, int]:
-    """A decode step's inputs: ``q [B, 1, HQ, K]`` and the new token's ``k, w [B, 1, H, K]``, ``v [B, 1, H, V]``,
-    ``beta [B, 1, H]``, ``g [B, 1, HQ]`` (or None) against the caches ``k_cache [B, ·, H, K]``,
-    ``v_cache [B, ·, H, V]``, floating and on the device of ``q``, ``HQ % H == 0``; ``k`` and ``v`` share ``q``'s
-    dtype. Returns ``(B, HQ, H, K, V)``. (A ``cache_mask`` row with no real slot is not checked: that would read the
-    device every step.)"""
-    check_tensor("q", q, 4)
-    B, one, HQ, K = q.shape
-    if one != 1:
-        raise ValueError(f"q: expected one token per sequence [B, 1, HQ, K], got {list(q.shape)}")
-    check_tensor("k_cache", k_cache, 4)
-    check_tensor("v_cache", v_cache, 4)
-    H, V = k_cache.shape[2], v_cache.shape[3]
-    if H == 0 or HQ % H != 0:
-        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the cache's key/value heads ({H})")
+    """A decode step's inputs: ``q`` against the caches as :func:`check_decode_cache` takes them, and the new token's
+    ``k, w [B, 1, H, K]``, ``v [B, 1, H, V]``, ``beta [B, 1, H]``, ``g [B, 1, HQ]`` (or None), floating and on the
+    device of ``q``; ``k`` and ``v`` share ``q``'s dtype. Returns ``(B, HQ, H, K, V)``. (A ``cache_mask`` row with no
+    real slot is not checked: that would read the device every step.)"""
+    B, _, HQ, H, K = check_decode_cache(q, k_cache, v_cache)
+    V = v_cache.shape[3]
     check_like("k", k, (B, 1, H, K), q.device)
     check_like("v", v, (B, 1, H, V), q.device)
     for name, x in (("k", k), ("v", v)):
@@ -124,9 +117,7 @@ def path_decode_step(
         ``(o [B, 1, HQ, V], k_cache [B, t+1, H, K], v_cache [B, t+1, H, V], g_cache [B, t+1, HQ] or None)``.
     """
     B, HQ, H, K, V = _check_step(q, k, v, w, beta, g, k_cache, v_cache)
-    check_like("k_cache", k_cache, (B, k_cache.shape[1], H, K), q.device)
     t = k_cache.shape[1]
-    check_like("v_cache", v_cache, (B, t, H, V), q.device)
     if (g is None) != (g_cache is None):
         raise ValueError("g_cache: pass both g and g_cache, or neither")
     if cache_mask is not None:
@@ -187,11 +178,9 @@ def path_decode_step_(
         ``o [B, 1, HQ, V]`` in ``v_cache.dtype``.
     """
     B, HQ, H, K, V = _check_step(q, k, v, w, beta, g, k_cache, v_cache)
-    check_like("k_cache", k_cache, (B, k_cache.shape[1], H, K), q.device)
     CAP = k_cache.shape[1]
     if not isinstance(t, int) or not 0 <= t < CAP:
         raise ValueError(f"t: expected an int in [0, {CAP}) (the cache's capacity), got {t!r}")
-    check_like("v_cache", v_cache, (B, CAP, H, V), q.device)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not x.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous preallocated cache")

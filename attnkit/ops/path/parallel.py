@@ -218,8 +218,8 @@ def _fwd_backward(ctx, do, dlse):
         return (None,) * 8
     q, k, v, w, beta, g, cu_seqlens, o, lse = ctx.saved_tensors
     dq, dk, dv, dw, dbeta, dg = path_bwd_op(q, k, v, w, beta, g, cu_seqlens, o, lse, do, ctx.scale)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dw.to(w.dtype), dbeta.to(beta.dtype),
-            None if g is None else dg, None, None)  # fmt: skip
+    # dq, dk, dw, dbeta and dg come in their inputs' dtypes; dv was summed in float32 across the kernels.
+    return dq, dk, dv.to(v.dtype), dw, dbeta, None if g is None else dg, None, None
 
 
 path_fwd_op.register_autograd(_fwd_backward, setup_context=_setup_fwd)
