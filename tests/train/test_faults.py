@@ -8,35 +8,20 @@ import multiprocessing
 import os
 import random
 import time
+from pathlib import Path
 
 import torch
 
 from attnkit.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint
 from attnkit.train.trainer import RUN_FILES
+from tests.train.test_trainer import tiny
 
 KILLS = 12
 
 
 def _config(folder: str, **overrides) -> TrainConfig:
-    options = dict(
-        task="flipflop",
-        task_options={"seq_len": 16, "test_sizes": {"in_distribution": 8, "sparse": 8, "dense": 8}},
-        mixer="path",
-        hidden_size=16,
-        num_layers=1,
-        num_heads=2,
-        steps=40,
-        batch_size=4,
-        lr=1e-2,
-        warmup_steps=2,
-        log_every=1,
-        checkpoint_every=1,
-        device="cpu",
-        out=folder,
-        quiet=True,
-    )
-    options.update(overrides)
-    return TrainConfig(**options)
+    """:func:`tests.train.test_trainer.tiny`'s run, longer and with a checkpoint every step, in ``folder``."""
+    return tiny(Path(folder).parent, Path(folder).name, steps=40, checkpoint_every=1, **overrides)
 
 
 def _train_child(config: TrainConfig, in_write=None) -> None:
