@@ -120,7 +120,8 @@ class PaTHAttention(TokenMixer):
         lengths = sequence_lengths(x, cu_seqlens)
         eos = lengths.cumsum(0)
         index = eos[:, None] - (self.conv_size - 1) + torch.arange(self.conv_size - 1, device=x.device)
-        tail = u.reshape(B * T, -1)[index.clamp_min(0)] * (index >= (eos - lengths)[:, None])[..., None]
+        rows = F.pad(u.reshape(B * T, u.shape[-1]), (0, 0, 1, 0))  # a zero row first: indexable when x is empty
+        tail = rows[(index + 1).clamp_min(0)] * (index >= (eos - lengths)[:, None])[..., None]
         return out, token_state, {"conv": tail}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:

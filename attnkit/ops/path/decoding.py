@@ -16,7 +16,9 @@ from ..common.validation import (
     check_cu_seqlens,
     check_decode_cache,
     check_like,
+    check_real_slots,
     check_scalar,
+    check_step_token,
     check_tensor,
     resolve_backend,
 )
@@ -62,15 +64,10 @@ def _check_step(
 ) -> tuple[int, int, int, int, int]:
     """A decode step's inputs: ``q`` against the caches as :func:`check_decode_cache` takes them, and the new token's
     ``k, w [B, 1, H, K]``, ``v [B, 1, H, V]``, ``beta [B, 1, H]``, ``g [B, 1, HQ]`` (or None), floating and on the
-    device of ``q``; ``k`` and ``v`` share ``q``'s dtype. Returns ``(B, HQ, H, K, V)``. (A ``cache_mask`` row with no
-    real slot is not checked: that would read the device every step.)"""
+    device of ``q``; ``k`` and ``v`` share ``q``'s dtype. Returns ``(B, HQ, H, K, V)``."""
     B, _, HQ, H, K = check_decode_cache(q, k_cache, v_cache)
     V = v_cache.shape[3]
-    check_like("k", k, (B, 1, H, K), q.device)
-    check_like("v", v, (B, 1, H, V), q.device)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name}: expected dtype {q.dtype} (that of q), got {x.dtype}")
+    check_step_token(q, k, v, H, K, V)
     check_like("w", w, (B, 1, H, K), q.device)
     check_like("beta", beta, (B, 1, H), q.device)
     if g is not None:
@@ -104,7 +101,8 @@ def path_decode_step(
             ``G_j`` of the cached positions; both None for PaTH without a gate. With left padding the last
             slot must be the newest real token (or a zero slot when the sequence has none yet).
         cache_mask: ``[B, t+1]`` bool, True for real slots (the new token's, last, included); padding slots
-            get a logit of −inf. None: every slot is real.
+            get a logit of −inf. Every row needs a real slot (a ``ValueError`` otherwise: the one check that reads
+            the device; trusted under ``torch.compile``). None: every slot is real.
         backend: ``"auto"`` (the kernel on CUDA, PyTorch elsewhere), ``"torch"`` (the rank-one
             update of every key, concatenation and a softmax step) or ``"triton"`` (the caches copied one slot
             longer, then :func:`path_decode_step_` on the copies: one fused pass that carries every key in float32
@@ -118,6 +116,7 @@ def path_decode_step(
     if (g is None) != (g_cache is None):
         raise ValueError("g_cache: pass both g and g_cache, or neither")
     if cache_mask is not None:
+        # its rows' real slots are checked by the step either branch ends in (one read of the device)
         check_cache_mask(cache_mask, (B, t + 1), q.device)
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
     dtype = k_cache.dtype
@@ -170,7 +169,9 @@ def path_decode_step_(
         g: ``[B, 1, HQ]`` log forget gate of this step and ``g_cache [B, CAP, HQ]`` float32 cumulative gates
             (slot ``t`` receives ``G_t``); both None for PaTH without a gate.
         cache_mask: ``[B, M]`` bool with ``t < M ≤ CAP``, True for real slots (left padding False); slots from
-            ``t + 1`` on are never read. None: every slot is real.
+            ``t + 1`` on are never read. Every row needs a real slot among the first ``t + 1`` (a ``ValueError``
+            otherwise: the one check that reads the device; trusted under ``torch.compile``). None: every slot is
+            real.
         backend: ``"auto"`` (the kernel on CUDA, PyTorch elsewhere), ``"torch"`` (the rank-one update in place on
             ``k_cache[:, :t]`` and a softmax step over the first ``t + 1`` slots) or ``"triton"`` (one fused pass
             that carries every key in float32 and reads the softmax; GPU, or CPU under ``TRITON_INTERPRET=1``).
@@ -195,6 +196,7 @@ def path_decode_step_(
         shape = cache_mask.shape if isinstance(cache_mask, torch.Tensor) else ()
         width = shape[1] if len(shape) == 2 and t < shape[1] <= CAP else CAP
         cache_mask = check_cache_mask(cache_mask, (B, width), q.device).contiguous()
+        check_real_slots(cache_mask[:, : t + 1])
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
     dtype = k_cache.dtype
     use_triton = resolve_backend(backend, "path_decode_step_", q.device, has_triton=True, dtype=dtype) == "triton"
