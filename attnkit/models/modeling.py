@@ -294,10 +294,6 @@ class AttnKitForCausalLM(AttnKitPreTrainedModel, GenerationMixin):
         ``num_items_in_batch`` (in ``kwargs``, from the HF Trainer) divides the summed loss instead of the
         scored count. A loss needs the logits of every position (``logits_to_keep=0``).
         """
-        tokens = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
-        for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
-            if targets is not None:
-                check_targets(name, targets, tokens)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -307,6 +303,10 @@ class AttnKitForCausalLM(AttnKitPreTrainedModel, GenerationMixin):
             cu_seqlens=cu_seqlens,
         )
         hidden_states = outputs.last_hidden_state
+        tokens = tuple(hidden_states.shape[:2])
+        for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
+            if targets is not None:
+                check_targets(name, targets, tokens)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep])
         loss = None
