@@ -14,7 +14,7 @@ from tests.layers import test_attention_layers as generic
 HIDDEN = generic.HIDDEN
 LAYERS = {
     "sb-gqa": lambda: StickBreakingAttention(HIDDEN, 4, 2),
-    "sb-current": lambda: StickBreakingAttention(HIDDEN, 2, attend_current=True),
+    "sb-current": lambda: StickBreakingAttention(HIDDEN, 2, attend_current=True, block_size=5),
 }
 
 
@@ -63,6 +63,8 @@ def test_strict_layer_first_token_reads_nothing():
 def test_bad_constructor_values():
     with pytest.raises(ValueError, match="^attend_current"):
         StickBreakingAttention(HIDDEN, 2, attend_current="yes")
+    with pytest.raises(ValueError, match="^block_size"):
+        StickBreakingAttention(HIDDEN, 2, block_size=0)
     with pytest.raises(ValueError, match="^num_kv_heads"):
         StickBreakingAttention(HIDDEN, 4, 3)
 

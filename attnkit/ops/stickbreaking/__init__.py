@@ -11,7 +11,7 @@ from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_sca
 from attnkit.ops.stickbreaking.decoding import check_attend_current, stickbreaking_decode_step
 from attnkit.ops.stickbreaking.torch_impl import BLOCK_SIZE, stickbreaking_dense
 
-__all__ = ["check_attend_current", "stickbreaking_attention", "stickbreaking_decode_step"]
+__all__ = ["BLOCK_SIZE", "check_attend_current", "stickbreaking_attention", "stickbreaking_decode_step"]
 
 
 def stickbreaking_attention(
