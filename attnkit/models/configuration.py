@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-MIXERS = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet")
+MIXERS = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet", "stickbreaking")
 
 
 def _finite(value: object) -> bool:

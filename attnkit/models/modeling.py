@@ -32,6 +32,7 @@ MIXER_LAYERS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "fox": ("FoXAttention", {}, True),
     "linear": ("LinearAttention", {}, True),
     "deltanet": ("DeltaNetAttention", {}, False),
+    "stickbreaking": ("StickBreakingAttention", {}, True),
 }
 
 
