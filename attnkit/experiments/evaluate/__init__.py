@@ -53,6 +53,14 @@ def _device(device: str) -> str:
     return device
 
 
+def _import_lm_eval() -> None:
+    """lm-eval-harness and its HF model class (which needs accelerate), or an ImportError with the install hint."""
+    try:
+        import lm_eval.models.huggingface  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"lm-eval-harness is not installed ({err}): {INSTALL_HINT}") from err
+
+
 def _task_manager(tasks: list[str], include_path: str | None, metadata: dict):
     """lm-eval's ``TaskManager`` for ``tasks``: only ``include_path`` when it holds every task (indexing lm-eval's
     own tasks takes seconds), else both. Unknown names raise a ValueError. ``metadata`` reaches every task (as
@@ -106,9 +114,10 @@ def evaluate(
     Returns:
         lm-eval's results dict (``"results"``, ``"groups"``, ``"configs"``, ``"n-shot"``, ``"config"``, ...).
     """
-    tasks = [t for t in tasks if t]
-    if not tasks:
-        raise ValueError("tasks: expected at least one task name")
+    _import_lm_eval()
+    names = [t.strip() for t in tasks if t.strip()]
+    if not names:
+        raise ValueError(f"tasks: expected at least one task name, got {tasks!r}")
     folder = Path(model)
     if not (folder / "config.json").is_file():
         raise ValueError(f"model: {str(model)!r} is not a save_pretrained folder (no config.json)")
@@ -129,7 +138,7 @@ def evaluate(
         model_args["tokenizer"] = str(tokenizer)
     if max_length is not None:
         model_args["max_length"] = max_length
-    manager = _task_manager(tasks, None if include_path is None else str(include_path), model_args)
+    manager = _task_manager(names, None if include_path is None else str(include_path), model_args)
 
     from lm_eval import simple_evaluate
 
@@ -140,7 +149,7 @@ def evaluate(
         model_args=model_args,
         batch_size=batch_size,
         device=device,
-        tasks=tasks,
+        tasks=names,
         num_fewshot=num_fewshot,
         limit=limit,
         task_manager=manager,
@@ -176,11 +185,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import lm_eval.models.huggingface  # noqa: F401  (also needs accelerate)
-    except ImportError as err:
-        print(f"attnkit eval: lm-eval-harness is not installed ({err}): {INSTALL_HINT}", file=sys.stderr)
-        return 1
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     try:
         results = evaluate(
@@ -197,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
             log_samples=args.log_samples,
             bootstrap_iters=args.bootstrap_iters,
         )
+    except ImportError as err:
+        print(f"attnkit eval: {err}", file=sys.stderr)
+        return 1
     except ValueError as err:
         print(f"attnkit eval: {err}", file=sys.stderr)
         return 2
