@@ -104,7 +104,7 @@ def test_row_of_padding(mixer, use_cache):
     assert rel_rms(torch.cat(steps, 1), full) <= 1e-4
 
 
-@pytest.mark.parametrize("use_cache", [False, True], ids=["cache0", "cache1"])
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cache"])
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_every_row_padding(mixer, use_cache):
     """No real token at all: finite logits, a zero loss (nothing scored) and finite gradients."""
