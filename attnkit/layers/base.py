@@ -222,7 +222,7 @@ class TokenMixer(nn.Module):
             # the cache keeps the columns of the batch as given, so its length counts padding like the mask
             key_mask = check_attention_mask(attention_mask, B, T)
             layout = key_mask.flatten().nonzero().squeeze(1)
-            x = hidden_states.reshape(B * T, -1)[layout][None]
+            x = hidden_states.reshape(B * T, width)[layout][None]
             lengths = key_mask.sum(1)
             cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
             o, token_state, seq_state = self.prefill(x, cu_seqlens, use_cache)

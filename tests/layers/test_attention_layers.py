@@ -179,13 +179,14 @@ def test_built_on_meta_device_then_loaded(name):
     assert torch.equal(empty(x)[0], layer(x)[0])
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "with-mask"])
 @pytest.mark.parametrize("name", LAYERS)
-def test_empty_sequence(name):
+def test_empty_sequence(name, masked):
     """T = 0: an empty output on the input's graph, whose backward gives an empty gradient (it raised a reshape
-    error)."""
+    error), with or without an (empty) attention mask."""
     layer = make(name)
     x = torch.randn(2, 0, HIDDEN, requires_grad=True)
-    out, _ = layer(x)
+    out, _ = layer(x, attention_mask=torch.ones(2, 0, dtype=torch.long) if masked else None)
     assert out.shape == (2, 0, HIDDEN)
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
