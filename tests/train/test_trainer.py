@@ -62,8 +62,18 @@ def test_resume_is_bit_exact(tmp_path):
     assert json.load(open(tmp_path / "resumed" / "final.json"))["step"] == 6
 
 
-def _tree(folder) -> dict[str, bytes]:
-    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+def _tree(folder) -> dict[str, bytes | str]:
+    """Every entry below ``folder``: a file's bytes, a link's target."""
+    tree: dict[str, bytes | str] = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.islink(path):
+            tree[name] = os.readlink(path)
+        elif os.path.isdir(path):
+            tree.update({f"{name}/{k}": v for k, v in _tree(path).items()})
+        else:
+            tree[name] = open(path, "rb").read()
+    return tree
 
 
 def test_fresh_run_in_an_old_run_folder_is_refused(tmp_path):
@@ -133,6 +143,7 @@ BAD_VALUES = {
     "model_options": [{"bogus": 1}, {"vocab_size": 3}, {"rms_norm_eps": -1.0}, {"backend": "cuda"}, None],
     "steps": [-5, 0, 1.5],
     "batch_size": [0, -1],
+    "grad_accum": [0, -1, 1.5, 3],  # 3 does not divide the default batch of 32
     "lr": [0.0, -1e-3, float("nan"), float("inf"), "3e-3"],
     "weight_decay": [-1.0, float("nan")],
     "warmup_steps": [-1],
@@ -142,6 +153,9 @@ BAD_VALUES = {
     "device": ["tpu", "cuda"],
     "bf16": ["yes", 1],
     "distributed": ["deepspeed"],
+    "init_from": ["", 3, "/no/such/folder", "."],  # "." holds no config.json
+    "compile": ["yes"],
+    "grad_checkpointing": [1],
     "eval_every": [-1],
     "eval_batch_size": [0, -1],
     "log_every": [0, -1, 1.5, True],
@@ -152,6 +166,7 @@ BAD_VALUES = {
     "stop_at": [-1, 2000],
     "profile": [None],
     "quiet": ["no"],
+    "tensorboard": ["no", True],  # True without a run folder (out)
 }
 
 
@@ -278,12 +293,13 @@ def _ddp_worker(rank: int, world: int, port: int, config: TrainConfig, result_pa
         torch.save({"loss": result.loss, "params": state}, result_path)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_distributed_matches_single_process(tmp_path, mode):
-    """Two gloo ranks, each with half of the global batch, reach the single process's loss and parameters."""
+@pytest.mark.parametrize("mode,accum", [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)])
+def test_distributed_matches_single_process(tmp_path, mode, accum):
+    """Two gloo ranks, each with half of the global batch (in ``accum`` micro-batches, all-reduced once), reach
+    the single process's loss and parameters."""
     config = tiny(tmp_path, "single", steps=3, batch_size=8, mixer="rope", distributed=mode)
     single = train(config)
-    ddp_config = tiny(tmp_path, "ddp", steps=3, batch_size=8, mixer="rope", distributed=mode)
+    ddp_config = tiny(tmp_path, "ddp", steps=3, batch_size=8, mixer="rope", distributed=mode, grad_accum=accum)
     result_path = str(tmp_path / "ddp_result.pt")
     mp.spawn(_ddp_worker, args=(2, _free_port(), ddp_config, result_path), nprocs=2, join=True)
     got = torch.load(result_path, weights_only=True)
