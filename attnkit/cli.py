@@ -56,7 +56,9 @@ def _cpu_defaults(task: str) -> dict:
 def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None:
     """The TrainConfig flags. Their defaults are SUPPRESS, so the namespace holds only the flags given and
     ``config_from_args`` can layer them over ``--config`` and the defaults."""
-    d, off = TrainConfig(), argparse.SUPPRESS
+    # the fields' defaults, read without building a TrainConfig (whose checks import the models)
+    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    off = argparse.SUPPRESS
 
     def add(*flags, help: str, default=None, **kwargs) -> None:
         shown = "" if default is None else f" (default: {default})"
@@ -75,9 +77,9 @@ def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None
     add("--seq-len", type=int, help="task sequence length (default: the task's; flipflop on CPU: the demo's 64)")
     if single_mixer:
         add("--mixer", nargs="+", choices=MIXERS, help="mixer, or one per layer", default=d.mixer)
-    add("--hidden-size", type=int, help="model width (default: --init-from's, else 64)")
-    add("--num-layers", type=int, help="layers (default: --init-from's, else 1)")
-    add("--num-heads", type=int, help="heads (default: --init-from's, else 2)")
+    add("--hidden-size", type=int, help=f"model width (default: --init-from's, else {d.hidden_size})")
+    add("--num-layers", type=int, help=f"layers (default: --init-from's, else {d.num_layers})")
+    add("--num-heads", type=int, help=f"heads (default: --init-from's, else {d.num_heads})")
     add(
         "--model-option",
         action="append",
@@ -290,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="train several mixers (and learning rates); table, JSON and plot", formatter_class=fmt
     )
     p.add_argument("--mixers", nargs="+", default=["path", "rope"], choices=MIXERS, help="mixers to compare")
-    p.add_argument("--lrs", nargs="+", type=float, default=[TrainConfig().lr], help="learning rates to sweep")
+    p.add_argument("--lrs", nargs="+", type=float, default=[TrainConfig.lr], help="learning rates to sweep")
     _add_train_arguments(p, single_mixer=False)
     p.set_defaults(func=_compare, out="runs/compare")  # the folder of the runs; each run's out is set by compare
 

@@ -63,12 +63,6 @@ def _fsync_folder(folder: str) -> None:
         os.close(dir_fd)
 
 
-def save_atomic(obj: Any, path: str) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (readers see the old file or the new one, never a partial one)."""
-    with _atomic_file(path) as f:
-        torch.save(obj, f)
-
-
 def write_text_atomic(text: str, path: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     with _atomic_file(path) as f:
@@ -109,7 +103,7 @@ def _link_snapshot_files(folder: str, only_missing: bool, names: Iterable[str]) 
 def write_snapshot(folder: str, tag: str, write: Callable[[str], None]) -> None:
     """Let ``write(path)`` fill a new, empty folder ``path``, then make it ``folder``'s snapshot atomically.
 
-    Every file ``write`` leaves in ``path`` is fsynced; ``folder/<name>`` becomes (or stays) a link to
+    Every file ``write`` leaves in ``path`` gets the umask's mode and is fsynced; ``folder/<name>`` becomes (or stays) a link to
     ``folder/snapshot/<name>``, and the snapshot it replaces is removed. ``tag`` (e.g. the step) names the folder.
     """
     os.makedirs(folder, exist_ok=True)
@@ -119,8 +113,11 @@ def write_snapshot(folder: str, tag: str, write: Callable[[str], None]) -> None:
     try:
         write(tmp)
         files = sorted(os.listdir(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
         for file in files:
             with open(os.path.join(tmp, file), "rb") as f:
+                os.fchmod(f.fileno(), 0o666 & ~umask)  # some writers (safetensors) create their files 0600
                 os.fsync(f.fileno())
         _fsync_folder(tmp)
         os.rename(tmp, os.path.join(folder, name))

@@ -460,9 +460,12 @@ def _logged_by(line: str, step: int) -> bool:
 def train(config: TrainConfig) -> TrainResult:
     """Train ``config.mixer`` on ``config.task``; see ``TrainConfig`` for every option.
 
-    Writes ``<out>/metrics.jsonl`` (one JSON object per log or eval event), ``<out>/final.json`` and
-    ``<out>/checkpoint.pt`` (atomic). Raises ``NonFiniteLossError`` naming the step when the loss or the gradient
-    norm turns NaN/inf; the checkpoint on disk then is the last good one.
+    Writes ``<out>/metrics.jsonl`` (one JSON object per log or eval event), ``<out>/final.json`` and, at every
+    checkpoint and at the end, ``<out>/checkpoint.pt`` with the Hugging Face model beside it (``config.json``,
+    ``model.safetensors``, ``generation_config.json``, the task's tokenizer and ``train_config.json``), all
+    switched in at once (see ``checkpoint.write_snapshot``), so ``AutoModelForCausalLM.from_pretrained(out)``
+    loads the run. Raises ``NonFiniteLossError`` naming the step when the loss or the gradient norm turns
+    NaN/inf; the checkpoint on disk then is the last good one.
     """
     # --- set-up: processes, device, task, model, optimizer -------------------------------------------------
     owns_group = not dist.is_initialized()
@@ -675,7 +678,7 @@ def train(config: TrainConfig) -> TrainResult:
     wall = time.perf_counter() - t_start
     # --- the end: final checkpoint, evaluation, summary ----------------------------------------------------------
     done = max(end, start_step)
-    if ckpt_path and done > start_step:
+    if ckpt_path and done > start_step and last_good != done:  # not twice at one step
         save(done)
     t_eval = time.perf_counter()
     metrics = evaluate()

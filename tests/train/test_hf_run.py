@@ -177,3 +177,21 @@ def test_warmup_default_fits_the_run():
     assert TrainConfig(steps=100, warmup_steps=7).warmup_steps == 7
     config = TrainConfig(steps=100)
     assert trainer.lr_at(99, config) < 0.2  # --steps 100 ends near the floor, not at the peak
+
+
+def test_extrapolate_a_bpe_language_model_run(tmp_path, capsys):
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    rng = torch.Generator().manual_seed(0)
+    text = " ".join(words[i] for i in torch.randint(0, len(words), (20000,), generator=rng).tolist())
+    (tmp_path / "corpus.txt").write_text(text)
+    options = {"corpus": str(tmp_path / "corpus.txt"), "tokenizer": "bpe", "bpe_vocab_size": 300, "seq_len": 16}
+    result = train(tiny(tmp_path, "run", task="lm", task_options={**options, "eval_tokens": 256}, steps=2))
+    run = str(tmp_path / "run")
+    tok = AutoTokenizer.from_pretrained(run)
+    assert len(tok) == result.model.config.vocab_size  # 300 asked for; the BPE ran out of merges first
+    task = get_task("lm", **options)
+    assert tok("gamma delta", add_special_tokens=False)["input_ids"] == task.tokenizer.encode("gamma delta")
+    capsys.readouterr()
+    assert main(["extrapolate", run, "--lengths", "16", "32", "--eval-tokens", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "lm, trained at 16" in out and "non-overlapping" in out

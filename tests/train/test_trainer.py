@@ -12,7 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 import attnkit.train.trainer as trainer
-from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, save_atomic, train
+from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, train
+from attnkit.train.checkpoint import write_text_atomic
 from attnkit.train.trainer import RESUMABLE_FIELDS, RUN_FIELDS
 
 
@@ -217,21 +218,28 @@ def test_nan_guard_keeps_last_good_checkpoint(tmp_path, monkeypatch):
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    path = str(tmp_path / "ckpt.pt")
-    save_atomic({"step": 1, "w": torch.ones(3)}, path)
-    real_save = torch.save
+    real_save, saves = torch.save, []
 
-    def failing_save(obj, f, *args, **kwargs):
-        f.write(b"partial")
-        raise OSError("disk full")
+    def save_then_fail(obj, f, *args, **kwargs):
+        saves.append(obj["step"])
+        if len(saves) == 2:
+            f.write(b"partial")
+            raise OSError("disk full")
+        real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(torch, "save", save_then_fail)
     with pytest.raises(OSError, match="disk full"):
-        save_atomic({"step": 2, "w": torch.zeros(3)}, path)
+        train(tiny(tmp_path, "run", steps=4, checkpoint_every=2))
     monkeypatch.setattr(torch, "save", real_save)
-    assert os.listdir(tmp_path) == ["ckpt.pt"]
-    ckpt = torch.load(path, weights_only=True)
-    assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
+    assert saves == [2, 4]
+    assert load_checkpoint(str(tmp_path / "run" / "checkpoint.pt"))["step"] == 2
+    assert not [f for f in os.listdir(tmp_path / "run") if f.endswith(".tmp")]
+    path = str(tmp_path / "notes.txt")
+    write_text_atomic("one", path)
+    with pytest.raises(AttributeError):
+        write_text_atomic(None, path)  # fails inside the write
+    assert open(path).read() == "one"
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "run"]
 
 
 def test_a_run_removes_stale_temporary_files(tmp_path):
@@ -241,8 +249,16 @@ def test_a_run_removes_stale_temporary_files(tmp_path):
         p.write_bytes(b"partial")
     keep = tmp_path / "run" / "notes.tmp"
     keep.write_bytes(b"not ours")
+    current = os.readlink(tmp_path / "run" / "snapshot")
+    for name in ("snapshot-00000009-dead.tmp", "snapshot-00000002-beef"):  # a write cut short, one not switched to
+        os.mkdir(tmp_path / "run" / name)
+        (tmp_path / "run" / name / "checkpoint.pt").write_bytes(b"partial")
+        stale.append(tmp_path / "run" / name)
+    os.symlink("snapshot-00000002-beef", tmp_path / "run" / "snapshot.0123456789ab.tmp")  # a switch cut short
+    stale.append(tmp_path / "run" / "snapshot.0123456789ab.tmp")
     train(tiny(tmp_path, "run", resume=True))
-    assert not any(p.exists() for p in stale) and keep.exists()
+    assert not any(os.path.lexists(p) for p in stale) and keep.exists()
+    assert os.readlink(tmp_path / "run" / "snapshot") != current
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "checkpoint.pt.dead.tmp").write_bytes(b"partial")
     train(tiny(tmp_path, "fresh", steps=2))
@@ -262,11 +278,15 @@ def test_run_files_get_the_umask_mode(tmp_path):
     old = os.umask(0o027)
     try:
         train(tiny(tmp_path, "run", steps=2))
-        save_atomic({"step": 1}, str(tmp_path / "ckpt.pt"))
     finally:
         os.umask(old)
-    for path in [tmp_path / "ckpt.pt", *(tmp_path / "run" / name for name in trainer.RUN_FILES)]:
+    folder = tmp_path / "run"
+    snapshot = folder / os.readlink(folder / "snapshot")
+    files = [*(folder / name for name in trainer.RUN_FILES), *snapshot.iterdir()]
+    assert len(files) > len(trainer.RUN_FILES) + 5
+    for path in files:
         assert os.stat(path).st_mode & 0o777 == 0o640, path
+    assert os.stat(snapshot).st_mode & 0o777 == 0o750
 
 
 def _free_port() -> int:
