@@ -54,8 +54,8 @@ def steps(
 
     return {
         "sdpa": sdpa,
-        "path_fused": lambda: path_decode_step_(q, k_new, v_new, w, beta, k_buf, v_buf, L),
-        "path_torch": lambda: path_decode_step(q, k_new, v_new, w, beta, k_cache, v_cache),
+        "path_fused": lambda: path_decode_step_(q, k_new, v_new, w, beta, k_buf, v_buf, L, backend="triton"),
+        "path_torch": lambda: path_decode_step(q, k_new, v_new, w, beta, k_cache, v_cache, backend="torch"),
         "path_copy": lambda: path_decode_step(q, k_new, v_new, w, beta, k_cache, v_cache, backend="triton"),
         "tapa_triton": lambda: tapa_decode_step(q, k_buf, v_buf, positions[:, -1], positions, mask, backend="triton"),
     }

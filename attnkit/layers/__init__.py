@@ -4,6 +4,7 @@ from .base import State, TokenMixer
 from .linear import DeltaNetAttention, LinearAttention
 from .path import PaTHAttention
 from .softmax import FoXAttention, NoPEAttention, RoPEAttention
+from .stickbreaking import StickBreakingAttention
 from .tapa import TAPAAttention
 from .vla import VLAAttention
 
@@ -17,5 +18,6 @@ __all__ = [
     "RoPEAttention",
     "NoPEAttention",
     "FoXAttention",
+    "StickBreakingAttention",
     "TAPAAttention",
 ]

@@ -7,7 +7,9 @@ in float32, optionally capped at ``beta_max``; for PaTH-FoX ``g = logsigmoid(lin
 
 The decoding cache holds per token the keys carried to the newest position (``path_carry_keys``), the values
 and, for PaTH-FoX, the cumulative gate ``G`` (float32); per sequence it holds the last ``conv_size − 1``
-inputs of the convolution (zero before the start of the sequence).
+inputs of the convolution (zero before the start of the sequence). Outside autograd a step runs in place
+(``path_decode_step_``) on caches preallocated past their length, which grow by a quarter when full, so a step
+copies no cache; under autograd it runs the copying ``path_decode_step``, which leaves earlier states intact.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit.ops.common.validation import check_scalar
-from attnkit.ops.path import path_attention, path_carry_keys, path_decode_step
+from attnkit.ops.path import path_attention, path_carry_keys, path_decode_step, path_decode_step_
 
 from .base import State, TokenMixer, check_int, segment_cumsum, sequence_lengths, token_positions
 
@@ -118,7 +120,8 @@ class PaTHAttention(TokenMixer):
         lengths = sequence_lengths(x, cu_seqlens)
         eos = lengths.cumsum(0)
         index = eos[:, None] - (self.conv_size - 1) + torch.arange(self.conv_size - 1, device=x.device)
-        tail = u.reshape(B * T, -1)[index.clamp_min(0)] * (index >= (eos - lengths)[:, None])[..., None]
+        rows = F.pad(u.reshape(B * T, u.shape[-1]), (0, 0, 1, 0))  # a zero row first: indexable when x is empty
+        tail = rows[(index + 1).clamp_min(0)] * (index >= (eos - lengths)[:, None])[..., None]
         return out, token_state, {"conv": tail}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
@@ -127,10 +130,29 @@ class PaTHAttention(TokenMixer):
         window = torch.cat([state["conv"], self.w_up(self.w_down(x))], dim=1)  # [B, conv_size, C]
         w = self._direction((window * self.w_conv.weight[:, 0].t()).sum(1, keepdim=True))
         beta, g = self._gates(x)
-        o, k_cache, v_cache, g_cache = path_decode_step(
-            q, k, v, w, beta, state["k"], state["v"], g, state.get("g"), cache_mask=state["mask"], backend=self.backend
-        )
-        state = {**state, "k": k_cache, "v": v_cache, "conv": window[:, 1:]}
-        if g_cache is not None:
-            state["g"] = g_cache
+        t = state["mask"].shape[1] - 1  # cached tokens before this one; slots past t are spare capacity
+        names = ("k", "v", "g") if g is not None else ("k", "v")
+        state = {**state, "conv": window[:, 1:]}
+        if torch.is_grad_enabled():
+            o, *caches = path_decode_step(
+                q, k, v, w, beta, state["k"][:, :t], state["v"][:, :t], g, state["g"][:, :t] if g is not None else None,
+                cache_mask=state["mask"], backend=self.backend,
+            )  # fmt: skip
+            state.update(zip(names, caches))
+        else:
+            state.update((name, _reserve(state[name], t)) for name in names)
+            o = path_decode_step_(
+                q, k, v, w, beta, state["k"], state["v"], t, g, state.get("g"), cache_mask=state["mask"],
+                backend=self.backend,
+            )  # fmt: skip
         return self.o_proj(o.reshape(B, 1, -1)), state
+
+
+def _reserve(cache: torch.Tensor, t: int) -> torch.Tensor:
+    """``cache [B, CAP, ...]`` whose first ``t`` slots are in use, with a free slot ``t``: the same tensor when it
+    has one (and is contiguous), else a copy of those slots with a quarter more capacity (at least 256 slots)."""
+    if cache.shape[1] > t and cache.is_contiguous():
+        return cache
+    grown = cache.new_zeros(cache.shape[0], t + max(256, t // 4), *cache.shape[2:])
+    grown[:, :t] = cache[:, :t]
+    return grown

@@ -7,12 +7,56 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-MIXERS = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet")
+MIXERS = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet", "stickbreaking")
 
 
 def _finite(value: object) -> bool:
     """A real number (not a bool), finite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Layer arguments the model sets itself: the shapes from the config's fields, and the layer's place and backend.
+_SET_BY_MODEL = {
+    "hidden_size": "hidden_size",
+    "num_heads": "num_heads",
+    "num_kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "layer_idx": "the layer's index",
+    "backend": "backend",
+}
+
+
+def mixer_options(mixer: str) -> list[str]:
+    """The ``mixer_kwargs`` keys ``mixer`` accepts: its layer's constructor arguments, less those the model sets
+    (``_SET_BY_MODEL``) and those the mixer's name fixes (``use_forget_gate``: ``"path"`` or ``"path_fox"``)."""
+    import inspect
+
+    from .. import layers
+    from .modeling import MIXER_LAYERS  # here: modeling imports this module
+
+    cls_name = MIXER_LAYERS[mixer][0]
+    fixed = {key for _, keys, _ in MIXER_LAYERS.values() for key in keys}
+    params = inspect.signature(getattr(layers, cls_name)).parameters
+    return sorted(set(params) - set(_SET_BY_MODEL) - fixed)
+
+
+def _check_mixer_kwargs(mixer_kwargs: object) -> dict[str, dict[str, Any]]:
+    """``{mixer name: {option: value}}`` with every option one the mixer's layer takes (values are the layer's to
+    check, when the model is built)."""
+    if mixer_kwargs is None:
+        return {}
+    if not isinstance(mixer_kwargs, dict):
+        raise ValueError(f"mixer_kwargs: expected {{mixer name: dict}}, got {mixer_kwargs!r}")
+    for name, extra in mixer_kwargs.items():
+        if name not in MIXERS or not isinstance(extra, dict):
+            raise ValueError(f"mixer_kwargs: expected {{mixer name: dict}}, got {name!r}: {extra!r}")
+        accepted = mixer_options(name)
+        for key in extra:
+            if key in _SET_BY_MODEL:
+                raise ValueError(f"mixer_kwargs: {name!r} option {key!r} is set by the model ({_SET_BY_MODEL[key]})")
+            if key not in accepted:
+                raise ValueError(f"mixer_kwargs: {name!r} has no option {key!r}; accepted: {accepted}")
+    return dict(mixer_kwargs)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -32,7 +76,8 @@ class AttnKitConfig(PretrainedConfig):
         mixer: one of ``"path"``, ``"path_fox"``, ``"tapa"``, ``"vla"``, ``"rope"``, ``"nope"``, ``"fox"``,
             ``"linear"``, ``"deltanet"``, or a list with one name per layer (hybrid stacks).
         mixer_kwargs: extra constructor arguments per mixer name, e.g.
-            ``{"rope": {"rope_theta": 500000.0}, "tapa": {"alpha": 0.2}, "path": {"beta_max": 1.999}}``.
+            ``{"rope": {"rope_theta": 500000.0}, "tapa": {"alpha": 0.2}, "path": {"beta_max": 1.999}}``; a key the
+            mixer's layer does not take (:func:`mixer_options` lists those it does) is a ``ValueError``.
         intermediate_size: width of the gated MLP (defaults to ``8/3 · hidden_size`` rounded up to 32).
         rms_norm_eps, initializer_range, tie_word_embeddings: as in Llama.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``, passed to every op.
@@ -86,11 +131,7 @@ class AttnKitConfig(PretrainedConfig):
         if unknown:
             raise ValueError(f"mixer: unknown mixer {unknown[0]!r}; expected one of {MIXERS}")
         self.mixer = mixer if isinstance(mixer, str) else layers
-        mixer_kwargs = dict(mixer_kwargs or {})
-        for name, extra in mixer_kwargs.items():
-            if name not in MIXERS or not isinstance(extra, dict):
-                raise ValueError(f"mixer_kwargs: expected {{mixer name: dict}}, got {name!r}: {extra!r}")
-        self.mixer_kwargs = mixer_kwargs
+        self.mixer_kwargs = _check_mixer_kwargs(mixer_kwargs)
         if intermediate_size is None:
             intermediate_size = -(-8 * hidden_size // 3 // 32) * 32
         self.intermediate_size = _positive_int("intermediate_size", intermediate_size)

@@ -2,6 +2,7 @@
 
 from .baselines import delta_rule, linear_attention, softmax_attention
 from .path import path_attention
+from .stickbreaking import stickbreaking_attention
 from .tapa import tapa_attention
 from .vla import vla_attention
 
@@ -10,6 +11,7 @@ __all__ = [
     "linear_attention",
     "path_attention",
     "softmax_attention",
+    "stickbreaking_attention",
     "tapa_attention",
     "vla_attention",
 ]

@@ -8,6 +8,7 @@ Every task follows ``attnkit.tasks.base.Task``: ``sample(batch_size, generator) 
 from __future__ import annotations
 
 from .base import IGNORE_INDEX, Batch, Task, make_generator
+from .collator import TaskCollator, TaskStream, step_generator
 from .copying import Copying
 from .flipflop import FlipFlop
 from .group_words import GROUP_NAMES, GroupWords, get_group
@@ -43,8 +44,11 @@ __all__ = [
     "LanguageModeling",
     "Passkey",
     "Task",
+    "TaskCollator",
+    "TaskStream",
     "get_group",
     "get_task",
     "make_generator",
     "per_position_loss",
+    "step_generator",
 ]

@@ -15,6 +15,7 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    local_batch: int = 1  # the rows of the global batch this rank takes
 
     @property
     def is_main(self) -> bool:
@@ -33,12 +34,41 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def setup_distributed(device: str) -> DistInfo:
-    """Join the process group torchrun describes (gloo on CPU, nccl on GPU); a single process without it."""
+def _env_int(name: str, default: int, low: int) -> int:
+    """An integer >= ``low`` from torchrun's environment variable ``name`` (``default`` when unset)."""
+    raw = os.environ.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise ValueError(f"{name}: expected an integer >= {low} in the environment, got {raw!r}")
+    return value
+
+
+def local_batch_size(batch_size: int, world_size: int) -> int:
+    """The rows of the global batch ``batch_size`` that each of ``world_size`` ranks takes; a world size that does
+    not divide the global batch is refused (the ranks would train on a different batch than one process does)."""
+    if batch_size % world_size:
+        raise ValueError(
+            f"batch_size: the global batch of {batch_size} does not split evenly over {world_size} ranks; "
+            f"choose a multiple of {world_size} or another number of ranks"
+        )
+    return batch_size // world_size
+
+
+def setup_distributed(device: str, batch_size: int) -> DistInfo:
+    """Join the process group torchrun describes (gloo on CPU, nccl on GPU); a single process without it.
+
+    ``batch_size`` is the global batch: it must split evenly over the ranks (:func:`local_batch_size`), which is
+    checked before any process group is joined."""
     kind = resolve_device(device)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = _env_int("WORLD_SIZE", 1, 1)
+    rank = _env_int("RANK", 0, 0)
+    local_rank = _env_int("LOCAL_RANK", 0, 0)
+    if rank >= world_size:
+        raise ValueError(f"RANK: expected a rank below WORLD_SIZE={world_size}, got {rank}")
+    local_batch = local_batch_size(batch_size, world_size)
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -46,7 +76,7 @@ def setup_distributed(device: str) -> DistInfo:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", device_id=dev if kind == "cuda" else None)
-    return DistInfo(rank, world_size, local_rank, dev)
+    return DistInfo(rank, world_size, local_rank, dev, local_batch)
 
 
 def teardown_distributed() -> None:

@@ -469,11 +469,8 @@ def train(config: TrainConfig) -> TrainResult:
     """
     # --- set-up: processes, device, task, model, optimizer -------------------------------------------------
     owns_group = not dist.is_initialized()
-    info = setup_distributed(config.device)
-    device, world, rank = info.device, info.world_size, info.rank
-    if config.batch_size % world:
-        raise ValueError(f"batch_size: {config.batch_size} is not divisible by the {world} ranks")
-    local_batch = config.batch_size // world
+    info = setup_distributed(config.device, config.batch_size)
+    device, world, rank, local_batch = info.device, info.world_size, info.rank, info.local_batch
     ckpt = open_run_folder(config, info.is_main)
     ckpt_path = os.path.join(config.out, CHECKPOINT_NAME) if config.out else None
     if info.enabled:

@@ -1,4 +1,5 @@
-"""The in-place fused PaTH decode step against the PyTorch step (under the interpreter on CPU)."""
+"""The in-place PaTH decode step (fused kernel, under the interpreter on CPU, and its PyTorch form) against the
+copying PyTorch step, and the layers' in-place decoding."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit.ops.common.triton.decode_merge as decode_merge
+from attnkit.layers.path import PaTHAttention
 from attnkit.ops.path import path_carry_keys, path_decode_step, path_decode_step_
 from tests.helpers import assert_close
 
@@ -23,10 +25,14 @@ def token(B, HQ, H, K, V, gate):
     return q, k, v, w, beta, g
 
 
-@pytest.mark.parametrize("split", [None, 16], ids=["one-split", "splits-and-merge"])
+@pytest.mark.parametrize(
+    "backend, split",
+    [("triton", None), ("triton", 16), ("torch", None)],
+    ids=["one-split", "splits-and-merge", "torch"],
+)
 @pytest.mark.parametrize("gate", [False, True], ids=["path", "fox"])
 @pytest.mark.parametrize("B, HQ, H, K, V", [(2, 4, 2, 16, 16), (1, 2, 1, 24, 12), (1, 2, 1, 256, 16)], ids=str)
-def test_steps_match_torch(B, HQ, H, K, V, gate, split, monkeypatch):
+def test_steps_match_torch(B, HQ, H, K, V, gate, backend, split, monkeypatch):
     if split is not None:
         monkeypatch.setattr(decode_merge, "decode_split_size", lambda *args: split)
     prompt, steps, cap = 21, 6, 40
@@ -53,7 +59,9 @@ def test_steps_match_torch(B, HQ, H, K, V, gate, split, monkeypatch):
         o_ref, k_ref, v_ref, g_ref = path_decode_step(
             q, k, v, w, beta, k_ref, v_ref, g, g_ref, cache_mask=mask[:, : t + 1]
         )
-        o = path_decode_step_(q, k, v, w, beta, k_buf, v_buf, t, g, g_buf, cache_mask=mask)
+        # the mask may be the cache's width or end at the new token: slots past t are never read
+        m = mask if i % 2 else mask[:, : t + 1]
+        o = path_decode_step_(q, k, v, w, beta, k_buf, v_buf, t, g, g_buf, cache_mask=m, backend=backend)
         assert_close("o", o, o_ref, 1e-5)
     assert_close("k_cache", k_buf[:, : prompt + steps], k_ref, 1e-5)
     assert_close("v_cache", v_buf[:, : prompt + steps], v_ref, 0.0)
@@ -91,14 +99,22 @@ def test_functional_step_on_the_fused_kernel(gate):
             assert_close("g_cache", g_fused, g_ref, 1e-6)
 
 
-def test_layer_decodes_on_the_kernels(monkeypatch):
+@pytest.mark.parametrize("grad", [False, True], ids=["in-place", "under-autograd"])
+def test_layer_decodes_on_the_kernels(grad, monkeypatch):
     """A PaTH-FoX layer on the Triton backend (prefill kernels, carried keys, fused decode steps) decodes what the
-    same layer on the PyTorch backend does, from a left-padded prompt."""
-    from attnkit.layers.path import PaTHAttention
+    same layer on the PyTorch backend does, from a left-padded prompt: in place on its preallocated cache outside
+    autograd, through the copying step under it."""
+    from attnkit.layers import path as path_layer
     from attnkit.ops.path import decoding
 
     fused = []
-    monkeypatch.setattr(decoding, "path_decode_step_", lambda *a, **kw: fused.append(1) or path_decode_step_(*a, **kw))
+
+    def counted(*args, **kwargs):
+        fused.append(kwargs["backend"])
+        return path_decode_step_(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "path_decode_step_", counted)
+    monkeypatch.setattr(path_layer, "path_decode_step_", counted)
 
     torch.manual_seed(0)
     layers = {b: PaTHAttention(64, 4, num_kv_heads=2, use_forget_gate=True, backend=b) for b in ("torch", "triton")}
@@ -107,16 +123,46 @@ def test_layer_decodes_on_the_kernels(monkeypatch):
     mask = torch.ones(2, 20, dtype=torch.long, device=DEVICE)
     mask[1, :5] = 0
     outs = {}
-    for name, layer in layers.items():
-        layer.to(DEVICE)
-        o, state = layer(x[:, :20], attention_mask=mask, use_cache=True)
-        steps = [o]
-        for t in range(20, 23):
-            o, state = layer(x[:, t : t + 1], past_state=state, use_cache=True)
-            steps.append(o)
-        outs[name] = torch.cat(steps, dim=1)
-    assert len(fused) == 3, "the Triton layer's steps run the fused kernel"
+    with torch.set_grad_enabled(grad):
+        for name, layer in layers.items():
+            layer.to(DEVICE)
+            o, state = layer(x[:, :20], attention_mask=mask, use_cache=True)
+            steps = [o]
+            for t in range(20, 23):
+                o, state = layer(x[:, t : t + 1], past_state=state, use_cache=True)
+                steps.append(o)
+            outs[name] = torch.cat(steps, dim=1)
+    assert fused.count("triton") == 3, "the Triton layer's steps run the fused kernel"
+    assert fused.count("torch") == (0 if grad else 3), "outside autograd the PyTorch layer steps in place too"
     assert_close("o", outs["triton"], outs["torch"], 1e-5)
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["path", "fox"])
+def test_layer_cache_is_preallocated(gate):
+    """Outside autograd the layer's steps write into its cache in place: the tensors keep their storage from one
+    step to the next until they are full, then grow with spare slots; the outputs equal the copying steps'."""
+    torch.manual_seed(0)
+    layer = PaTHAttention(32, 2, use_forget_gate=gate, backend="torch").to(DEVICE)
+    x = torch.randn(2, 12, 32, device=DEVICE)
+    names = ("k", "v", "g") if gate else ("k", "v")
+    o_ref, ref = layer(x[:, :5], use_cache=True)
+    with torch.no_grad():
+        o, state = layer(x[:, :5], use_cache=True)
+        outs, ptrs = [o], []
+        for t in range(5, 12):
+            o, state = layer(x[:, t : t + 1], past_state=state, use_cache=True)
+            outs.append(o)
+            ptrs.append(tuple(state[n].data_ptr() for n in names))
+            assert all(state[n].shape[1] > t for n in names), "the cache holds the new token"
+    assert len(set(ptrs)) == 1, "after the first step grew the prompt's cache, no step copies it"
+    assert state["k"].shape[1] >= 5 + 256, "the cache grew with spare capacity"
+    refs = [o_ref]
+    for t in range(5, 12):
+        o_ref, ref = layer(x[:, t : t + 1], past_state=ref, use_cache=True)
+        refs.append(o_ref)
+    assert_close("o", torch.cat(outs, 1), torch.cat(refs, 1).detach(), 1e-6)
+    for n in names:
+        assert_close(n, state[n][:, :12], ref[n].detach(), 1e-6)
 
 
 def test_bad_input():
@@ -124,10 +170,14 @@ def test_bad_input():
     k_buf, v_buf = torch.zeros(1, 4, 1, 16, device=DEVICE), torch.zeros(1, 4, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="^t:"):
         path_decode_step_(q, k, v, w, beta, k_buf, v_buf, 4)
+    with pytest.raises(ValueError, match="^cache_mask: expected shape"):
+        path_decode_step_(q, k, v, w, beta, k_buf, v_buf, 2, cache_mask=torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="^k_cache: expected a contiguous"):
         path_decode_step_(q, k, v, w, beta, torch.zeros(1, 4, 2, 16, device=DEVICE)[:, :, :1], v_buf, 1)
     with pytest.raises(ValueError, match="^backend: .*float64"):
-        path_decode_step_(q.double(), k.double(), v.double(), w, beta, k_buf.double(), v_buf.double(), 1)
+        path_decode_step_(
+            q.double(), k.double(), v.double(), w, beta, k_buf.double(), v_buf.double(), 1, backend="triton"
+        )
     with pytest.raises(ValueError, match="^g_cache"):
         path_decode_step_(q, k, v, w, beta, k_buf, v_buf, 1, g_cache=torch.zeros(1, 4, 2, device=DEVICE))
 

@@ -97,6 +97,13 @@ def test_softmax_empty_sequence():
     assert softmax_attention(q, k, v, cu_seqlens=torch.tensor([0, 0])).shape == (1, 0, 2, 6)
 
 
+def test_softmax_empty_sequence_backward():
+    """T = 0: the empty output stays on the inputs' graph (it was detached), so a backward gives empty gradients."""
+    leaves = [x.requires_grad_() for x in make_inputs(2, 0, 2, 1, 8, 6)]
+    softmax_attention(*leaves).sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in leaves)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fox_half_precision_long_gate(dtype):
     """The gate is accumulated in float32: at T = 512 its cumulative sum is far beyond bf16 resolution."""

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from attnkit.ops.tapa import tapa_attention
+from attnkit.ops.tapa import tapa_attention, tapa_decode_step
 from attnkit.ops.tapa.naive import tapa_naive
-from attnkit.ops.tapa.torch_impl import tapa_split
+from attnkit.ops.tapa.torch_impl import check_alpha, tapa_split
 from tests.helpers import assert_close, tol_for
 
 
@@ -230,3 +230,52 @@ def test_bad_input_raises_value_error(name, change):
     args.update(change(q, k, v))
     with pytest.raises(ValueError, match=f"^{name}"):
         tapa_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_alpha_50_float32_against_float64(backend):
+    """alpha = 50 gave NaN in float32 (6^50 overflows; issue 18). The phase d^50·(q_P·k_P)/sqrt(dP) cycles is
+    rounding noise past d = 1 in any finite precision, so the op takes what float32 can compute and refuses the
+    rest: two tokens (distances 0 and 1) match the float64 reference, three are a ValueError naming alpha; a packed
+    batch is bounded by its longest sequence, not by T."""
+    q, k, v = make_inputs(3, 2, 4, 2, 16, 8)
+    expected = tapa_naive(q, k, v, alpha=50.0)
+    actual = tapa_attention(q.float(), k.float(), v.float(), alpha=50.0, backend=backend)
+    assert_close("o", actual, expected.float(), 1e-6)
+    with pytest.raises(ValueError, match="^alpha: distance 2 to the power 50.0 exceeds 2\\^16"):
+        tapa_attention(*(x.float() for x in make_inputs(1, 3, 4, 2, 16, 8)), alpha=50.0, backend=backend)
+    packed = [x.float().reshape(1, 6, *x.shape[2:]) for x in (q, k, v)]
+    cu = torch.tensor([0, 2, 4, 6])
+    o = tapa_attention(*packed, alpha=50.0, cu_seqlens=cu, backend=backend)
+    assert_close("o packed", o, expected.float().reshape(1, 6, 4, 8), 1e-6)
+    with pytest.raises(ValueError, match="^alpha:"):
+        tapa_attention(*packed, alpha=50.0, cu_seqlens=torch.tensor([0, 3, 6]), backend=backend)
+
+
+def test_alpha_range_is_the_distance_power_bound():
+    """``max_distance^alpha <= 2^16``: alpha = 1 reaches distance 65536 and not one more, alpha = 0.5 reaches 2^32,
+    and distances 0 and 1 take any alpha (their power is 0 or 1)."""
+    assert check_alpha(1.0, 65536) == 1.0
+    with pytest.raises(ValueError, match="^alpha: .*reaches distances up to 65536"):
+        check_alpha(1.0, 65537)
+    assert check_alpha(0.5, 2**32) == 0.5
+    assert check_alpha(1e6, 1) == 1e6 and check_alpha(1e6, 0) == 1e6
+
+
+def test_alpha_50_decode_step():
+    """The decode step bounds the farthest visible slot (masked slots and slots after the query do not count)."""
+    q, k, v = make_inputs(2, 2, 4, 2, 16, 8)
+    expected = tapa_naive(q, k, v, alpha=50.0)[:, 1:]
+    positions, mask = torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2, dtype=torch.bool)
+    args = (q[:, 1:].float(), k.float(), v.float(), torch.tensor([1, 1]), positions)
+    assert_close("o", tapa_decode_step(*args, mask, alpha=50.0), expected.float(), 1e-6)
+    far = torch.cat([torch.randn(2, 1, 2, 16), k.float()], 1), torch.cat([torch.randn(2, 1, 2, 8), v.float()], 1)
+    far_positions, query = torch.tensor([[0, 1, 2]] * 2), torch.tensor([2, 2])  # slot 0 at distance 2 ...
+    with pytest.raises(ValueError, match="^alpha: distance 2"):
+        tapa_decode_step(args[0], *far, query, far_positions, torch.ones(2, 3, dtype=torch.bool), alpha=50.0)
+    masked = torch.tensor([[False, True, True]] * 2)  # ... unless it is padding
+    o = tapa_decode_step(args[0], *far, query, far_positions, masked, alpha=50.0)
+    assert_close("o masked", o, expected.float(), 1e-6)
+    later = torch.tensor([[3, 0, 1]] * 2)  # or after the query
+    o = tapa_decode_step(args[0], *far, torch.tensor([1, 1]), later, torch.ones(2, 3, dtype=torch.bool), alpha=50.0)
+    assert_close("o later", o, expected.float(), 1e-6)

@@ -12,6 +12,7 @@ from attnkit.ops.common.validation import (
     check_qkv,
     check_scalar,
     check_state,
+    check_step_qkv,
     resolve_backend,
 )
 
@@ -105,11 +106,16 @@ def delta_rule(
 def delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, S: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of DeltaNet (inputs trusted): ``S ← S + β (v − S k) kᵀ``, ``o = S (scale · q)``.
+    """One token of DeltaNet, the decode step of :func:`delta_rule`: ``S ← S + β (v − S k) kᵀ``, ``o = S (scale · q)``.
 
-    q, k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, beta ``[B, 1, H]``, ``S [B, H, V, K]`` (its dtype is the
-    compute dtype) -> ``(o [B, 1, H, V] in v.dtype, S)``. ``S`` is read once: ``S_new q = S q + Δ (kᵀq)``.
+    q, k ``[B, 1, H, K]``, v ``[B, 1, H, V]`` (one dtype), beta ``[B, 1, H]`` (any float dtype), ``S [B, H, V, K]``
+    in float32 or float64 (its dtype is the compute dtype), ``scale > 0`` -> ``(o [B, 1, H, V] in v.dtype, S)``, all
+    on one device; a shape that would broadcast is refused. ``S`` is read once: ``S_new q = S q + Δ (kᵀq)``.
     """
+    B, _, H, K, V = check_step_qkv(q, k, v, same_heads=True)
+    check_like("beta", beta, (B, 1, H), q.device)
+    (S,) = check_state("S", S, ((B, H, V, K),), q.device)
+    scale = check_scalar("scale", scale, low=0.0)
     dtype, out_dtype = S.dtype, v.dtype
     q, k, v = (x[:, 0].to(dtype) for x in (q, k, v))
     Sk, Sq = (S @ torch.stack([k, q], -1)).unbind(-1)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.ops.common.utils import compute_dtype, run_segments
-from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, check_state
+from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, check_state, check_step_qkv
 
 CHUNK_SIZE = 64
 
@@ -107,13 +107,16 @@ def linear_attention(
 def linear_attention_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, n: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token of normalised linear attention (inputs trusted).
+    """One token of normalised linear attention, the decode step of :func:`linear_attention` (``normalize=True``).
 
-    q ``[B, 1, HQ, K]``, k ``[B, 1, H, K]``, v ``[B, 1, H, V]``, ``S [B, H, V, K]``, ``n [B, H, K]`` (the
-    state's dtype is the compute dtype) -> ``(o [B, 1, HQ, V] in v.dtype, S, n)``.
+    q ``[B, 1, HQ, K]``, k ``[B, 1, H, K]``, v ``[B, 1, H, V]`` (one dtype, ``HQ`` a positive multiple of ``H``),
+    ``S [B, H, V, K]``, ``n [B, H, K]`` in float32 or float64 (the state's dtype is the compute dtype), ``eps > 0``
+    -> ``(o [B, 1, HQ, V] in v.dtype, S, n)``, all on one device; a shape that would broadcast is refused.
     """
-    B, _, HQ, K = q.shape
-    H, V = k.shape[2], v.shape[-1]
+    B, HQ, H, K, V = check_step_qkv(q, k, v)
+    (S,) = check_state("S", S, ((B, H, V, K),), q.device)
+    (n,) = check_state("n", n, ((B, H, K),), q.device)
+    eps = check_scalar("eps", eps, low=0.0)
     dtype, out_dtype = S.dtype, v.dtype
     q = q[:, 0].to(dtype).view(B, H, HQ // H, K)
     k, v = k[:, 0].to(dtype), v[:, 0].to(dtype)

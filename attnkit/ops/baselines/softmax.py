@@ -14,6 +14,7 @@ from attnkit.ops.common.validation import (
     check_decode_cache,
     check_like,
     check_qkv,
+    check_real_slots,
     check_scalar,
 )
 
@@ -129,9 +130,12 @@ def softmax_decode_step(
 
     Args:
         q: ``[B, 1, HQ, K]`` the query of the new token.
-        k_cache: ``[B, L, H, K]`` keys (RoPE already applied), the new token's included; ``HQ % H == 0``.
+        k_cache: ``[B, L, H, K]`` keys (RoPE already applied), the new token's included; ``HQ`` a positive
+            multiple of ``H``. The caches may be kept in another float dtype than ``q``.
         v_cache: ``[B, L, H, V]``.
-        cache_mask: ``[B, L]`` bool, True for real slots (every row needs one), or None when all are real.
+        cache_mask: ``[B, L]`` bool, True for real slots, or None when all are real. Every row needs a real slot:
+            a row without one is a ``ValueError`` (the one check that reads the device; trusted under
+            ``torch.compile``).
         g_cache: ``[B, L, HQ]`` cumulative log forget gates ``G_j`` of the slots, or None (no gate).
         g_t: ``[B, HQ]`` the cumulative gate of the query position (``G`` of the new token); with ``g_cache``.
         scale: defaults to ``K ** -0.5``.
@@ -141,7 +145,9 @@ def softmax_decode_step(
     """
     B, L, HQ, H, K = check_decode_cache(q, k_cache, v_cache)
     if cache_mask is not None:
-        check_cache_mask(cache_mask, (B, L), q.device)
+        check_real_slots(check_cache_mask(cache_mask, (B, L), q.device))
+    elif B and L == 0:
+        raise ValueError("k_cache: an empty cache has no slot to attend to (it must hold the new token)")
     if (g_cache is None) != (g_t is None):
         raise ValueError("g_cache: pass both g_cache and g_t, or neither")
     if g_cache is not None:

@@ -37,8 +37,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_heads: 
     H = k.shape[2]
     if v.shape[:3] != (B, T, H):
         raise ValueError(f"v: expected shape [B={B}, T={T}, H={H}, V], got {tuple(v.shape)}")
-    if H == 0 or HQ % H != 0:
-        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
+    check_heads(HQ, H)
     if same_heads and HQ != H:
         raise ValueError(f"q: expected as many heads as k ({H}), got {HQ}")
     if K == 0 or v.shape[3] == 0:
@@ -48,6 +47,21 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_heads: 
             raise ValueError(f"{name}: expected device {q.device} (that of q), got {x.device}")
         if x.dtype != q.dtype:
             raise ValueError(f"{name}: expected dtype {q.dtype} (that of q), got {x.dtype}")
+
+
+def check_heads(HQ: int, H: int) -> None:
+    """At least one key/value head, and a positive multiple of it as query heads (GQA)."""
+    if H == 0 or HQ == 0 or HQ % H != 0:
+        raise ValueError(f"q: the query heads ({HQ}) must be a positive multiple of the key/value heads ({H})")
+
+
+def check_step_qkv(q: object, k: object, v: object, *, same_heads: bool = False) -> tuple[int, int, int, int, int]:
+    """A recurrent decode step's token: :func:`check_qkv` with one token per sequence. Returns ``(B, HQ, H, K, V)``."""
+    check_qkv(q, k, v, same_heads=same_heads)
+    B, T, HQ, K = q.shape
+    if T != 1:
+        raise ValueError(f"q: expected one token per sequence, [B, 1, HQ, K], got shape {list(q.shape)}")
+    return B, HQ, k.shape[2], K, v.shape[3]
 
 
 def check_like(name: str, x: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -169,20 +183,57 @@ def check_state(
     return items
 
 
+def _check_exact(
+    name: str, x: object, dtypes: tuple[torch.dtype, ...], what: str, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """A tensor of one of ``dtypes`` (``what`` in messages), of exactly ``shape``, on ``device``."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in dtypes:
+        raise ValueError(f"{name}: expected a {what} tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of q), got {x.device}")
+    return x
+
+
 def check_cache_mask(cache_mask: object, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """A decoding cache's ``[B, L]`` bool mask (True for real slots) on ``device``."""
-    if not isinstance(cache_mask, torch.Tensor) or cache_mask.dtype != torch.bool:
-        raise ValueError(f"cache_mask: expected a bool tensor, got {getattr(cache_mask, 'dtype', type(cache_mask))}")
-    if tuple(cache_mask.shape) != tuple(shape):
-        raise ValueError(f"cache_mask: expected shape {list(shape)}, got {list(cache_mask.shape)}")
-    if cache_mask.device != device:
-        raise ValueError(f"cache_mask: expected device {device} (that of q), got {cache_mask.device}")
-    return cache_mask
+    return _check_exact("cache_mask", cache_mask, (torch.bool,), "bool", shape, device)
+
+
+def check_rows_have_slots(name: str, empty_rows: int, what: str = "real slot") -> None:
+    """``empty_rows``, the number of mask rows without a True slot (read from the device by the caller), is 0."""
+    if empty_rows:
+        raise ValueError(
+            f"{name}: {empty_rows} row(s) without a {what}; every sequence needs one (its new token's slot at least)"
+        )
+
+
+def reads_data() -> bool:
+    """Whether checks of preconditions on data (which read the device) run: in eager mode, yes; under
+    ``torch.compile`` they would break the graph (and CUDA graphs), so compiled callers are trusted."""
+    return not torch.compiler.is_compiling()
+
+
+def check_real_slots(cache_mask: torch.Tensor) -> None:
+    """Every row of a ``[B, L]`` bool ``cache_mask`` has a real slot (a softmax over no slot is undefined).
+
+    Reads the device once (a synchronisation on CUDA): the precondition is data, not shape (see
+    :func:`reads_data`)."""
+    if cache_mask.shape[0] and reads_data():
+        check_rows_have_slots("cache_mask", int((~cache_mask.any(-1)).sum()))
+
+
+def check_positions(name: str, x: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Token positions: an int32/int64 tensor of exactly ``shape`` on ``device`` (their signs are data: the caller
+    reads them with the rest of its preconditions)."""
+    return _check_exact(name, x, (torch.int32, torch.int64), "int32/int64", shape, device)
 
 
 def check_decode_cache(q: object, k_cache: object, v_cache: object) -> tuple[int, int, int, int, int]:
-    """One query token ``q [B, 1, HQ, K]`` against a cache ``k_cache [B, L, H, K]``, ``v_cache [B, L, H, V]``
-    on the device of ``q``, ``HQ % H == 0``. Returns ``(B, L, HQ, H, K)``."""
+    """One query token ``q [B, 1, HQ, K]`` against a cache ``k_cache [B, L, H, K]``, ``v_cache [B, L, H, V]``,
+    floating and on the device of ``q`` (the caches may be kept in another float dtype than ``q``), with
+    ``HQ`` a positive multiple of ``H`` and non-empty head dims. Returns ``(B, L, HQ, H, K)``."""
     check_tensor("q", q, 4)
     B, _, HQ, K = q.shape
     if q.shape[1] != 1:
@@ -192,6 +243,22 @@ def check_decode_cache(q: object, k_cache: object, v_cache: object) -> tuple[int
     check_like("k_cache", k_cache, (B, L, H, K), q.device)
     check_tensor("v_cache", v_cache, 4)
     check_like("v_cache", v_cache, (B, L, H, v_cache.shape[3]), q.device)
-    if H == 0 or HQ % H != 0:
-        raise ValueError(f"q: the number of query heads ({HQ}) must be a multiple of the key/value heads ({H})")
+    check_heads(HQ, H)
+    for name, dim in (("k_cache", K), ("v_cache", v_cache.shape[3])):
+        if dim == 0:
+            raise ValueError(f"{name}: head dimensions must be non-empty")
     return B, L, HQ, H, K
+
+
+def check_step_token(
+    q: torch.Tensor, k: object, v: object, heads: int, key_dim: int, value_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's new token: ``k [B, 1, H, K]``, ``v [B, 1, H, V]`` of exactly these shapes (a broadcasting
+    shape is refused), on the device and in the dtype of ``q [B, 1, HQ, K]``."""
+    B = q.shape[0]
+    check_like("k", k, (B, 1, heads, key_dim), q.device)
+    check_like("v", v, (B, 1, heads, value_dim), q.device)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (that of q), got {x.dtype}")
+    return k, v

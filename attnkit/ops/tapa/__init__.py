@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from attnkit.ops.common.utils import segment_bounds
-from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, resolve_backend
+from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, resolve_backend
 from attnkit.ops.tapa.decoding import tapa_decode_step
-from attnkit.ops.tapa.torch_impl import check_theta, tapa_split, tapa_torch
+from attnkit.ops.tapa.torch_impl import check_alpha, check_theta, tapa_split, tapa_torch
 
 __all__ = ["tapa_attention", "tapa_decode_step"]
 
@@ -39,7 +39,9 @@ def tapa_attention(
         k: ``[B, T, H, D]`` with ``HQ % H == 0``; query head ``h`` reads key head ``h // (HQ // H)``.
         v: ``[B, T, H, V]``.
         theta: fraction of each head used for the amplitude; both parts must be non-empty.
-        alpha: exponent of the distance, finite and ``>= 0``.
+        alpha: exponent of the distance, finite and ``>= 0``, with ``(L − 1)^alpha <= 2^16`` for the longest
+            sequence ``L`` (alpha = 1 up to 65537 tokens, alpha = 0.5 up to 4·10^9; alpha = 50 two tokens): past it
+            the float32 phase ``d^alpha·(q_P·k_P)/sqrt(dP)`` is rounding noise, or NaN once ``d^alpha`` overflows.
         cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); positions restart at 0
             in each sequence.
         backend: ``"auto"`` (the Triton kernels for CUDA tensors of float16 / bfloat16 / float32 with head
@@ -53,9 +55,15 @@ def tapa_attention(
     B, T, _, D = q.shape
     theta = check_theta(theta, D)
     amp_dim, phase_dim = tapa_split(theta, D)
-    alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
+    bounds = segment_bounds(cu_seqlens, T)
+    longest = T if cu_seqlens is None else max(eos - bos for bos, eos in bounds)
+    alpha = check_alpha(alpha, longest - 1)
+    if longest <= 2:
+        # Distances 0 and 1 only, whose powers (0 and 1) do not depend on alpha: 1 computes the same function and
+        # keeps the kernels' padding rows finite (64^alpha overflows float32 from alpha = 22 on).
+        alpha = 1.0
     dims = dict(head_dims=(D, v.shape[-1]), max_head_dim=MAX_HEAD_DIM)
     use = resolve_backend(backend, "tapa_attention", q.device, has_triton=True, dtype=q.dtype, **dims)
     if B == 0 or T == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
@@ -65,4 +73,4 @@ def tapa_attention(
         from attnkit.ops.tapa.parallel import tapa_triton
 
         return tapa_triton(q, k, v, amp_dim, alpha, cu_seqlens)
-    return tapa_torch(q, k, v, amp_dim, alpha, segment_bounds(cu_seqlens, T))
+    return tapa_torch(q, k, v, amp_dim, alpha, bounds)

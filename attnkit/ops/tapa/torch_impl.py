@@ -39,6 +39,28 @@ def check_theta(theta: object, head_dim: int) -> float:
     return theta
 
 
+# The largest distance power d^alpha a call may need: 2^16. The phase d^alpha·(q_P·k_P)/sqrt(dP) (in cycles) is
+# ill-conditioned in d^alpha, whatever the formulation: its float32 rounding, 2^-24 of the phase, turns into
+# 2^-24·d^alpha cycles of error per unit of (q_P·k_P)/sqrt(dP). At the bound float32 is ~1e-3 (output) and ~1e-1
+# (gradients) from float64 for unit-variance inputs (alpha = 16 at T = 3, alpha = 8 at T = 5); the kernels reduce the
+# phase exactly up to 2^22 cycles, phase products up to 64·sqrt(dP); past the bound the cosine is rounding noise,
+# and NaN once d^alpha overflows float32 (alpha = 50 from d = 6: the NaN this bound turns into a ValueError).
+MAX_DISTANCE_POWER_LOG2 = 16
+
+
+def check_alpha(alpha: object, max_distance: int) -> float:
+    """``alpha >= 0``, finite, with ``max_distance^alpha <= 2^16`` (``MAX_DISTANCE_POWER_LOG2``): alpha = 1 reaches
+    distances of 65536, alpha = 0.5 of 4·10^9, alpha = 50 of 1 (two tokens)."""
+    alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
+    if max_distance > 1 and alpha * math.log2(max_distance) > MAX_DISTANCE_POWER_LOG2:
+        reach = 2 ** (MAX_DISTANCE_POWER_LOG2 / alpha)
+        raise ValueError(
+            f"alpha: distance {max_distance} to the power {alpha} exceeds 2^{MAX_DISTANCE_POWER_LOG2}, past which a "
+            f"float32 phase is rounding noise (or NaN); alpha = {alpha} reaches distances up to {int(reach)}"
+        )
+    return alpha
+
+
 def _reversed_phase_table(
     seq_len: int, block: int, alpha: float, phase_dim: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:

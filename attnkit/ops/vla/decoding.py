@@ -14,7 +14,7 @@ import torch
 
 from attnkit.ops.common.delta import TRITON_MAX_HEAD_DIM
 from attnkit.ops.common.utils import compute_dtype
-from attnkit.ops.common.validation import check_like, check_qkv, check_scalar, check_state, resolve_backend
+from attnkit.ops.common.validation import check_like, check_scalar, check_state, check_step_qkv, resolve_backend
 
 VLAState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -51,11 +51,7 @@ def vla_decode_step(
     Returns:
         ``o [B, 1, H, V]`` in ``v.dtype`` and the new ``(S, A, n)`` in float32 (float64 for float64 inputs).
     """
-    check_qkv(q, k, v, same_heads=True)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    if T != 1:
-        raise ValueError(f"q: expected one token per sequence, [B, 1, H, K], got shape {list(q.shape)}")
+    B, _, H, K, V = check_step_qkv(q, k, v, same_heads=True)
     check_like("u", u, (B, 1, H, K), q.device)
     lam0 = check_scalar("lam0", lam0, low=0.0)
     eps = check_scalar("eps", eps, low=0.0)

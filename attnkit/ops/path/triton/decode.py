@@ -27,13 +27,14 @@ from attnkit.ops.common.triton_utils import LOG2E, block_dim
 @triton.jit
 def path_decode_kernel(
     q, k_cache, v_cache, w, beta, g_cache, cache_mask, o, o_part, m_part, l_part,
-    t, split_size, scale_log2, CAP,
+    t, split_size, scale_log2, CAP, MASK_STRIDE,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BG: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
     USE_G: tl.constexpr, USE_MASK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """``q [B, HQ, K]``, caches ``k_cache [B, CAP, H, K]`` (updated in place), ``v_cache [B, CAP, H, V]``,
-    ``w [B, H, K]``, ``beta [B, H]``, ``g_cache [B, CAP, HQ]`` float32 cumulative gates, ``cache_mask [B, CAP]``.
+    ``w [B, H, K]``, ``beta [B, H]``, ``g_cache [B, CAP, HQ]`` float32 cumulative gates, ``cache_mask [B, M]``
+    (``t < M ≤ CAP``, row stride ``MASK_STRIDE``).
     Slots ``[0, t)`` are carried across the new transition; slot ``t`` (the new token, already written) is not.
     Grid ``(H, splits, B)``."""
     i_h, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -76,7 +77,7 @@ def path_decode_kernel(
             b_s += (b_gq[:, None] - b_gk) * 1.4426950408889634
         m_vis = m_n
         if USE_MASK:
-            m_vis = m_vis & (tl.load(cache_mask + i_b64 * CAP + o_n, mask=m_n, other=0) != 0)
+            m_vis = m_vis & (tl.load(cache_mask + i_b64 * MASK_STRIDE + o_n, mask=m_n, other=0) != 0)
         b_s = tl.where(m_vis[None, :], b_s, float("-inf"))
         b_acc, b_m, b_l = decode_softmax_step(b_s, b_v, b_acc, b_m, b_l, PRECISION)
 
@@ -98,8 +99,9 @@ def path_decode_fn(
     split_size: int | None = None,
 ) -> torch.Tensor:
     """Launch on trusted inputs: ``q [B, 1, HQ, K]``, ``w [B, 1, H, K]``, ``beta [B, 1, H]``, contiguous caches
-    whose slot ``t`` already holds the new token. Updates ``k_cache[:, :t]`` in place; returns ``o [B, 1, HQ, V]``
-    in ``v_cache.dtype``. ``split_size`` forces the slots per split (tests)."""
+    whose slot ``t`` already holds the new token, ``cache_mask [B, M]`` with unit column stride or None. Updates
+    ``k_cache[:, :t]`` in place; returns ``o [B, 1, HQ, V]`` in ``v_cache.dtype``. ``split_size`` forces the slots
+    per split (tests)."""
     B, CAP, H, K = k_cache.shape
     HQ, V = q.shape[2], v_cache.shape[-1]
     BN, num_warps, num_stages = decode_config(K, V)
@@ -108,7 +110,7 @@ def path_decode_fn(
     o_part, m_part, l_part = partials = split_partials(o, S)
     path_decode_kernel[(H, S, B)](
         q.contiguous(), k_cache, v_cache, w.contiguous(), beta.contiguous(), g_cache, cache_mask, o, o_part, m_part,
-        l_part, t, split_size, scale * LOG2E, CAP,
+        l_part, t, split_size, scale * LOG2E, CAP, 0 if cache_mask is None else cache_mask.stride(0),
         HQ=HQ, H=H, K=K, V=V, BG=block_dim(HQ // H), BK=block_dim(K), BV=block_dim(V), BN=BN,
         USE_G=g_cache is not None, USE_MASK=cache_mask is not None, SPLIT=S > 1,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
