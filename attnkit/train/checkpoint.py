@@ -103,8 +103,9 @@ def _link_snapshot_files(folder: str, only_missing: bool, names: Iterable[str]) 
 def write_snapshot(folder: str, tag: str, write: Callable[[str], None]) -> None:
     """Let ``write(path)`` fill a new, empty folder ``path``, then make it ``folder``'s snapshot atomically.
 
-    Every file ``write`` leaves in ``path`` gets the umask's mode and is fsynced; ``folder/<name>`` becomes (or stays) a link to
-    ``folder/snapshot/<name>``, and the snapshot it replaces is removed. ``tag`` (e.g. the step) names the folder.
+    Every file ``write`` leaves in ``path`` gets the umask's mode and is fsynced; ``folder/<name>`` becomes (or
+    stays) a link to ``folder/snapshot/<name>``, and the snapshot it replaces is removed. ``tag`` (e.g. the step)
+    names the folder.
     """
     os.makedirs(folder, exist_ok=True)
     name = f"{SNAPSHOT}-{tag}-{secrets.token_hex(4)}"

@@ -195,3 +195,23 @@ def test_extrapolate_a_bpe_language_model_run(tmp_path, capsys):
     assert main(["extrapolate", run, "--lengths", "16", "32", "--eval-tokens", "128"]) == 0
     out = capsys.readouterr().out
     assert "lm, trained at 16" in out and "non-overlapping" in out
+
+
+def test_grad_checkpointing_trains_the_same(tmp_path, monkeypatch):
+    calls = []
+    real = trainer.build_model
+
+    def watched_build(*args, **kwargs):
+        model = real(*args, **kwargs)
+        enable = model.gradient_checkpointing_enable
+        model.gradient_checkpointing_enable = lambda **kw: (calls.append(kw), enable(**kw))[1]
+        return model
+
+    monkeypatch.setattr(trainer, "build_model", watched_build)
+    plain = train(tiny(tmp_path, "plain", steps=3, num_layers=2))
+    checkpointed = train(tiny(tmp_path, "checkpointed", steps=3, num_layers=2, grad_checkpointing=True))
+    assert len(calls) == 1 and checkpointed.model.is_activation_checkpointing
+    assert checkpointed.loss == pytest.approx(plain.loss, rel=1e-6)
+    a, b = params(plain.model), params(checkpointed.model)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
