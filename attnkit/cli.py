@@ -44,55 +44,76 @@ def _table(args: argparse.Namespace) -> int:
     return 0
 
 
+# Fields whose command-line default depends on the device: on CPU the demo's setting (see config_from_args).
+def _cpu_defaults(task: str) -> dict:
+    from .experiments.demo import CPU_SETTING
+
+    defaults = {k: CPU_SETTING[k] for k in ("steps", "batch_size", "lr")}
+    if task == "flipflop":  # the demo's task
+        defaults["task_options"] = {"seq_len": CPU_SETTING["seq_len"]}
+    return defaults
+
+
 def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None:
-    d = TrainConfig()
-    p.add_argument("--task", default=d.task, choices=sorted(TASKS), help="task (attnkit.tasks.TASKS)")
+    """The TrainConfig flags. Their defaults are SUPPRESS, so the namespace holds only the flags given and
+    ``config_from_args`` can layer them over ``--config`` and the defaults."""
+    # the fields' defaults, read without building a TrainConfig (whose checks import the models)
+    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    off = argparse.SUPPRESS
+
+    def add(*flags, help: str, default=None, **kwargs) -> None:
+        shown = "" if default is None else f" (default: {default})"
+        p.add_argument(*flags, default=off, help=help + shown, **kwargs)
+
     p.add_argument(
+        "--config", default=None, metavar="FILE", help="YAML or JSON file of TrainConfig fields; flags override it"
+    )
+    add("--task", choices=sorted(TASKS), help="task (attnkit.tasks.TASKS)", default=d.task)
+    add(
         "--task-option",
         action="append",
-        default=[],
         metavar="KEY=JSON",
         help="extra task constructor option, e.g. --task-option p_ignore=0.8 (repeatable)",
     )
-    p.add_argument("--seq-len", type=int, default=0, help="task sequence length (0: the task's default)")
+    add("--seq-len", type=int, help="task sequence length (default: the task's; flipflop on CPU: the demo's 64)")
     if single_mixer:
-        p.add_argument("--mixer", nargs="+", default=[d.mixer], choices=MIXERS, help="mixer, or one per layer")
-    p.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width")
-    p.add_argument("--num-layers", type=int, default=d.num_layers, help="layers")
-    p.add_argument("--num-heads", type=int, default=d.num_heads, help="heads")
-    p.add_argument(
+        add("--mixer", nargs="+", choices=MIXERS, help="mixer, or one per layer", default=d.mixer)
+    add("--hidden-size", type=int, help=f"model width (default: --init-from's, else {d.hidden_size})")
+    add("--num-layers", type=int, help=f"layers (default: --init-from's, else {d.num_layers})")
+    add("--num-heads", type=int, help=f"heads (default: --init-from's, else {d.num_heads})")
+    add(
         "--model-option",
         action="append",
-        default=[],
         metavar="KEY=JSON",
         help="extra AttnKitConfig keyword, e.g. --model-option backend='\"torch\"' (repeatable)",
     )
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch size (split over ranks)")
+    add("--init-from", metavar="PATH", help="start from this saved attnkit model (a run folder, a from_llama save)")
+    add("--steps", type=int, help="optimizer steps", default=f"{d.steps}; on CPU: the demo's 600")
+    add("--batch-size", type=int, help="global batch size (split over ranks)", default=d.batch_size)
+    add("--grad-accum", type=int, help="micro-batches per optimizer step (same global batch)", default=d.grad_accum)
     if single_mixer:
-        p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (matrices only)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warmup steps")
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr (cosine)")
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient-norm clip (0: off)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of model, data and test sets")
-    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="device")
-    p.add_argument("--no-bf16", action="store_true", help="disable bf16 autocast on GPU")
-    p.add_argument("--distributed", default=d.distributed, choices=["ddp", "fsdp"], help="mode under torchrun")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="evaluate every N steps (0: at the end)")
-    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size, help="evaluation chunk size")
-    p.add_argument("--log-every", type=int, default=d.log_every, help="log every N steps")
-    p.add_argument(
-        "--checkpoint-every", type=int, default=d.checkpoint_every, help="checkpoint every N steps (0: at the end)"
-    )
-    p.add_argument("--out", default="runs/train", help="run folder")
-    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt (it must exist)")
-    p.add_argument(
-        "--overwrite", action="store_true", help="move an earlier run in --out aside to <out>.old-<time>, then start"
-    )
-    p.add_argument("--stop-at", type=int, default=d.stop_at, help="stop after this step (0: run to --steps)")
-    p.add_argument("--profile", action="store_true", help="print the step-time fraction outside forward+backward")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+        add("--lr", type=float, help="peak learning rate", default=d.lr)
+    add("--weight-decay", type=float, help="AdamW weight decay (matrices only)", default=d.weight_decay)
+    add("--warmup-steps", type=int, help="linear warmup steps", default="min(100, steps // 10)")
+    add("--min-lr-ratio", type=float, help="final lr / peak lr (cosine)", default=d.min_lr_ratio)
+    add("--grad-clip", type=float, help="gradient-norm clip (0: off)", default=d.grad_clip)
+    add("--seed", type=int, help="seed of model, data and test sets", default=d.seed)
+    add("--device", choices=["auto", "cpu", "cuda"], help="device", default=d.device)
+    add("--no-bf16", action="store_true", help="disable bf16 autocast on GPU")
+    add("--distributed", choices=["ddp", "fsdp"], help="mode under torchrun", default=d.distributed)
+    add("--compile", action="store_true", help="torch.compile the model for the training steps")
+    add("--grad-checkpointing", action="store_true", help="recompute activations in the backward (less memory)")
+    add("--eval-every", type=int, help="evaluate every N steps (0: at the end)", default=d.eval_every)
+    add("--eval-batch-size", type=int, help="evaluation chunk size", default=d.eval_batch_size)
+    add("--log-every", type=int, help="log every N steps", default=d.log_every)
+    add("--checkpoint-every", type=int, help="checkpoint every N steps (0: at the end)", default=d.checkpoint_every)
+    add("--tensorboard", action="store_true", help="also log to <out>/tensorboard (needs attnkit[tensorboard])")
+    add("--out", help="run folder", default="runs/train")
+    add("--resume", action="store_true", help="continue from <out>/checkpoint.pt (it must exist)")
+    add("--overwrite", action="store_true", help="move an earlier run in --out aside to <out>.old-<time>, then start")
+    add("--stop-at", type=int, help="stop after this step (0: run to --steps)", default=d.stop_at)
+    add("--profile", action="store_true", help="print the step-time fraction outside forward+backward")
+    add("--quiet", action="store_true", help="no progress lines")
 
 
 def _options(pairs: list[str], name: str) -> dict:
@@ -108,48 +129,84 @@ def _options(pairs: list[str], name: str) -> dict:
     return out
 
 
-def config_from_args(args: argparse.Namespace, mixer, lr: float, out: str) -> TrainConfig:
-    task_options = _options(args.task_option, "--task-option")
-    if args.seq_len:
-        task_options["seq_len"] = args.seq_len
-    return TrainConfig(
-        task=args.task,
-        task_options=task_options,
-        mixer=mixer,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        model_options=_options(args.model_option, "--model-option"),
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        min_lr_ratio=args.min_lr_ratio,
-        grad_clip=args.grad_clip,
-        seed=args.seed,
-        device=args.device,
-        bf16=not args.no_bf16,
-        distributed=args.distributed,
-        eval_every=args.eval_every,
-        eval_batch_size=args.eval_batch_size,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        out=out,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        stop_at=args.stop_at,
-        profile=args.profile,
-        quiet=args.quiet,
-    )
+def load_config_file(path: str) -> dict:
+    """The TrainConfig fields in the YAML or JSON file ``path`` (a mapping of field names to values)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as err:
+        raise ValueError(f"--config: cannot read {path} ({err.strerror or err})") from None
+    import yaml  # pyyaml comes with transformers
+
+    kind = "JSON" if path.endswith(".json") else "YAML"
+    try:
+        values = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        raise ValueError(f"--config: {path} is not valid {kind}: {str(err).splitlines()[0]}") from None
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of TrainConfig fields, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"--config: {path} sets {unknown[0]!r}, which is no TrainConfig field; known: {sorted(known)}")
+    return values
+
+
+# Command-line destinations that are TrainConfig fields under the same name.
+_SAME_NAME = {f.name for f in dataclasses.fields(TrainConfig)} - {"task_options", "model_options", "mixer", "bf16"}
+
+
+def config_from_args(
+    args: argparse.Namespace, mixer=None, lr: float | None = None, out: str | None = None
+) -> TrainConfig:
+    """The TrainConfig of a ``train`` or ``compare`` run, from four layers, each over the one before:
+    TrainConfig's defaults (on CPU the demo's steps, batch size, learning rate and flip-flop length), the
+    ``--config`` file, the flags given, and ``mixer``, ``lr``, ``out`` (compare's per-run values).
+
+    With ``init_from``, the model's shape (hidden size, layers, heads, mixer) defaults to the saved model's.
+    """
+    from .train.distributed import resolve_device
+    from .train.hf_folder import saved_model_config
+
+    given = vars(args)
+    values = load_config_file(args.config) if args.config else {}
+    values.update({k: v for k, v in given.items() if k in _SAME_NAME})
+    values.setdefault("out", "runs/train")
+    if "mixer" in given:
+        values["mixer"] = given["mixer"][0] if len(given["mixer"]) == 1 else given["mixer"]
+    if "no_bf16" in given:
+        values["bf16"] = False
+    task_options = dict(values.get("task_options") or {})
+    task_options.update(_options(given.get("task_option", []), "--task-option"))
+    if "seq_len" in given:
+        task_options["seq_len"] = given["seq_len"]
+    model_options = dict(values.get("model_options") or {})
+    model_options.update(_options(given.get("model_option", []), "--model-option"))
+    values.update(task_options=task_options, model_options=model_options)
+    for key, value in (("mixer", mixer), ("lr", lr), ("out", out)):
+        if value is not None:
+            values[key] = value
+    task = values.get("task", TrainConfig.task)
+    if resolve_device(values.get("device", TrainConfig.device)) == "cpu":
+        for key, value in _cpu_defaults(task).items():
+            if key == "task_options":
+                values["task_options"] = {**value, **values["task_options"]}
+            else:
+                values.setdefault(key, value)
+    if values.get("init_from"):
+        saved = saved_model_config(values["init_from"])
+        shape = {"hidden_size": saved.hidden_size, "num_layers": saved.num_hidden_layers, "num_heads": saved.num_heads}
+        for key, value in {**shape, "mixer": saved.mixer}.items():
+            values.setdefault(key, value)
+    return TrainConfig(**values)
 
 
 def _train(args: argparse.Namespace) -> int:
     from .train import CheckpointError, NonFiniteLossError, RunFolderError, train
 
-    mixer = args.mixer[0] if len(args.mixer) == 1 else args.mixer
     try:
-        config = config_from_args(args, mixer, args.lr, args.out)
+        config = config_from_args(args)
     except ValueError as err:
         print(f"attnkit train: {err}", file=sys.stderr)
         return 2
@@ -236,9 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="train several mixers (and learning rates); table, JSON and plot", formatter_class=fmt
     )
     p.add_argument("--mixers", nargs="+", default=["path", "rope"], choices=MIXERS, help="mixers to compare")
-    p.add_argument("--lrs", nargs="+", type=float, default=[TrainConfig().lr], help="learning rates to sweep")
+    p.add_argument("--lrs", nargs="+", type=float, default=[TrainConfig.lr], help="learning rates to sweep")
     _add_train_arguments(p, single_mixer=False)
-    p.set_defaults(func=_compare, out="runs/compare")
+    p.set_defaults(func=_compare, out="runs/compare")  # the folder of the runs; each run's out is set by compare
 
     from .experiments import demo
 

@@ -8,8 +8,8 @@ per-token accuracy.
 
 Training lengths are uniform in ``[min_len, max_len]`` (default 1-64); shorter sequences are padded on the right
 with ``PAD`` (labels -100), so ``seq_len = 2 * max_len + 3``. Test sets ``len{n}`` hold strings of exactly ``n``
-letters (unpadded, length ``2n + 3``), by default at n = 16, 32, 64, 128, 192, 256 (up to 4x the longest
-training string).
+letters (unpadded, length ``2n + 3``), by default at n = 1/4, 1/2, 1, 2, 3 and 4 times ``max_len`` (16, 32, 64,
+128, 192, 256 for the default 64: up to 4x the longest training string).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from .base import IGNORE_INDEX, AccuracyTask, Batch
 
 PAD, BOS, SEP, EOS, FIRST_LETTER, NUM_LETTERS = 0, 1, 2, 3, 4, 26
+TEST_FRACTIONS = (0.25, 0.5, 1, 2, 3, 4)  # default test string lengths, in max_len
 
 
 def copy_sequences(lengths: torch.Tensor, generator: torch.Generator) -> Batch:
@@ -43,7 +44,7 @@ def copy_sequences(lengths: torch.Tensor, generator: torch.Generator) -> Batch:
 
 
 class Copying(AccuracyTask):
-    """Copying. Options: ``min_len`` (1), ``max_len`` (64), ``test_lengths`` (16, 32, 64, 128, 192, 256),
+    """Copying. Options: ``min_len`` (1), ``max_len`` (64), ``test_lengths`` (default ``TEST_FRACTIONS`` of max_len),
     ``test_size`` (sequences per test length, default 128)."""
 
     name = "copying"
@@ -54,12 +55,14 @@ class Copying(AccuracyTask):
         seed: int = 0,
         min_len: int = 1,
         max_len: int = 64,
-        test_lengths: tuple[int, ...] = (16, 32, 64, 128, 192, 256),
+        test_lengths: tuple[int, ...] | None = None,
         test_size: int = 128,
     ) -> None:
         super().__init__(seed)
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        if test_lengths is None:
+            test_lengths = tuple(dict.fromkeys(max(1, round(f * max_len)) for f in TEST_FRACTIONS))
         if any(n < 1 for n in test_lengths):
             raise ValueError(f"test_lengths must be positive, got {test_lengths}")
         self.min_len, self.max_len = min_len, max_len

@@ -39,6 +39,7 @@ NEEDLE_LEN = 8  # KEY k VAL d1..d5, and likewise QRY k ANS d1..d5
 NUM_DIGITS = 5
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 DEPTHS = tuple(i / 10 for i in range(11))
+TEST_MULTIPLIERS = (1, 2, 4, 8, 16)  # default test lengths, in training lengths
 
 
 def _filler(
@@ -113,7 +114,7 @@ def passkey_batch(
 class Passkey(Task):
     """Passkey retrieval. Options: ``seq_len`` (training length, default 512), ``num_keys`` (key names, 64),
     ``num_needles`` (1 + distractors, default 1), ``num_queries`` (default 1), ``haystack`` ("noise" or "text"),
-    ``text`` (haystack text for "text"), ``test_lengths`` (default 512, 1024, 2048, 4096, 8192: up to 16x),
+    ``text`` (haystack text for "text"), ``test_lengths`` (default 1, 2, 4, 8 and 16 times ``seq_len``),
     ``test_size`` (sequences per L × δ cell, default 16)."""
 
     name = "passkey"
@@ -127,10 +128,11 @@ class Passkey(Task):
         num_queries: int = 1,
         haystack: str = "noise",
         text: str | None = None,
-        test_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192),
+        test_lengths: tuple[int, ...] | None = None,
         test_size: int = 16,
     ) -> None:
         super().__init__(seed)
+        test_lengths = tuple(m * seq_len for m in TEST_MULTIPLIERS) if test_lengths is None else test_lengths
         if not 1 <= num_queries <= num_needles <= num_keys:
             raise ValueError(
                 f"need 1 <= num_queries <= num_needles <= num_keys, got {num_queries}, {num_needles}, {num_keys}"

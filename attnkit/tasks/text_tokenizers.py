@@ -64,6 +64,13 @@ class BPETokenizer:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(path))
 
+    @property
+    def backend(self):
+        """A copy of the ``tokenizers.Tokenizer`` behind it."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self._tok.to_str())
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 

@@ -4,8 +4,9 @@ from .checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     load_checkpoint,
+    remove_stale_snapshots,
     remove_stale_temporaries,
-    save_atomic,
+    write_snapshot,
     write_text_atomic,
 )
 from .distributed import DistInfo, setup_distributed
@@ -34,9 +35,10 @@ __all__ = [
     "load_checkpoint",
     "lr_at",
     "open_run_folder",
+    "remove_stale_snapshots",
     "remove_stale_temporaries",
-    "save_atomic",
     "setup_distributed",
     "train",
+    "write_snapshot",
     "write_text_atomic",
 ]

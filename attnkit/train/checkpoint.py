@@ -1,9 +1,14 @@
-"""Atomic checkpoints: write a temporary file in the same folder, fsync it, then ``os.replace`` it into place.
+"""Atomic writes: a temporary file (or folder) in the same folder, fsynced, then renamed into place.
 
-A crash mid-write leaves the previous checkpoint untouched; a write that fails removes its temporary file, and
-one that a SIGKILL interrupts leaves it to ``remove_stale_temporaries``, which a run calls when it starts.
-Files get the mode the umask gives (as ``open`` would), not ``mkstemp``'s 0600. Checkpoints hold only tensors,
-numbers, strings and containers of them, so they load with ``torch.load(weights_only=True)``.
+A crash mid-write leaves the previous file untouched; a write that fails removes its temporary file, and one
+that a SIGKILL interrupts leaves it to ``remove_stale_temporaries``, which a run calls when it starts. Files get
+the mode the umask gives (as ``open`` would), not ``mkstemp``'s 0600. Checkpoints hold only tensors, numbers,
+strings and containers of them, so they load with ``torch.load(weights_only=True)``.
+
+Snapshots: files that must change together (the checkpoint and the Hugging Face model beside it) are written
+into a fresh folder ``<folder>/snapshot-<step>-<id>``; one ``os.replace`` of the symbolic link
+``<folder>/snapshot`` then switches all of them at once, and ``<folder>/<name>`` is a link to
+``snapshot/<name>``. A reader of the folder sees the old snapshot or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import glob
 import os
 import pickle
 import secrets
-from collections.abc import Iterable, Iterator
+import shutil
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 import torch
@@ -45,18 +51,16 @@ def _atomic_file(path: str) -> Iterator[IO[bytes]]:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    # Make the rename itself durable.
+    _fsync_folder(folder)
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make the renames and new entries of ``folder`` durable."""
     dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def save_atomic(obj: Any, path: str) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (readers see the old file or the new one, never a partial one)."""
-    with _atomic_file(path) as f:
-        torch.save(obj, f)
 
 
 def write_text_atomic(text: str, path: str) -> None:
@@ -70,6 +74,88 @@ def remove_stale_temporaries(folder: str, names: Iterable[str]) -> list[str]:
     stale = [p for name in names for p in glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".*.tmp"))]
     for p in stale:
         os.remove(p)
+    return stale
+
+
+SNAPSHOT = "snapshot"
+
+
+def _replace_link(target: str, path: str) -> None:
+    """Make ``path`` a symbolic link to ``target`` (relative to it) in one ``os.replace``."""
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
+def _link_snapshot_files(folder: str, only_missing: bool, names: Iterable[str]) -> None:
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.islink(path) and os.readlink(path) == os.path.join(SNAPSHOT, name):
+            continue
+        if not only_missing or not os.path.lexists(path):
+            _replace_link(os.path.join(SNAPSHOT, name), path)
+
+
+def write_snapshot(folder: str, tag: str, write: Callable[[str], None]) -> None:
+    """Let ``write(path)`` fill a new, empty folder ``path``, then make it ``folder``'s snapshot atomically.
+
+    Every file ``write`` leaves in ``path`` gets the umask's mode and is fsynced; ``folder/<name>`` becomes (or
+    stays) a link to ``folder/snapshot/<name>``, and the snapshot it replaces is removed. ``tag`` (e.g. the step)
+    names the folder.
+    """
+    os.makedirs(folder, exist_ok=True)
+    name = f"{SNAPSHOT}-{tag}-{secrets.token_hex(4)}"
+    tmp = os.path.join(folder, f"{name}.tmp")
+    os.mkdir(tmp)  # 0o777 & ~umask
+    try:
+        write(tmp)
+        files = sorted(os.listdir(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        for file in files:
+            with open(os.path.join(tmp, file), "rb") as f:
+                os.fchmod(f.fileno(), 0o666 & ~umask)  # some writers (safetensors) create their files 0600
+                os.fsync(f.fileno())
+        _fsync_folder(tmp)
+        os.rename(tmp, os.path.join(folder, name))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # New names get their links first (dangling until the switch), so the switch itself completes the set.
+    _link_snapshot_files(folder, only_missing=True, names=files)
+    link = os.path.join(folder, SNAPSHOT)
+    old = os.readlink(link) if os.path.islink(link) else None
+    if old is None and os.path.isdir(link):  # a copy that followed the links (shutil.copytree): move it aside
+        old = f"{SNAPSHOT}-copied-{secrets.token_hex(4)}"
+        os.rename(link, os.path.join(folder, old))
+    _replace_link(name, link)
+    _fsync_folder(folder)
+    _link_snapshot_files(folder, only_missing=False, names=files)  # plain files of an older layout
+    if old and old != name:
+        shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
+
+
+def remove_stale_snapshots(folder: str) -> list[str]:
+    """Remove the snapshot folders that are not ``folder``'s current snapshot (interrupted writes, or an old one a
+    kill left behind), and the temporary links of interrupted switches; relink the current snapshot's files.
+    Returns the removed paths."""
+    link = os.path.join(folder, SNAPSHOT)
+    current = os.readlink(link) if os.path.islink(link) else None
+    stale = [
+        p
+        for p in glob.glob(os.path.join(glob.escape(folder), f"{SNAPSHOT}-*"))
+        if os.path.basename(p) != current and os.path.isdir(p) and not os.path.islink(p)
+    ]
+    links = glob.glob(os.path.join(glob.escape(folder), "*." + "?" * 12 + ".tmp"))
+    stale += [p for p in links if os.path.islink(p)]
+    for p in stale:
+        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    if current is not None and os.path.isdir(os.path.join(folder, current)):
+        _link_snapshot_files(folder, only_missing=False, names=sorted(os.listdir(os.path.join(folder, current))))
     return stale
 
 

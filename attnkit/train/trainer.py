@@ -8,6 +8,8 @@ which DDP's gradient averaging divides back out), so N ranks compute the same gr
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import inspect
 import json
 import math
@@ -26,11 +28,13 @@ from .checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     load_checkpoint,
+    remove_stale_snapshots,
     remove_stale_temporaries,
-    save_atomic,
+    write_snapshot,
     write_text_atomic,
 )
 from .distributed import setup_distributed
+from .hf_folder import RUN_CONFIG_NAME, load_saved_model, saved_model_config, write_hf_model
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -48,27 +52,34 @@ class TrainConfig:
     model_options: dict[str, Any] = field(default_factory=dict)  # extra AttnKitConfig keywords
     steps: int = 1000
     batch_size: int = 32  # global batch, split over ranks
+    grad_accum: int = 1  # micro-batches per optimizer step; the global batch stays batch_size
     lr: float = 3e-3
     weight_decay: float = 0.1
-    warmup_steps: int = 100
+    warmup_steps: int | None = None  # linear warmup; None: min(100, steps // 10)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0  # 0: no clipping
     seed: int = 0
     device: str = "auto"  # "auto", "cpu" or "cuda"
     bf16: bool = True  # bf16 autocast, on GPU only
     distributed: str = "ddp"  # "ddp" or "fsdp" when launched by torchrun
+    init_from: str | None = None  # start from this saved attnkit model folder (a run folder, a from_llama save)
+    compile: bool = False  # torch.compile the model for the training steps
+    grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, same gradients)
     eval_every: int = 0  # 0: evaluate at the end only
     eval_batch_size: int = 64
     log_every: int = 50
     checkpoint_every: int = 0  # 0: checkpoint at the end only
-    out: str | None = None  # run folder: metrics.jsonl, final.json, checkpoint.pt
+    out: str | None = None  # run folder: metrics.jsonl, final.json, checkpoint.pt and the Hugging Face model
     resume: bool = False  # continue from <out>/checkpoint.pt (an error when there is none)
     overwrite: bool = False  # move an earlier run in <out> aside to <out>.old-<time> and start afresh
     stop_at: int = 0  # stop after this step (the schedule still spans `steps`); 0: run to `steps`
     profile: bool = False  # time forward+backward against the rest of the step
     quiet: bool = False  # no progress lines on stderr
+    tensorboard: bool = False  # also log to <out>/tensorboard (pip install 'attnkit[tensorboard]')
 
     def __post_init__(self) -> None:
+        if self.warmup_steps is None and isinstance(self.steps, int) and not isinstance(self.steps, bool):
+            self.warmup_steps = min(100, self.steps // 10)
         _validate(self)
 
 
@@ -93,6 +104,7 @@ RUN_FIELDS = frozenset(
         "grad_clip",
         "seed",
         "bf16",  # the precision of the run's arithmetic
+        "init_from",
     }
 )
 RESUMABLE_FIELDS = frozenset(
@@ -109,18 +121,25 @@ RESUMABLE_FIELDS = frozenset(
         "stop_at",
         "profile",
         "quiet",
+        "grad_accum",  # the global batch, and so the gradient, stays the same
+        "compile",
+        "grad_checkpointing",  # recomputes the same activations
+        "tensorboard",
     }
 )
 
 
 def resume_mismatches(saved: dict[str, Any], config: TrainConfig) -> list[str]:
-    """``"name: saved X, new Y"`` for every field of ``RUN_FIELDS`` where ``config`` differs from ``saved``."""
+    """``"name: saved X, new Y"`` for every field of ``RUN_FIELDS`` where ``config`` differs from ``saved``.
+
+    A field that ``saved`` lacks (one added after the run started) counts as its default, the behaviour before it.
+    """
     new = asdict(config)
-    missing = "(not saved)"
+    default = {f.name: f.default for f in fields(TrainConfig)}
     return [
-        f"{name}: saved {saved.get(name, missing)!r}, new {new[name]!r}"
+        f"{name}: saved {saved.get(name, default[name])!r}, new {new[name]!r}"
         for name in sorted(RUN_FIELDS)
-        if saved.get(name, missing) != new[name]
+        if saved.get(name, default[name]) != new[name]
     ]
 
 
@@ -179,19 +198,25 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"model_options: {key!r} is set by the field {_MODEL_FIELDS[key]}")
         if key not in known:
             raise ValueError(f"model_options: unknown AttnKitConfig keyword {key!r}; known: {sorted(known)}")
-    try:  # the model config's own checks; the vocabulary is the task's, unknown here
-        AttnKitConfig(
-            vocab_size=2**31 - 1,
-            hidden_size=c.hidden_size,
-            num_hidden_layers=c.num_layers,
-            num_heads=c.num_heads,
-            mixer=c.mixer,
-            **c.model_options,
-        )
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"model_options: {err}") from None
+    if c.init_from is not None:
+        _check_init_from(c)
+    else:
+        try:  # the model config's own checks; the vocabulary is the task's, unknown here
+            AttnKitConfig(
+                vocab_size=2**31 - 1,
+                hidden_size=c.hidden_size,
+                num_hidden_layers=c.num_layers,
+                num_heads=c.num_heads,
+                mixer=c.mixer,
+                **c.model_options,
+            )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"model_options: {err}") from None
     _int("steps", c.steps, 1)
     _int("batch_size", c.batch_size, 1)
+    _int("grad_accum", c.grad_accum, 1)
+    if c.batch_size % c.grad_accum:
+        raise ValueError(f"grad_accum: {c.grad_accum} micro-batches do not divide batch_size={c.batch_size}")
     _number("lr", c.lr, 0.0, low_open=True)
     _number("weight_decay", c.weight_decay, 0.0)
     _int("warmup_steps", c.warmup_steps, 0)
@@ -207,15 +232,42 @@ def _validate(c: TrainConfig) -> None:
     _int("log_every", c.log_every, 1)
     _int("checkpoint_every", c.checkpoint_every, 0, note=" (0: at the end only)")
     _int("stop_at", c.stop_at, 0, c.steps, note=" (0: run to steps)")
-    for name in ("bf16", "resume", "overwrite", "profile", "quiet"):
+    for name in ("bf16", "resume", "overwrite", "profile", "quiet", "compile", "grad_checkpointing", "tensorboard"):
         if not isinstance(getattr(c, name), bool):
             raise ValueError(f"{name}: expected True or False, got {getattr(c, name)!r}")
     if c.out is not None and (not isinstance(c.out, str) or not c.out):
         raise ValueError(f"out: expected a folder path or None, got {c.out!r}")
+    if c.grad_checkpointing:
+        from ..models import AttnKitForCausalLM
+
+        if not AttnKitForCausalLM.supports_gradient_checkpointing:
+            raise ValueError("grad_checkpointing: this version of the attnkit model does not support it")
+    if c.tensorboard and c.out is None:
+        raise ValueError("tensorboard: needs a run folder (out) to write its event files into")
+    if c.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("tensorboard: the tensorboard package is missing: pip install 'attnkit[tensorboard]'")
     if (c.resume or c.overwrite) and c.out is None:
         raise ValueError(f"{'resume' if c.resume else 'overwrite'}: needs a run folder (out)")
     if c.resume and c.overwrite:
         raise ValueError("resume, overwrite: pass one of them, not both")
+
+
+def _check_init_from(c: TrainConfig) -> None:
+    """``init_from`` names a saved attnkit model whose shape is the one ``c`` asks for."""
+    if not isinstance(c.init_from, str) or not c.init_from:
+        raise ValueError(f"init_from: expected a saved model folder or None, got {c.init_from!r}")
+    if not os.path.isdir(c.init_from):
+        raise ValueError(f"init_from: {c.init_from} is not a folder (a save_pretrained or run folder)")
+    saved = saved_model_config(c.init_from)
+    for name, key in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"), ("num_heads", "num_heads")):
+        if getattr(c, name) != getattr(saved, key):
+            raise ValueError(f"{name}: {getattr(c, name)!r}, but the model at init_from has {getattr(saved, key)!r}")
+    if saved.layer_mixers != ([c.mixer] * c.num_layers if isinstance(c.mixer, str) else list(c.mixer)):
+        raise ValueError(f"mixer: {c.mixer!r}, but the model at init_from has {saved.mixer!r}")
+    try:
+        saved_model_config(c.init_from, **c.model_options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model_options: {err}") from None
 
 
 @dataclass
@@ -282,6 +334,7 @@ def open_run_folder(config: TrainConfig, is_main: bool = True) -> dict[str, Any]
         os.rename(out, aside)
     if is_main and os.path.isdir(out):
         remove_stale_temporaries(out, RUN_FILES)
+        remove_stale_snapshots(out)
     return ckpt
 
 
@@ -300,8 +353,16 @@ def batch_generator(seed: int, step: int) -> torch.Generator:
 
 
 def build_model(config: TrainConfig, vocab_size: int, max_len: int) -> torch.nn.Module:
+    """The model ``config`` asks for: fresh (seeded by ``config.seed``) or loaded from ``config.init_from``."""
     from ..models import AttnKitConfig, AttnKitForCausalLM
 
+    if config.init_from is not None:
+        model = load_saved_model(config.init_from, **config.model_options)
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(
+                f"init_from: the model's vocabulary has {model.config.vocab_size} tokens, the task {vocab_size}"
+            )
+        return model
     options = {"max_position_embeddings": max(max_len, 2048), **config.model_options}
     model_config = AttnKitConfig(
         vocab_size=vocab_size,
@@ -339,6 +400,54 @@ def _load_model_state(model, optimizer, ckpt: dict, fsdp: bool) -> None:
     )
 
 
+def _gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """A context in which a backward pass all-reduces the gradients (``sync``) or only accumulates them."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not sync:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def forward_backward(
+    forward: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_scale: float,
+    grad_accum: int = 1,
+    autocast: contextlib.AbstractContextManager | None = None,
+    sync_model: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """Forward and backward of one rank's batch ``x, y [b, T]`` in ``grad_accum`` equal micro-batches.
+
+    The loss of a micro-batch is ``loss_scale`` times the sum of its token losses, so the accumulated
+    gradient is the one of the whole batch. Under DDP or FSDP (``sync_model``, the wrapped model; ``forward``
+    may be its compiled form) only the last backward all-reduces. Returns the detached total loss (float32).
+    """
+    if x.shape[0] % grad_accum:
+        raise ValueError(f"grad_accum: {grad_accum} micro-batches do not divide a rank's batch of {x.shape[0]}")
+    micro = x.shape[0] // grad_accum
+    total = torch.zeros((), device=x.device)
+    for i in range(grad_accum):
+        rows = slice(i * micro, (i + 1) * micro)
+        with _gradient_sync(sync_model or forward, i == grad_accum - 1):
+            with autocast or contextlib.nullcontext():
+                logits = forward(input_ids=x[rows], use_cache=False).logits
+            flat = logits.float().flatten(0, 1)
+            loss = F.cross_entropy(flat, y[rows].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") * loss_scale
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _tensorboard_writer(out: str, start_step: int):
+    from torch.utils.tensorboard import SummaryWriter
+
+    # A resumed run drops what the killed one logged after its checkpoint, as metrics.jsonl does.
+    return SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step or None)
+
+
 def _logged_by(line: str, step: int) -> bool:
     """Whether ``line`` of metrics.jsonl is a whole event of a step up to ``step``."""
     try:
@@ -351,9 +460,12 @@ def _logged_by(line: str, step: int) -> bool:
 def train(config: TrainConfig) -> TrainResult:
     """Train ``config.mixer`` on ``config.task``; see ``TrainConfig`` for every option.
 
-    Writes ``<out>/metrics.jsonl`` (one JSON object per log or eval event), ``<out>/final.json`` and
-    ``<out>/checkpoint.pt`` (atomic). Raises ``NonFiniteLossError`` naming the step when the loss or the gradient
-    norm turns NaN/inf; the checkpoint on disk then is the last good one.
+    Writes ``<out>/metrics.jsonl`` (one JSON object per log or eval event), ``<out>/final.json`` and, at every
+    checkpoint and at the end, ``<out>/checkpoint.pt`` with the Hugging Face model beside it (``config.json``,
+    ``model.safetensors``, ``generation_config.json``, the task's tokenizer and ``train_config.json``), all
+    switched in at once (see ``checkpoint.write_snapshot``), so ``AutoModelForCausalLM.from_pretrained(out)``
+    loads the run. Raises ``NonFiniteLossError`` naming the step when the loss or the gradient norm turns
+    NaN/inf; the checkpoint on disk then is the last good one.
     """
     # --- set-up: processes, device, task, model, optimizer -------------------------------------------------
     owns_group = not dist.is_initialized()
@@ -365,6 +477,8 @@ def train(config: TrainConfig) -> TrainResult:
         dist.barrier()  # the folder is in its final state before any rank writes to it
     task = get_task(config.task, seed=config.seed, **config.task_options)
     raw_model = build_model(config, task.vocab_size, task.seq_len).to(device)
+    if config.grad_checkpointing:
+        raw_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fsdp = info.enabled and config.distributed == "fsdp"
     model: torch.nn.Module = raw_model
     if fsdp:
@@ -377,6 +491,7 @@ def train(config: TrainConfig) -> TrainResult:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(raw_model, device_ids=[info.local_rank] if device.type == "cuda" else None)
+    forward = torch.compile(model) if config.compile else model
     decay = [p for p in raw_model.parameters() if p.dim() >= 2]
     no_decay = [p for p in raw_model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -414,11 +529,24 @@ def train(config: TrainConfig) -> TrainResult:
             with open(metrics_path) as f:
                 kept = [line for line in f if _logged_by(line, start_step)]
         write_text_atomic("".join(kept), metrics_path)
+    writer = _tensorboard_writer(out, start_step) if config.tensorboard and info.is_main else None
+    tokenizer = None
+    if out and info.is_main:
+        from ..tasks.hf_tokenizer import to_hf_tokenizer
+
+        tokenizer = to_hf_tokenizer(task)
 
     def log(event: dict[str, Any]) -> None:
         if out and info.is_main:
             with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(event) + "\n")
+        if writer is not None:
+            for key, value in event.items():
+                if isinstance(value, dict):
+                    for name, number in value.items():
+                        writer.add_scalar(f"{event['event']}/{key}/{name}", number, event["step"])
+                elif key not in ("event", "step"):
+                    writer.add_scalar(f"{event['event']}/{key}", value, event["step"])
 
     def evaluate() -> dict[str, dict[str, float]]:
         raw_model.eval()
@@ -447,7 +575,16 @@ def train(config: TrainConfig) -> TrainResult:
                 rng["cuda"] = torch.cuda.get_rng_state()
             state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
             state.update(format=CHECKPOINT_FORMAT, step=step, rng=rng, config=asdict(config))
-            save_atomic(state, ckpt_path)
+
+            def write(folder: str) -> None:
+                with open(os.path.join(folder, CHECKPOINT_NAME), "wb") as f:
+                    torch.save(state, f)
+                write_hf_model(folder, raw_model.config, model_state, tokenizer)
+                with open(os.path.join(folder, RUN_CONFIG_NAME), "w") as f:
+                    json.dump(asdict(config), f, indent=2)
+
+            # the checkpoint and the Hugging Face model beside it change together, in one rename
+            write_snapshot(out, f"{step:08d}", write)
         last_good = step
 
     def sync() -> None:
@@ -472,12 +609,7 @@ def train(config: TrainConfig) -> TrainResult:
             sync()
         t1 = time.perf_counter()
 
-        with autocast:
-            logits = model(input_ids=x, use_cache=False).logits
-        flat = logits.float().flatten(0, 1)
-        loss_sum = F.cross_entropy(flat, y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss_sum * (world / max(n_scored, 1))
-        loss.backward()
+        loss = forward_backward(forward, x, y, world / max(n_scored, 1), config.grad_accum, autocast, model)
         if config.profile:
             sync()
         t2 = time.perf_counter()
@@ -486,7 +618,7 @@ def train(config: TrainConfig) -> TrainResult:
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        step_loss = loss.detach() / world
+        step_loss = loss / world
         if info.enabled:
             dist.all_reduce(step_loss)
         loss_value, norm_value = step_loss.item(), float(grad_norm)
@@ -543,7 +675,7 @@ def train(config: TrainConfig) -> TrainResult:
     wall = time.perf_counter() - t_start
     # --- the end: final checkpoint, evaluation, summary ----------------------------------------------------------
     done = max(end, start_step)
-    if ckpt_path and done > start_step:
+    if ckpt_path and done > start_step and last_good != done:  # not twice at one step
         save(done)
     t_eval = time.perf_counter()
     metrics = evaluate()
@@ -570,6 +702,8 @@ def train(config: TrainConfig) -> TrainResult:
         write_text_atomic(
             json.dumps({"config": asdict(config), **result.to_json()}, indent=2), os.path.join(out, "final.json")
         )
+    if writer is not None:
+        writer.close()
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return result

@@ -43,10 +43,12 @@ def test_help_documents_defaults():
     parser = build_parser()
     sub = parser._subparsers._group_actions[0].choices
     assert {"train", "compare", "demo", "table"} <= set(sub)
-    text = sub["train"].format_help()
+    text = " ".join(sub["train"].format_help().split())
     for option in ("--task", "--mixer", "--steps", "--out", "--lr", "--batch-size", "--seq-len", "--profile"):
         assert option in text
-    assert "(default: 1000)" in text
+    assert "(default: 1000; on CPU: the demo's 600)" in text and "(default: min(100, steps // 10))" in text
+    for option in ("--config", "--init-from", "--grad-accum", "--compile", "--tensorboard", "--grad-checkpointing"):
+        assert option in text
 
 
 def test_python_m_attnkit_help():
@@ -101,6 +103,9 @@ def test_train_refuses_an_old_run_folder(tmp_path, capsys):
         ["--batch-size", "0"],
         ["--log-every", "0"],
         ["--device", "cuda"],
+        ["--grad-accum", "3"],
+        ["--init-from", "no/such/model"],
+        ["--config", "no/such/file.yaml"],
     ],
     ids=lambda f: "".join(f),
 )
@@ -114,6 +119,51 @@ def test_bad_flags_get_one_line_and_exit_2_before_anything_is_built(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("attnkit train: "), err
     assert not out.exists()
+
+
+def _config(argv: list[str]):
+    from attnkit.cli import config_from_args
+
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_config_file_under_explicit_flags(tmp_path, suffix):
+    path = tmp_path / f"run{suffix}"
+    settings = {"steps": 7, "lr": 0.01, "mixer": ["path", "rope"], "num_layers": 2, "task_options": {"seq_len": 32}}
+    if suffix == ".json":
+        path.write_text(json.dumps(settings))
+    else:
+        import yaml
+
+        path.write_text(yaml.safe_dump(settings))
+    config = _config(["--config", str(path), "--device", "cpu"])
+    assert (config.steps, config.lr, config.mixer, config.num_layers) == (7, 0.01, ["path", "rope"], 2)
+    assert config.task_options == {"seq_len": 32} and config.out == "runs/train"
+    config = _config(["--config", str(path), "--lr", "0.02", "--seq-len", "48", "--steps", "600", "--out", "R"])
+    assert (config.steps, config.lr, config.task_options, config.out) == (600, 0.02, {"seq_len": 48}, "R")
+    assert config.warmup_steps == 60
+
+
+def test_config_file_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stepz: 3\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'stepz'" in err and str(bad) in err
+    bad.write_text("steps: [1,\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+
+
+def test_cpu_defaults_are_the_demos():
+    from attnkit.experiments.demo import CPU_SETTING
+
+    config = _config(["--device", "cpu"])
+    assert (config.steps, config.batch_size, config.lr) == (CPU_SETTING["steps"], CPU_SETTING["batch_size"], 3e-3)
+    assert config.task_options == {"seq_len": CPU_SETTING["seq_len"]} and config.warmup_steps == 60
+    assert _config(["--device", "cpu", "--task", "passkey"]).task_options == {}
+    assert _config(["--device", "cpu", "--steps", "1000", "--seq-len", "512"]).task_options == {"seq_len": 512}
 
 
 @pytest.mark.parametrize("flags", [["--task", "bogus"], ["--mixer", "bogus"], ["--mixer", "path", "bogus"]])

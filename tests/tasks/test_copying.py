@@ -45,6 +45,12 @@ def test_test_sets_per_length():
         check_copy(x, y, {n})
 
 
+def test_default_test_lengths_follow_the_training_length():
+    assert Copying().test_lengths == (16, 32, 64, 128, 192, 256)
+    assert Copying(max_len=8).test_lengths == (2, 4, 8, 16, 24, 32)
+    assert list(Copying(max_len=2, test_size=2).test_sets()) == ["len1", "len2", "len4", "len6", "len8"]
+
+
 def test_reproducible_and_metric():
     check_reproducible(lambda seed: Copying(seed=seed, max_len=8, test_lengths=(4, 16), test_size=4))
     task = Copying(max_len=10)

@@ -76,6 +76,11 @@ def test_depth_grid_and_text_haystack():
             assert next(iter(needles.values()))[0] == round(depth * F)
 
 
+def test_default_test_lengths_follow_the_training_length():
+    assert Passkey().test_lengths == (512, 1024, 2048, 4096, 8192)
+    assert Passkey(seq_len=64).test_lengths == (64, 128, 256, 512, 1024)
+
+
 def test_reproducible_and_metric():
     check_reproducible(lambda seed: Passkey(seed=seed, seq_len=64, test_lengths=(64, 128), test_size=2))
     task = Passkey(seq_len=64, num_needles=3, num_queries=3, test_lengths=(64,), test_size=4)

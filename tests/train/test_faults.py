@@ -1,5 +1,6 @@
 """Fault injection: a run SIGKILLed at random moments, and once in the middle of a checkpoint write, then resumed,
-ends exactly where an uninterrupted run ends (bit for bit on CPU) and leaves nothing behind."""
+ends exactly where an uninterrupted run ends (bit for bit on CPU) and leaves nothing behind. After every kill the
+Hugging Face model in the run folder is complete and holds the checkpoint's weights, or neither is there."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer
 
 from attnkit.train import CHECKPOINT_NAME, TrainConfig, load_checkpoint
+from attnkit.train.checkpoint import SNAPSHOT
 from attnkit.train.trainer import RUN_FILES
 from tests.train.test_trainer import tiny
 
@@ -28,7 +32,7 @@ def _train_child(config: TrainConfig, in_write=None) -> None:
     from attnkit.train import train
 
     torch.set_num_threads(1)
-    if in_write is not None:  # hang inside save_atomic, the temporary file written but not yet renamed
+    if in_write is not None:  # hang inside a snapshot write, its checkpoint written but not yet switched to
         real_save = torch.save
 
         def save_then_hang(obj, f, *args, **kwargs):
@@ -39,6 +43,26 @@ def _train_child(config: TrainConfig, in_write=None) -> None:
 
         torch.save = save_then_hang
     train(config)
+
+
+HF_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+HF_FILES |= {"train_config.json"}
+
+
+def _check_model_matches_checkpoint(folder: str) -> int | None:
+    """The step of ``folder``'s checkpoint (None: none yet), after checking that the Hugging Face files are there
+    exactly when it is, and hold its weights."""
+    present = {name for name in HF_FILES | {CHECKPOINT_NAME} if os.path.exists(os.path.join(folder, name))}
+    assert present in (set(), HF_FILES | {CHECKPOINT_NAME}), present
+    if not present:
+        return None
+    ckpt = load_checkpoint(os.path.join(folder, CHECKPOINT_NAME))
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    assert weights.keys() == ckpt["model"].keys()
+    assert all(torch.equal(weights[k], ckpt["model"][k]) for k in weights)
+    assert AutoConfig.from_pretrained(folder).model_type == "attnkit"
+    assert len(AutoTokenizer.from_pretrained(folder)) == 5
+    return ckpt["step"]
 
 
 def _losses(folder: str) -> list[tuple[int, float]]:
@@ -88,8 +112,9 @@ def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_
         if p.exitcode == 0:
             break
         killed += 1
-        if os.path.exists(ckpt_path):
-            steps_seen.add(load_checkpoint(ckpt_path)["step"])
+        step = _check_model_matches_checkpoint(folder)
+        if step is not None:
+            steps_seen.add(step)
         stale_seen += os.path.isdir(folder) and any(f.endswith(".tmp") for f in os.listdir(folder))
     assert p.exitcode == 0
     # most kills came before the run could finish, in different steps, and some while a checkpoint was written
@@ -100,4 +125,7 @@ def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_
     assert want["model"].keys() == got["model"].keys()
     assert all(torch.equal(want["model"][k], got["model"][k]) for k in want["model"])
     assert _losses(folder) == _losses(straight)
-    assert sorted(os.listdir(folder)) == sorted(RUN_FILES)
+    assert _check_model_matches_checkpoint(folder) == 40
+    snapshot = os.readlink(os.path.join(folder, SNAPSHOT))
+    assert set(os.listdir(os.path.join(folder, snapshot))) == HF_FILES | {CHECKPOINT_NAME}
+    assert set(os.listdir(folder)) == set(RUN_FILES) | HF_FILES | {SNAPSHOT, snapshot}

@@ -12,7 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 import attnkit.train.trainer as trainer
-from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, save_atomic, train
+from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, train
+from attnkit.train.checkpoint import write_text_atomic
 from attnkit.train.trainer import RESUMABLE_FIELDS, RUN_FIELDS
 
 
@@ -62,8 +63,18 @@ def test_resume_is_bit_exact(tmp_path):
     assert json.load(open(tmp_path / "resumed" / "final.json"))["step"] == 6
 
 
-def _tree(folder) -> dict[str, bytes]:
-    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+def _tree(folder) -> dict[str, bytes | str]:
+    """Every entry below ``folder``: a file's bytes, a link's target."""
+    tree: dict[str, bytes | str] = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.islink(path):
+            tree[name] = os.readlink(path)
+        elif os.path.isdir(path):
+            tree.update({f"{name}/{k}": v for k, v in _tree(path).items()})
+        else:
+            tree[name] = open(path, "rb").read()
+    return tree
 
 
 def test_fresh_run_in_an_old_run_folder_is_refused(tmp_path):
@@ -133,6 +144,7 @@ BAD_VALUES = {
     "model_options": [{"bogus": 1}, {"vocab_size": 3}, {"rms_norm_eps": -1.0}, {"backend": "cuda"}, None],
     "steps": [-5, 0, 1.5],
     "batch_size": [0, -1],
+    "grad_accum": [0, -1, 1.5, 3],  # 3 does not divide the default batch of 32
     "lr": [0.0, -1e-3, float("nan"), float("inf"), "3e-3"],
     "weight_decay": [-1.0, float("nan")],
     "warmup_steps": [-1],
@@ -142,6 +154,9 @@ BAD_VALUES = {
     "device": ["tpu", "cuda"],
     "bf16": ["yes", 1],
     "distributed": ["deepspeed"],
+    "init_from": ["", 3, "/no/such/folder", "."],  # "." holds no config.json
+    "compile": ["yes"],
+    "grad_checkpointing": [1],
     "eval_every": [-1],
     "eval_batch_size": [0, -1],
     "log_every": [0, -1, 1.5, True],
@@ -152,6 +167,7 @@ BAD_VALUES = {
     "stop_at": [-1, 2000],
     "profile": [None],
     "quiet": ["no"],
+    "tensorboard": ["no", True],  # True without a run folder (out)
 }
 
 
@@ -202,21 +218,28 @@ def test_nan_guard_keeps_last_good_checkpoint(tmp_path, monkeypatch):
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    path = str(tmp_path / "ckpt.pt")
-    save_atomic({"step": 1, "w": torch.ones(3)}, path)
-    real_save = torch.save
+    real_save, saves = torch.save, []
 
-    def failing_save(obj, f, *args, **kwargs):
-        f.write(b"partial")
-        raise OSError("disk full")
+    def save_then_fail(obj, f, *args, **kwargs):
+        saves.append(obj["step"])
+        if len(saves) == 2:
+            f.write(b"partial")
+            raise OSError("disk full")
+        real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(torch, "save", save_then_fail)
     with pytest.raises(OSError, match="disk full"):
-        save_atomic({"step": 2, "w": torch.zeros(3)}, path)
+        train(tiny(tmp_path, "run", steps=4, checkpoint_every=2))
     monkeypatch.setattr(torch, "save", real_save)
-    assert os.listdir(tmp_path) == ["ckpt.pt"]
-    ckpt = torch.load(path, weights_only=True)
-    assert ckpt["step"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
+    assert saves == [2, 4]
+    assert load_checkpoint(str(tmp_path / "run" / "checkpoint.pt"))["step"] == 2
+    assert not [f for f in os.listdir(tmp_path / "run") if f.endswith(".tmp")]
+    path = str(tmp_path / "notes.txt")
+    write_text_atomic("one", path)
+    with pytest.raises(AttributeError):
+        write_text_atomic(None, path)  # fails inside the write
+    assert open(path).read() == "one"
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "run"]
 
 
 def test_a_run_removes_stale_temporary_files(tmp_path):
@@ -226,8 +249,16 @@ def test_a_run_removes_stale_temporary_files(tmp_path):
         p.write_bytes(b"partial")
     keep = tmp_path / "run" / "notes.tmp"
     keep.write_bytes(b"not ours")
+    current = os.readlink(tmp_path / "run" / "snapshot")
+    for name in ("snapshot-00000009-dead.tmp", "snapshot-00000002-beef"):  # a write cut short, one not switched to
+        os.mkdir(tmp_path / "run" / name)
+        (tmp_path / "run" / name / "checkpoint.pt").write_bytes(b"partial")
+        stale.append(tmp_path / "run" / name)
+    os.symlink("snapshot-00000002-beef", tmp_path / "run" / "snapshot.0123456789ab.tmp")  # a switch cut short
+    stale.append(tmp_path / "run" / "snapshot.0123456789ab.tmp")
     train(tiny(tmp_path, "run", resume=True))
-    assert not any(p.exists() for p in stale) and keep.exists()
+    assert not any(os.path.lexists(p) for p in stale) and keep.exists()
+    assert os.readlink(tmp_path / "run" / "snapshot") != current
     (tmp_path / "fresh").mkdir()
     (tmp_path / "fresh" / "checkpoint.pt.dead.tmp").write_bytes(b"partial")
     train(tiny(tmp_path, "fresh", steps=2))
@@ -247,11 +278,15 @@ def test_run_files_get_the_umask_mode(tmp_path):
     old = os.umask(0o027)
     try:
         train(tiny(tmp_path, "run", steps=2))
-        save_atomic({"step": 1}, str(tmp_path / "ckpt.pt"))
     finally:
         os.umask(old)
-    for path in [tmp_path / "ckpt.pt", *(tmp_path / "run" / name for name in trainer.RUN_FILES)]:
+    folder = tmp_path / "run"
+    snapshot = folder / os.readlink(folder / "snapshot")
+    files = [*(folder / name for name in trainer.RUN_FILES), *snapshot.iterdir()]
+    assert len(files) > len(trainer.RUN_FILES) + 5
+    for path in files:
         assert os.stat(path).st_mode & 0o777 == 0o640, path
+    assert os.stat(snapshot).st_mode & 0o777 == 0o750
 
 
 def _free_port() -> int:
@@ -278,12 +313,13 @@ def _ddp_worker(rank: int, world: int, port: int, config: TrainConfig, result_pa
         torch.save({"loss": result.loss, "params": state}, result_path)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_distributed_matches_single_process(tmp_path, mode):
-    """Two gloo ranks, each with half of the global batch, reach the single process's loss and parameters."""
+@pytest.mark.parametrize("mode,accum", [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)])
+def test_distributed_matches_single_process(tmp_path, mode, accum):
+    """Two gloo ranks, each with half of the global batch (in ``accum`` micro-batches, all-reduced once), reach
+    the single process's loss and parameters."""
     config = tiny(tmp_path, "single", steps=3, batch_size=8, mixer="rope", distributed=mode)
     single = train(config)
-    ddp_config = tiny(tmp_path, "ddp", steps=3, batch_size=8, mixer="rope", distributed=mode)
+    ddp_config = tiny(tmp_path, "ddp", steps=3, batch_size=8, mixer="rope", distributed=mode, grad_accum=accum)
     result_path = str(tmp_path / "ddp_result.pt")
     mp.spawn(_ddp_worker, args=(2, _free_port(), ddp_config, result_path), nprocs=2, join=True)
     got = torch.load(result_path, weights_only=True)
