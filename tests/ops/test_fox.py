@@ -163,11 +163,12 @@ def test_triton_varlen_matches_torch_backend(offsets, gated):
     check(actual, grads(partial(softmax_attention, cu_seqlens=cu, backend="torch"), inputs, do), torch.float32)
 
 
-# (BM, BN, num_warps, num_stages) of the GPU's shapes, and the other way round: several key blocks per query block
-# cross the diagonal, and several query blocks per key block.
+# (BM, BN, num_warps, num_stages) of the GPU (fwd_config and bwd_config at D <= 64 and above), and 64 x 32 blocks:
+# several key blocks per query block cross the diagonal, and several query blocks per key block.
 GPU_CONFIGS = {
+    "gpu-d64": ((128, 64, 8, 2), {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}),
+    "gpu-d128-d256": ((32, 32, 4, 2), {"dkdv": (32, 32, 8, 2), "dq": (128, 32, 8, 2)}),
     "query-blocks-longer": ((64, 32, 4, 2), {"dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}),
-    "gpu-blocks": ((128, 64, 8, 2), {"dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 2)}),
 }
 
 
@@ -307,3 +308,23 @@ def test_real_sizes_varlen_on_gpu():
     q, k, v, g, do = make(1, 12288, 8, 2, 128, 128, torch.bfloat16)
     actual = grads(partial(softmax_attention, cu_seqlens=cu, backend="triton"), (q, k, v, g), do)
     check(actual, grads(partial(softmax_attention, cu_seqlens=cu, backend="torch"), (q, k, v, g), do), torch.bfloat16)
+
+
+def test_benchmark_entry_runs_on_cpu(tmp_path, monkeypatch):
+    """``benchmarks/ops.py --ops fox`` on tiny shapes, held to the reference with every gradient, ``g`` included.
+
+    The harness runs in bfloat16, whose ``tl.dot`` the interpreter gets wrong: the PyTorch backend stands in for the
+    kernels here (the float32 / float16 tests above hold the kernels to it)."""
+    import json
+
+    from benchmarks import ops
+
+    monkeypatch.setitem(ops.REGISTRY["fox"].impls, "fox_triton", ops.Impl(ops._fox("torch")))
+    argv = ["--device", "cpu", "--ops", "fox", "--tokens", "32", "--seq-lens", "32", "--head-dims", "64"]
+    argv += ["--impls", "sdpa", "fox_triton", "--max-ms", "1e5", "--out", str(tmp_path), "--name", "smoke_fox"]
+    assert ops.main(argv) == 0
+    rows = {(r["impl"], r["mode"]): r for r in json.loads((tmp_path / "smoke_fox.json").read_text())["rows"]}
+    assert set(rows) == {(i, m) for i in ("sdpa", "fox_triton") for m in ("fwd", "fwdbwd")}
+    assert all(r["error"] is None and r["ms"] > 0 for r in rows.values())
+    errors = rows[("fox_triton", "fwdbwd")]["errors"]
+    assert set(errors) == {"o", "dq", "dk", "dv", "dg"} and max(errors.values()) < 1e-2, errors

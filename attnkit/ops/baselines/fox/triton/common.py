@@ -23,11 +23,14 @@ def program_block(cu_seqlens, offsets, N, T, HEADS: tl.constexpr, LOG_N: tl.cons
     if IS_VARLEN:
         i_n, i_blk = locate_block(offsets, tl.num_programs(0) - 1 - tl.program_id(0), N, LOG_N)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + tl.minimum(i_n + 1, N)).to(tl.int64)
-        return 0, tl.program_id(1), bos, (eos - bos).to(tl.int32), i_blk
-    i_bh = tl.program_id(1)
-    i_blk = tl.num_programs(0) - 1 - tl.program_id(0)
-    return (i_bh // HEADS).to(tl.int64), i_bh % HEADS, 0, T, i_blk
+        L = (tl.load(cu_seqlens + tl.minimum(i_n + 1, N)) - bos).to(tl.int32)
+        i_b, i_head = bos * 0, tl.program_id(1)
+    else:
+        i_bh = tl.program_id(1)
+        i_blk = tl.num_programs(0) - 1 - tl.program_id(0)
+        i_b, i_head, L = (i_bh // HEADS).to(tl.int64), i_bh % HEADS, T
+        bos = i_b * 0
+    return i_b, i_head, bos, L, i_blk
 
 
 def launch_grid(cu_seqlens: torch.Tensor | None, B: int, T: int, heads: int, block: int):
