@@ -119,6 +119,20 @@ def test_torch_backend_builds_no_t_by_t_tensor(monkeypatch):
     assert B * HQ * T * T > 8 * B * T * HQ * D  # the bound separates the two
 
 
+def test_torch_backend_ignores_autocast(monkeypatch):
+    """Under bfloat16 autocast the PyTorch backend still computes its tiles in float32: the same output and
+    gradients as without autocast."""
+    monkeypatch.setattr(torch_impl, "BLOCK_T", 16)
+    q, k, v, g, do = make(1, 70, 4, 2, 16, 16, device="cpu")
+    fn = partial(softmax_attention, backend="torch")
+    expected = grads(fn, (q, k, v, g), do)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        actual = grads(fn, (q, k, v, g), do)
+    for name, a, e in zip(NAMES, actual, expected):
+        assert a.dtype == torch.float32, name
+        assert_close(name, a, e, 1e-5)
+
+
 # B, T, HQ, H, K, V
 CASES = [
     (2, 2, 2, 2, 16, 16),

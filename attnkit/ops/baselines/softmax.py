@@ -64,9 +64,9 @@ def softmax_attention(
         cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); gates restart at 0 in each.
         backend: ``"auto"`` (the PyTorch backend for now, also on CUDA: the kernels have not run on a GPU yet),
             ``"torch"`` (SDPA without ``g``; with ``g`` a blockwise online softmax with a recomputing backward,
-            never more than a ``128 × 128`` tile of logits per head) or ``"triton"`` (fused FlashAttention-style
-            forward and backward kernels for CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; float16 /
-            bfloat16 / float32, head dims up to 256; with or without ``g``).
+            never more than a ``128 × 128`` tile of logits per head, ``512 × 512`` on CUDA) or ``"triton"``
+            (fused FlashAttention-style forward and backward kernels for CUDA tensors, or CPU tensors under
+            ``TRITON_INTERPRET=1``; float16 / bfloat16 / float32, head dims up to 256; with or without ``g``).
 
     Returns:
         ``o [B, T, HQ, V]`` in ``v.dtype``.

@@ -12,11 +12,13 @@ import math
 
 import torch
 
-from attnkit.ops.common.utils import compute_dtype
+from attnkit.ops.common.utils import autocast_off, compute_dtype
 
 # Rows and columns of a tile. Larger tiles mean fewer Python-level steps (each a handful of bmm and elementwise
-# ops); 128 keeps one [B*H, G*128, 128] tile and its work buffers in cache at B*H = 32.
+# ops); on CPU 128 keeps one [B*H, G*128, 128] tile and its work buffers in cache at B*H = 32. On CUDA each step is
+# a dozen kernel launches, so the tiles are larger (the memory is still bounded by the tile, not by T).
 BLOCK_T = 128
+BLOCK_T_CUDA = 512
 
 
 def _tile_logits(q, k, gq, gk, G, start, causal):
@@ -34,6 +36,8 @@ def _tile_logits(q, k, gq, gk, G, start, causal):
     return s
 
 
+# Autocast off: the tiles are computed in the dtype chosen here (float32), whatever autocast is on around the op.
+@autocast_off
 def _fox_fwd(q, k, v, gc, o, lse, scale, block):
     """One dense segment. ``q [B,H,G,L,K]``, ``k [B,H,L,K]``, ``v [B,H,L,V]``, ``gc [B,H,G,L]`` (the gate's
     cumulative sum, or None) in the compute dtype; writes ``o [B,H,G,L,V]`` and ``lse [B,H,G,L]``."""
@@ -63,6 +67,7 @@ def _fox_fwd(q, k, v, gc, o, lse, scale, block):
         lse[:, :, :, start:end] = (row_max + row_sum.log()).view(B, H, G, rows)
 
 
+@autocast_off
 def _fox_bwd(q, k, v, gc, do, lse, delta, scale, block):
     """One dense segment; shapes as in :func:`_fox_fwd`, ``do`` like ``o``, ``delta = rowsum(dO ⊙ O)``.
     Returns ``dq [B,H,G,L,K]``, ``dk [B,H,L,K]``, ``dv [B,H,L,V]`` and ``dG [B,H,G,L]`` (the gradient of the
@@ -164,6 +169,6 @@ def fox_torch(
 ) -> torch.Tensor:
     """FoX (softmax attention without ``g``) on trusted inputs: ``q [B,T,HQ,K]``, ``k [B,T,H,K]``,
     ``v [B,T,H,V]``, ``g [B,T,HQ]`` or None; ``bounds`` are the ``(bos, eos)`` of the independent sequences along
-    ``T``; tiles of ``BLOCK_T``. Returns ``o [B,T,HQ,V]`` in ``v.dtype``, computed in float32 (float64 for float64
-    inputs)."""
-    return FoxFunction.apply(q, k, v, g, scale, bounds, BLOCK_T)
+    ``T``; tiles of ``BLOCK_T`` (``BLOCK_T_CUDA`` on CUDA). Returns ``o [B,T,HQ,V]`` in ``v.dtype``, computed in
+    float32 (float64 for float64 inputs)."""
+    return FoxFunction.apply(q, k, v, g, scale, bounds, BLOCK_T_CUDA if q.is_cuda else BLOCK_T)
