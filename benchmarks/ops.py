@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
-from attnkit.ops import path_attention, tapa_attention, vla_attention  # noqa: E402
+from attnkit.ops import path_attention, softmax_attention, tapa_attention, vla_attention  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
 from attnkit.ops.vla.naive import vla_naive  # noqa: E402
 from benchmarks.flex_tapa import causal_block_mask, compiled_flex_attention, tapa_flex  # noqa: E402
@@ -183,8 +183,23 @@ def _path_op(name: str) -> Op:
     )
 
 
-# One entry per op of the issues (TAPA 4, VLA 5, PaTH 3 with its gated form PaTH-FoX); a kernel variant joins its
-# op's ``impls``.
+def _fox(backend: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return softmax_attention(x["q"], x["k"], x["v"], x["g"], backend=backend)
+
+    return fn
+
+
+def _fla_parallel_forgetting_attn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """FLA's FoX kernel, the same function (it adds ``G_i − G_j`` unscaled too); its gate in float32, which the bf16
+    values upcast to exactly."""
+    from fla.ops.forgetting_attn.parallel import parallel_forgetting_attn
+
+    return parallel_forgetting_attn(x["q"], x["k"], x["v"], x["g"].float())
+
+
+# One entry per op of the issues (TAPA 4, VLA 5, PaTH 3 with its gated form PaTH-FoX, FoX 17); a kernel variant joins
+# its op's ``impls``.
 REGISTRY: dict[str, Op] = {
     "tapa": Op(
         make_inputs=lambda B, T, H, D: make_inputs("tapa", B, T, H, D),
@@ -216,6 +231,17 @@ REGISTRY: dict[str, Op] = {
     # TFLOP/s are SDPA-equivalent, so the ratio to SDPA is what the extra work costs.
     "path": _path_op("path"),
     "path_fox": _path_op("path_fox"),
+    # FoX (issue 17): softmax attention with the forget gate's bias G_i − G_j, against FLA's FoX kernel.
+    "fox": Op(
+        make_inputs=lambda B, T, H, D: make_inputs("fox", B, T, H, D),
+        reference=_fox("torch"),
+        impls={
+            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
+            "fox_triton": Impl(_fox("triton")),
+            "fla_parallel_forgetting_attn": Impl(_fla_parallel_forgetting_attn),
+        },
+        flops=causal_attention_flops,
+    ),
 }
 
 

@@ -30,7 +30,8 @@ def test_bench_budget_gives_long_steps_their_repetitions():
 def test_parse_args_defaults_and_quick():
     args = ops.parse_args([])
     assert args.seq_lens == list(ops.SEQ_LENS) and args.head_dims == [64, 128]
-    assert args.modes == ["fwd", "fwdbwd"] and args.ops == ["tapa", "vla", "path", "path_fox"] and args.impls is None
+    assert args.modes == ["fwd", "fwdbwd"] and args.impls is None
+    assert args.ops == ["tapa", "vla", "path", "path_fox", "fox"]
     assert (args.warmup, args.rep, args.name) == (25, 100, "ops")
     quick = ops.parse_args(["--quick", "--rep", "7", "--impls", "sdpa", "tapa_flex"])
     assert quick.seq_lens == list(ops.QUICK_SEQ_LENS) and (quick.warmup, quick.rep) == (10, 7)

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attnkit.ops.baselines.fox.torch_impl import fox_torch
 from attnkit.ops.common.utils import compute_dtype, repeat_kv, segment_bounds
 from attnkit.ops.common.validation import (
     check_cache_mask,
@@ -16,36 +17,27 @@ from attnkit.ops.common.validation import (
     check_qkv,
     check_real_slots,
     check_scalar,
+    resolve_backend,
 )
 
 
-def _softmax_dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """One dense batch; ``q [B,T,HQ,K]``, ``k [B,T,H,K]``, ``v [B,T,H,V]``, ``g [B,T,HQ]`` or None."""
+def _softmax_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention (no gate) of one dense batch through SDPA; ``q [B,T,HQ,K]``, ``k [B,T,H,K]``,
+    ``v [B,T,H,V]``."""
     groups = q.shape[2] // k.shape[2]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    if g is None:
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
-        )
-        return o.transpose(1, 2)
-    # FoX: the gate enters as an additive mask G_i − G_j. It is formed in float32 (float64 for float64
-    # inputs) because the cumulative sums grow with T and a half-precision difference would lose them.
-    dtype = compute_dtype(q, k, v)
-    T = q.shape[1]
-    gate = g.to(dtype).cumsum(1).transpose(1, 2)
-    bias = gate[..., :, None] - gate[..., None, :]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    bias = bias.masked_fill(~causal, -math.inf)
     o = F.scaled_dot_product_attention(
-        q.to(dtype).transpose(1, 2),
-        k.to(dtype).transpose(1, 2),
-        v.to(dtype).transpose(1, 2),
-        attn_mask=bias,
-        scale=scale,
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
     )
-    return o.transpose(1, 2).to(v.dtype)
+    return o.transpose(1, 2)
+
+
+# "auto" keeps the PyTorch backend on CUDA too until the FoX kernels have passed their GPU tests (they have only run
+# under Triton's interpreter so far); backend="triton" reaches them.
+AUTO_TRITON = False
+# Widest head dims the kernels are built for: one [BM, D] query tile, [BN, D] key and value tiles and a [BM, V]
+# accumulator stay in registers up to 256 with the smaller blocks of ``fwd_config``.
+TRITON_MAX_HEAD_DIM = 256
 
 
 def softmax_attention(
@@ -56,17 +48,26 @@ def softmax_attention(
     *,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Causal softmax attention with GQA; FoX when ``g`` is given.
+    """Causal softmax attention with GQA; FoX (the Forgetting Transformer) when ``g`` is given.
 
     Logit for ``j <= i``: ``scale · q_iᵀ k_j + (G_i − G_j)`` with ``G = cumsum(g)`` within each sequence
-    (the gate is not multiplied by ``scale``); without ``g`` the gate term is absent.
+    (the gate is not multiplied by ``scale``; FLA's ``parallel_forgetting_attn`` adds ``G_i − G_j`` unscaled
+    too); without ``g`` the gate term is absent. No backend builds a ``T × T`` tensor when ``g`` is given.
 
     Args:
-        q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]`` with ``HQ % H == 0``; v: ``[B, T, H, V]``.
-        g: ``[B, T, HQ]`` log forget gate (``<= 0`` in FoX; not checked), any float dtype, or None.
+        q: ``[B, T, HQ, K]``; k: ``[B, T, H, K]`` with ``HQ % H == 0`` (query head ``h`` reads key/value head
+            ``h // (HQ // H)``); v: ``[B, T, H, V]``; float32 / float16 / bfloat16 (float64 for tests).
+        g: ``[B, T, HQ]`` log forget gate (``<= 0`` in FoX; not checked), any float dtype, or None. Its
+            cumulative sum is taken in float32 (float64 for float64 inputs).
         scale: defaults to ``K ** -0.5``.
-        cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``).
+        cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); gates restart at 0 in each.
+        backend: ``"auto"`` (the PyTorch backend for now, also on CUDA: the kernels have not run on a GPU yet),
+            ``"torch"`` (SDPA without ``g``; with ``g`` a blockwise online softmax with a recomputing backward,
+            never more than a ``128 × 128`` tile of logits per head, ``512 × 512`` on CUDA) or ``"triton"``
+            (fused FlashAttention-style forward and backward kernels for CUDA tensors, or CPU tensors under
+            ``TRITON_INTERPRET=1``; float16 / bfloat16 / float32, head dims up to 256; with or without ``g``).
 
     Returns:
         ``o [B, T, HQ, V]`` in ``v.dtype``.
@@ -78,14 +79,22 @@ def softmax_attention(
     scale = K**-0.5 if scale is None else check_scalar("scale", scale, low=0.0)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    if T == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
+    dims = dict(head_dims=(K, v.shape[-1]), max_head_dim=TRITON_MAX_HEAD_DIM)
+    use = resolve_backend(
+        backend, "softmax_attention", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
+    )
+    if T == 0 or B == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
         inputs = (q, k, v) + (() if g is None else (g,))
-        return v.new_zeros(B, 0, HQ, v.shape[-1]) + sum(x.sum() for x in inputs).to(v.dtype)
-    outputs = [
-        _softmax_dense(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], None if g is None else g[:, bos:eos], scale)
-        for bos, eos in segment_bounds(cu_seqlens, T)
-        if eos > bos
-    ]
+        return v.new_zeros(B, T, HQ, v.shape[-1]) + sum(x.sum() for x in inputs).to(v.dtype)
+    if use == "triton":
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
+        from attnkit.ops.baselines.fox.parallel import fox_fwd_op
+
+        return fox_fwd_op(q, k, v, g, cu_seqlens, float(scale))[0]
+    bounds = segment_bounds(cu_seqlens, T)
+    if g is not None:
+        return fox_torch(q, k, v, g, scale, bounds)
+    outputs = [_softmax_sdpa(q[:, bos:eos], k[:, bos:eos], v[:, bos:eos], scale) for bos, eos in bounds if eos > bos]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 

@@ -27,3 +27,26 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
         return bos, (eos - bos).to(tl.int32)
     return i_n.to(tl.int64) * T, T
+
+
+def block_offsets(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
+    """The first block of each packed sequence cut into blocks of ``block`` positions, ``[N+1]`` int32 (the last
+    entry the total), computed on the device (no host sync). A launch over ``cdiv(T, block) + N`` programs covers
+    every block of every sequence; :func:`locate_block` maps a program to its block."""
+    counts = ((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) + (block - 1)) // block
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
+@triton.jit
+def locate_block(offsets, i_p, N, LOG_N: tl.constexpr):
+    """The sequence of global block ``i_p`` and the block's index in it, by binary search over ``offsets``
+    (:func:`block_offsets`; ``LOG_N = N.bit_length()`` steps): the last ``n`` with ``offsets[n] <= i_p``, which
+    skips empty sequences. Blocks past the total give ``n = N``."""
+    lo = i_p * 0
+    hi = lo + N
+    for _ in tl.static_range(LOG_N):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(offsets + mid) <= i_p
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    return lo, i_p - tl.load(offsets + lo)
