@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.machinery
 import sys
 from types import ModuleType
 
@@ -52,15 +51,19 @@ class _RegisterAfterExec(importlib.abc.Loader):
 
 
 class _RegisterWhenTransformersLoads(importlib.abc.MetaPathFinder):
-    """Finds transformers as the path finder does, with a loader that registers the models once it has run."""
+    """Finds transformers as the other finders do, with a loader that registers the models once it has run."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "transformers":
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegisterAfterExec(spec.loader)
-        return spec
+        for finder in sys.meta_path:  # the path finder, or an editable install's finder
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _RegisterAfterExec(spec.loader)
+                return spec
+        return None
 
 
 _HOOK = _RegisterWhenTransformersLoads()
