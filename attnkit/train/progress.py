@@ -152,7 +152,9 @@ class RunProgress:
         """Around one evaluation of ``batches`` model calls; yields the callable each call makes (a bar's tick)."""
         bar = None
         if self.bars:
-            bar = tqdm(total=batches, desc=f"{self.label} eval", unit="batch", file=self.stream, leave=False)
+            bar = tqdm(
+                total=batches, desc=f"{self.label} eval", unit="batch", file=self.stream, leave=False, mininterval=0.5
+            )
         t0 = time.perf_counter()
         try:
             yield (lambda: bar.update()) if bar is not None else (lambda: None)
