@@ -67,7 +67,7 @@ class _RegisterWhenTransformersLoads(importlib.abc.MetaPathFinder):
 
 
 _HOOK = _RegisterWhenTransformersLoads()
-if "transformers" in sys.modules:
+if sys.modules.get("transformers") is not None:  # None: made unimportable on purpose
     _register_models()
 else:
     sys.meta_path.insert(0, _HOOK)
