@@ -4,28 +4,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
+from collections.abc import Collection
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import torch
+from .registry import MIXER_NAMES, TASK_NAMES
 
-from .experiments import bench, evaluate, extrapolate, probe_state
-from .models import MIXERS
-from .tasks import TASKS
-from .train import TrainConfig
+if TYPE_CHECKING:
+    from .train import TrainConfig
 
-# Other experiments register themselves when their module exists: add_arguments(parser) and run(args) -> int.
-# command -> (module, help); each module has add_arguments(parser) and run(args)
+# command -> (module of attnkit.experiments, help); each module has add_arguments(parser) and run(args) -> int.
+# A module is imported only when its command runs or shows its help, so start-up stays light.
 EXPERIMENTS = {
-    "extrapolate": (extrapolate, "length extrapolation: perplexity and passkey accuracy against evaluation length"),
-    "probe-state": (probe_state, "state-norm probe of the recurrent mixers (VLA, linear attention, DeltaNet)"),
-    "bench": (bench, "timing of the ops (CPU table; GPU kernel benchmarks)"),
-    "eval": (evaluate, "lm-eval-harness tasks on a run folder or save_pretrained model"),
+    "extrapolate": ("extrapolate", "length extrapolation: perplexity and passkey accuracy against evaluation length"),
+    "probe-state": ("probe_state", "state-norm probe of the recurrent mixers (VLA, linear attention, DeltaNet)"),
+    "bench": ("bench", "timing of the ops (CPU table; GPU kernel benchmarks)"),
+    "eval": ("evaluate", "lm-eval-harness tasks on a run folder or save_pretrained model"),
 }
 
 
 def _table(args: argparse.Namespace) -> int:
+    import torch
+
     from .cpu_bench import accuracy_rows, format_accuracy, format_timing, timing_rows
 
     if args.threads:
@@ -44,6 +48,18 @@ def _table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_defaults() -> SimpleNamespace:
+    """``TrainConfig``'s defaults, read off the dataclass (an instance would validate, which imports the models)."""
+    from .train import TrainConfig
+
+    return SimpleNamespace(
+        **{
+            f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(TrainConfig)
+        }
+    )
+
+
 # Fields whose command-line default depends on the device: on CPU the demo's setting (see config_from_args).
 def _cpu_defaults(task: str) -> dict:
     from .experiments.demo import CPU_SETTING
@@ -57,8 +73,7 @@ def _cpu_defaults(task: str) -> dict:
 def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None:
     """The TrainConfig flags. Their defaults are SUPPRESS, so the namespace holds only the flags given and
     ``config_from_args`` can layer them over ``--config`` and the defaults."""
-    # the fields' defaults, read without building a TrainConfig (whose checks import the models)
-    d = argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    d = _train_defaults()
     off = argparse.SUPPRESS
 
     def add(*flags, help: str, default=None, **kwargs) -> None:
@@ -68,7 +83,7 @@ def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None
     p.add_argument(
         "--config", default=None, metavar="FILE", help="YAML or JSON file of TrainConfig fields; flags override it"
     )
-    add("--task", choices=sorted(TASKS), help="task (attnkit.tasks.TASKS)", default=d.task)
+    add("--task", choices=TASK_NAMES, help="task (attnkit.tasks.TASKS)", default=d.task)
     add(
         "--task-option",
         action="append",
@@ -77,7 +92,7 @@ def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None
     )
     add("--seq-len", type=int, help="task sequence length (default: the task's; flipflop on CPU: the demo's 64)")
     if single_mixer:
-        add("--mixer", nargs="+", choices=MIXERS, help="mixer, or one per layer", default=d.mixer)
+        add("--mixer", nargs="+", choices=MIXER_NAMES, help="mixer, or one per layer", default=d.mixer)
     add("--hidden-size", type=int, help=f"model width (default: --init-from's, else {d.hidden_size})")
     add("--num-layers", type=int, help=f"layers (default: --init-from's, else {d.num_layers})")
     add("--num-heads", type=int, help=f"heads (default: --init-from's, else {d.num_heads})")
@@ -146,6 +161,8 @@ def load_config_file(path: str) -> dict:
     values = {} if values is None else values
     if not isinstance(values, dict):
         raise ValueError(f"--config: {path} must hold a mapping of TrainConfig fields, got {type(values).__name__}")
+    from .train import TrainConfig
+
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -153,8 +170,11 @@ def load_config_file(path: str) -> dict:
     return values
 
 
-# Command-line destinations that are TrainConfig fields under the same name.
-_SAME_NAME = {f.name for f in dataclasses.fields(TrainConfig)} - {"task_options", "model_options", "mixer", "bf16"}
+def _same_name_fields() -> set[str]:
+    """Command-line destinations that are TrainConfig fields under the same name."""
+    from .train import TrainConfig
+
+    return {f.name for f in dataclasses.fields(TrainConfig)} - {"task_options", "model_options", "mixer", "bf16"}
 
 
 def config_from_args(
@@ -166,12 +186,13 @@ def config_from_args(
 
     With ``init_from``, the model's shape (hidden size, layers, heads, mixer) defaults to the saved model's.
     """
+    from .train import TrainConfig
     from .train.distributed import resolve_device
     from .train.hf_folder import saved_model_config
 
     given = vars(args)
     values = load_config_file(args.config) if args.config else {}
-    values.update({k: v for k, v in given.items() if k in _SAME_NAME})
+    values.update({k: v for k, v in given.items() if k in _same_name_fields()})
     values.setdefault("out", "runs/train")
     if "mixer" in given:
         values["mixer"] = given["mixer"][0] if len(given["mixer"]) == 1 else given["mixer"]
@@ -219,16 +240,48 @@ def _train(args: argparse.Namespace) -> int:
         print(f"attnkit train: {err}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"step": result.step, "loss": result.loss, "metrics": result.metrics}, indent=2))
+        _print_run(config, result, args.json)
     return 0
+
+
+def _print_run(config: TrainConfig, result, as_json: bool) -> None:
+    """The run's results table (or final.json) on stdout; the plot of its evaluations beside its files."""
+    from .experiments.output import metrics_table, print_results
+    from .experiments.plots import plot_runs
+    from .train.progress import run_label
+
+    label = run_label(config)
+    png = plot_runs({label: config.out}, os.path.join(config.out, "metrics.png"), title=label)
+    summary = f"{label}: step {result.step}, loss {result.loss:.4f}, {result.wall_time_s:.1f} s training"
+    final = os.path.join(config.out, "final.json")
+    print_results(f"{summary}\n{metrics_table(result.metrics)}", final, [final, png], as_json)
 
 
 def _flat_metrics(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
     return {f"{s}/{k}": v for s, m in metrics.items() for k, v in m.items()}
 
 
+def _compare_table(rows: list[dict], metrics: list[dict[str, dict[str, float]]]) -> str:
+    """A row per run: mixer, lr, final loss, the headline metric per test set (or their mean), training time."""
+    from .train.progress import format_metric, headline_values
+
+    heads = [headline_values(m) for m in metrics]
+    columns = list(dict.fromkeys(c for _, values in heads for c in values))
+    metric = heads[0][0] or ""
+    width = max([len(metric), *map(len, columns)])
+    lines = [
+        f"{metric} on the test sets",
+        f"{'mixer':<10} {'lr':>8} {'loss':>8} " + " ".join(f"{c:>{width}}" for c in columns) + f" {'train s':>8}",
+    ]
+    for row, (name, values) in zip(rows, heads):
+        cells = " ".join(f"{format_metric(name, values[c]) if c in values else '-':>{width}}" for c in columns)
+        lines.append(f"{row['mixer']:<10} {row['lr']:>8.0e} {row['loss']:>8.4f} {cells} {row['wall_time_s']:>8.1f}")
+    return "\n".join(lines)
+
+
 def _compare(args: argparse.Namespace) -> int:
-    from .experiments.plots import plot_curves
+    from .experiments.output import print_results
+    from .experiments.plots import plot_runs
     from .train import CheckpointError, RunFolderError, open_run_folder, train
 
     # Every run's settings and folder are checked before the first one trains.
@@ -243,7 +296,7 @@ def _compare(args: argparse.Namespace) -> int:
     except (ValueError, RunFolderError) as err:
         print(f"attnkit compare: {err}", file=sys.stderr)
         return 2
-    runs, rows = {}, []
+    runs, rows, metrics = {}, [], []
     for (mixer, lr), config in configs.items():
         try:
             result = train(config)
@@ -251,6 +304,7 @@ def _compare(args: argparse.Namespace) -> int:
             print(f"attnkit compare: {err}", file=sys.stderr)
             return 1
         runs[f"{mixer} lr={lr:g}"] = config.out
+        metrics.append(result.metrics)
         rows.append(
             {
                 "mixer": mixer,
@@ -260,13 +314,9 @@ def _compare(args: argparse.Namespace) -> int:
                 **_flat_metrics(result.metrics),
             }
         )
-    keys = [k for k in rows[0] if k not in ("mixer", "lr", "loss", "wall_time_s")]
-    print(f"{'mixer':<10} {'lr':>8} {'loss':>8} " + " ".join(f"{k:>28}" for k in keys) + f" {'train s':>8}")
-    for r in rows:
-        cells = " ".join(f"{r[k]:>28.4f}" for k in keys)
-        print(f"{r['mixer']:<10} {r['lr']:>8.0e} {r['loss']:>8.4f} {cells} {r['wall_time_s']:>8.1f}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "compare.json"), "w") as f:
+    path = os.path.join(args.out, "compare.json")
+    with open(path, "w") as f:
         json.dump(
             {
                 "config": {**dataclasses.asdict(config), "mixer": args.mixers, "lr": args.lrs, "out": args.out},
@@ -275,37 +325,37 @@ def _compare(args: argparse.Namespace) -> int:
             f,
             indent=2,
         )
-    png = plot_curves(runs, os.path.join(args.out, "compare.png"))
-    print(f"wrote {os.path.join(args.out, 'compare.json')}" + (f" and {png}" if png else ""))
+    png = plot_runs(runs, os.path.join(args.out, "compare.png"), title=f"{config.task}: " + ", ".join(runs))
+    print_results(_compare_table(rows, metrics), path, [path, png], args.json)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnkit", description="Attention beyond RoPE: PaTH, TAPA, VLA.")
-    sub = parser.add_subparsers(dest="command")
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+def _add_train_command(p: argparse.ArgumentParser) -> None:
+    from .experiments.output import add_json_argument
 
-    p = sub.add_parser("train", help="train one model on one task", formatter_class=fmt)
     _add_train_arguments(p, single_mixer=True)
+    add_json_argument(p)
     p.set_defaults(func=_train)
 
-    p = sub.add_parser(
-        "compare", help="train several mixers (and learning rates); table, JSON and plot", formatter_class=fmt
-    )
-    p.add_argument("--mixers", nargs="+", default=["path", "rope"], choices=MIXERS, help="mixers to compare")
-    p.add_argument("--lrs", nargs="+", type=float, default=[TrainConfig.lr], help="learning rates to sweep")
-    _add_train_arguments(p, single_mixer=False)
-    p.set_defaults(func=_compare, out="runs/compare")  # the folder of the runs; each run's out is set by compare
 
+def _add_compare_command(p: argparse.ArgumentParser) -> None:
+    from .experiments.output import add_json_argument
+
+    p.add_argument("--mixers", nargs="+", default=["path", "rope"], choices=MIXER_NAMES, help="mixers to compare")
+    p.add_argument("--lrs", nargs="+", type=float, default=[_train_defaults().lr], help="learning rates to sweep")
+    _add_train_arguments(p, single_mixer=False)
+    add_json_argument(p)
+    p.set_defaults(func=_compare, out="runs/compare")
+
+
+def _add_demo_command(p: argparse.ArgumentParser) -> None:
     from .experiments import demo
 
-    p = sub.add_parser(
-        "demo", help="PaTH vs RoPE on flip-flop against the published numbers (the default)", formatter_class=fmt
-    )
     demo.add_arguments(p)
     p.set_defaults(func=demo.run)
 
-    p = sub.add_parser("table", help="accuracy and CPU timing table of every mechanism's op", formatter_class=fmt)
+
+def _add_table_command(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=2, help="batch size B of the timing runs")
     p.add_argument("--seq-len", type=int, default=512, help="sequence length T of the timing runs")
     p.add_argument("--heads", type=int, default=4, help="heads H")
@@ -316,17 +366,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=_table)
 
-    for name, (module, help_text) in EXPERIMENTS.items():
-        p = sub.add_parser(name, help=help_text, formatter_class=fmt)
+
+def _experiment_adder(module_name: str):
+    def add(p: argparse.ArgumentParser) -> None:
+        module = importlib.import_module(f".experiments.{module_name}", __package__)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
+
+    return add
+
+
+# command -> (help, function adding its arguments to its subparser)
+COMMANDS = {
+    "train": ("train one model on one task", _add_train_command),
+    "compare": ("train several mixers (and learning rates); table, JSON and plot", _add_compare_command),
+    "demo": ("PaTH vs RoPE on flip-flop against the published numbers (the default)", _add_demo_command),
+    "table": ("accuracy and CPU timing table of every mechanism's op", _add_table_command),
+    **{name: (help_text, _experiment_adder(module)) for name, (module, help_text) in EXPERIMENTS.items()},
+}
+DEFAULT_COMMAND = "demo"
+
+
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command. Only ``commands`` (default: all) get their arguments, which imports their
+    modules; the others are listed by name and help."""
+    parser = argparse.ArgumentParser(
+        prog="attnkit",
+        description=f"Attention beyond RoPE: PaTH, TAPA, VLA. Without a command, runs {DEFAULT_COMMAND!r} "
+        f"(its flags work without the command name: attnkit --out DIR).",
+    )
+    sub = parser.add_subparsers(dest="command")
+    for name, (help_text, add_arguments) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if commands is None or name in commands:
+            add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["demo", *argv])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = [DEFAULT_COMMAND, *argv]  # the default command, with its own flags
+    args = build_parser(argv[:1]).parse_args(argv)
     return args.func(args)

@@ -35,6 +35,7 @@ from .checkpoint import (
 )
 from .distributed import setup_distributed
 from .hf_folder import RUN_CONFIG_NAME, load_saved_model, saved_model_config, write_hf_model
+from .progress import RunProgress, format_profile
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -548,14 +549,18 @@ def train(config: TrainConfig) -> TrainResult:
                 elif key not in ("event", "step"):
                     writer.add_scalar(f"{event['event']}/{key}", value, event["step"])
 
-    def evaluate() -> dict[str, dict[str, float]]:
+    def evaluate(step: int) -> dict[str, dict[str, float]]:
         raw_model.eval()
+        batches = sum(-(-len(ids) // config.eval_batch_size) for ids, _ in task.test_sets().values())
+        with progress.evaluation(batches) as tick:
 
-        def logits_fn(x: torch.Tensor) -> torch.Tensor:
-            with autocast:
-                return raw_model(input_ids=x.to(device), use_cache=False).logits
+            def logits_fn(x: torch.Tensor) -> torch.Tensor:
+                tick()
+                with autocast:
+                    return raw_model(input_ids=x.to(device), use_cache=False).logits
 
-        metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size)
+            metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size)
+        progress.evaluated(step, metrics)
         raw_model.train()
         return metrics
 
@@ -593,6 +598,8 @@ def train(config: TrainConfig) -> TrainResult:
 
     # --- the loop ----------------------------------------------------------------------------------------------
     end = min(config.stop_at, config.steps) if config.stop_at else config.steps
+    progress = RunProgress(config, start_step, end, enabled=info.is_main and not config.quiet)
+    progress.header(task, raw_model, device, autocast=config.bf16 and device.type == "cuda")
     timings = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "log_checkpoint": 0.0, "eval": 0.0}
     tokens_since, t_log = 0, time.perf_counter()
     t_start = time.perf_counter()
@@ -638,6 +645,7 @@ def train(config: TrainConfig) -> TrainResult:
         t3 = time.perf_counter()
 
         done = step + 1
+        progress.step(done, loss_value, lr_now)
         tokens_since += int(input_ids.numel())
         if done % config.log_every == 0 or done == end:
             now = time.perf_counter()
@@ -653,17 +661,12 @@ def train(config: TrainConfig) -> TrainResult:
                     "tokens_per_s": tps,
                 }
             )
-            if info.is_main and not config.quiet:
-                print(
-                    f"step {done:>6}/{config.steps} loss {loss_value:.4f} lr {lr_now:.2e} tok/s {tps:,.0f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            progress.log(done, loss_value, lr_now, tps)
         if ckpt_path and config.checkpoint_every and done % config.checkpoint_every == 0:
             save(done)
         t4 = time.perf_counter()
         if config.eval_every and done % config.eval_every == 0 and done != end:
-            metrics = evaluate()
+            metrics = evaluate(done)
             log({"event": "eval", "step": done, **{k: v for k, v in metrics.items()}})
         t5 = time.perf_counter()
         timings["data"] += t1 - t0
@@ -673,12 +676,13 @@ def train(config: TrainConfig) -> TrainResult:
         timings["eval"] += t5 - t4
 
     wall = time.perf_counter() - t_start
+    progress.close()
     # --- the end: final checkpoint, evaluation, summary ----------------------------------------------------------
     done = max(end, start_step)
     if ckpt_path and done > start_step and last_good != done:  # not twice at one step
         save(done)
     t_eval = time.perf_counter()
-    metrics = evaluate()
+    metrics = evaluate(done)
     timings["eval"] += time.perf_counter() - t_eval
     log({"event": "eval", "step": done, **metrics})
     steps_run = max(end - start_step, 0)
@@ -690,13 +694,7 @@ def train(config: TrainConfig) -> TrainResult:
         profile["outside_forward_backward"] = 1 - timings["forward_backward"] / max(step_time, 1e-9)
         profile["data_log_checkpoint"] = (timings["data"] + timings["log_checkpoint"]) / max(step_time, 1e-9)
         if info.is_main:
-            print(
-                f"profile: {steps_run} steps, {100 * profile['outside_forward_backward']:.1f}% of step time outside "
-                f"forward+backward (data+log+checkpoint {100 * profile['data_log_checkpoint']:.1f}%, optimizer "
-                f"{100 * timings['optimizer'] / max(step_time, 1e-9):.1f}%); eval {timings['eval']:.2f}s not counted",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(format_profile(profile, timings, steps_run), file=sys.stderr, flush=True)
     result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model)
     if out and info.is_main:
         write_text_atomic(

@@ -71,8 +71,23 @@ def test_train(tmp_path, capsys):
     assert 0 <= final["profile"]["outside_forward_backward"] <= 1
     events = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert {e["event"] for e in events} == {"train", "eval"}
-    assert os.path.exists(out / "checkpoint.pt")
-    assert "profile:" in capsys.readouterr().err
+    assert os.path.exists(out / "checkpoint.pt") and os.path.exists(out / "metrics.png")
+    captured = capsys.readouterr()
+    assert "profile:" in captured.err
+    # stdout: a summary line, the results table (a row per test set), the files written
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("flipflop path lr=0.003 seed=0: step 3, loss ")
+    assert lines[1].split() == ["test", "set", "read_error", "sequence_error"]
+    assert [line.split()[0] for line in lines[2:5]] == ["in_distribution", "sparse", "dense"]
+    assert all(cell.endswith("%") for line in lines[2:5] for cell in line.split()[1:])
+    assert lines[5] == f"wrote {out / 'final.json'}, {out / 'metrics.png'}" and len(lines) == 6
+
+
+def test_train_json_prints_final_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--mixer", "rope", "--out", str(out), "--json", *TINY]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.load(open(out / "final.json")) and printed["step"] == 3
 
 
 def test_train_refuses_an_old_run_folder(tmp_path, capsys):
@@ -248,17 +263,38 @@ def test_compare(tmp_path, capsys):
     assert main(["compare", "--mixers", "path", "rope", "--lrs", "1e-3", "3e-3", "--out", str(out), *TINY]) == 0
     rows = json.load(open(out / "compare.json"))["rows"]
     assert [(r["mixer"], r["lr"]) for r in rows] == [("path", 1e-3), ("path", 3e-3), ("rope", 1e-3), ("rope", 3e-3)]
-    assert "in_distribution/read_error" in capsys.readouterr().out
-    pytest.importorskip("matplotlib")
+    assert "in_distribution/read_error" in rows[0]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "read_error on the test sets"
+    assert lines[1].split() == ["mixer", "lr", "loss", "in_distribution", "sparse", "dense", "train", "s"]
+    assert [line.split()[:2] for line in lines[2:6]] == [
+        ["path", "1e-03"],
+        ["path", "3e-03"],
+        ["rope", "1e-03"],
+        ["rope", "3e-03"],
+    ]
+    for line, row in zip(lines[2:6], rows):
+        assert line.split()[3:6] == [
+            f"{100 * row[f'{s}/read_error']:.2f}%" for s in ("in_distribution", "sparse", "dense")
+        ]
+    assert lines[6] == f"wrote {out / 'compare.json'}, {out / 'compare.png'}"
     assert os.path.exists(out / "compare.png")
+    assert main(["compare", "--mixers", "rope", "--out", str(tmp_path / "json"), "--json", *TINY]) == 0
+    assert json.loads(capsys.readouterr().out) == json.load(open(tmp_path / "json" / "compare.json"))
 
 
 def test_demo_tiny(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--tiny", "--device", "cpu", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "T=16" in text and "(6.9)" in text and "path" in text and "rope" in text
+    assert text.splitlines()[-1] == f"wrote {out / 'demo.json'}, {out / 'demo.png'}"
     assert len(json.load(open(out / "demo.json"))["rows"]) == 2
+    # the progress on stderr: labelled lines, an evaluation line per evaluation, no carriage returns
+    err = captured.err.splitlines()
+    assert err and all(line.startswith(("[flipflop path lr=0.003 seed=0] ", "[flipflop rope ")) for line in err)
+    assert sum(" eval at step " in line for line in err) == 6 and "\r" not in captured.err
     assert main(["demo", "--tiny", "--device", "cpu", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--overwrite" in err

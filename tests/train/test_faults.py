@@ -73,7 +73,7 @@ def _losses(folder: str) -> list[tuple[int, float]]:
 def test_sigkill_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
     # A fork server imports torch once; each run is a fork of it, so a kill costs no interpreter start.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "attnkit.train", __name__])
+    ctx.set_forkserver_preload(["torch", "attnkit.models", "attnkit.train", __name__])
 
     def run(config: TrainConfig, in_write=None):
         p = ctx.Process(target=_train_child, args=(config, in_write))
