@@ -44,7 +44,9 @@ def copy_sequences(lengths: torch.Tensor, generator: torch.Generator) -> Batch:
 
 class Copying(AccuracyTask):
     """Copying. Options: ``min_len`` (1), ``max_len`` (64), ``test_lengths`` (16, 32, 64, 128, 192, 256),
-    ``test_size`` (sequences per test length, default 128)."""
+    ``test_size`` (sequences per test length, default 128), ``validation_size`` (sequences of the validation set,
+    training lengths, default 256). Strings of a few letters are few (26 of one letter), so the same short string
+    can occur in training, validation and test: their streams are distinct, their examples need not be."""
 
     name = "copying"
     vocab_size = FIRST_LETTER + NUM_LETTERS
@@ -56,8 +58,9 @@ class Copying(AccuracyTask):
         max_len: int = 64,
         test_lengths: tuple[int, ...] = (16, 32, 64, 128, 192, 256),
         test_size: int = 128,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         if any(n < 1 for n in test_lengths):

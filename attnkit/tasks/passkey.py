@@ -114,7 +114,8 @@ class Passkey(Task):
     """Passkey retrieval. Options: ``seq_len`` (training length, default 512), ``num_keys`` (key names, 64),
     ``num_needles`` (1 + distractors, default 1), ``num_queries`` (default 1), ``haystack`` ("noise" or "text"),
     ``text`` (haystack text for "text"), ``test_lengths`` (default 512, 1024, 2048, 4096, 8192: up to 16x),
-    ``test_size`` (sequences per L × δ cell, default 16)."""
+    ``test_size`` (sequences per L × δ cell, default 16), ``validation_size`` (sequences at the training length
+    and uniform depths, default 256)."""
 
     name = "passkey"
 
@@ -129,8 +130,9 @@ class Passkey(Task):
         text: str | None = None,
         test_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192),
         test_size: int = 16,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         if not 1 <= num_queries <= num_needles <= num_keys:
             raise ValueError(
                 f"need 1 <= num_queries <= num_needles <= num_keys, got {num_queries}, {num_needles}, {num_keys}"

@@ -227,6 +227,7 @@ class TrainResult:
     tokens_per_s: float
     profile: dict[str, float] | None
     model: torch.nn.Module | None = field(default=None, repr=False)
+    validation_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # the validation split's, at the end
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
@@ -423,14 +424,14 @@ def train(config: TrainConfig) -> TrainResult:
             with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(event) + "\n")
 
-    def evaluate() -> dict[str, dict[str, float]]:
+    def evaluate(split: str) -> dict[str, dict[str, float]]:
         raw_model.eval()
 
         def logits_fn(x: torch.Tensor) -> torch.Tensor:
             with autocast:
                 return raw_model(input_ids=x.to(device), use_cache=False).logits
 
-        metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size)
+        metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size, split=split)
         raw_model.train()
         return metrics
 
@@ -463,7 +464,6 @@ def train(config: TrainConfig) -> TrainResult:
     tokens_since, t_log = 0, time.perf_counter()
     t_start = time.perf_counter()
     loss_value = float("nan")
-    metrics: dict[str, dict[str, float]] = {}
     raw_model.train()
     for step in range(start_step, end):
         t0 = time.perf_counter()
@@ -534,8 +534,8 @@ def train(config: TrainConfig) -> TrainResult:
             save(done)
         t4 = time.perf_counter()
         if config.eval_every and done % config.eval_every == 0 and done != end:
-            metrics = evaluate()
-            log({"event": "eval", "step": done, **{k: v for k, v in metrics.items()}})
+            # during training only the validation split is scored: the test sets are for the end
+            log({"event": "eval", "split": "validation", "step": done, **evaluate("validation")})
         t5 = time.perf_counter()
         timings["data"] += t1 - t0
         timings["forward_backward"] += t2 - t1
@@ -549,9 +549,10 @@ def train(config: TrainConfig) -> TrainResult:
     if ckpt_path and done > start_step:
         save(done)
     t_eval = time.perf_counter()
-    metrics = evaluate()
+    validation_metrics, metrics = evaluate("validation"), evaluate("test")
     timings["eval"] += time.perf_counter() - t_eval
-    log({"event": "eval", "step": done, **metrics})
+    log({"event": "eval", "split": "validation", "step": done, **validation_metrics})
+    log({"event": "eval", "split": "test", "step": done, **metrics})
     steps_run = max(end - start_step, 0)
     tokens_per_s = steps_run * config.batch_size * task.seq_len / max(wall, 1e-9)
     profile = None
@@ -568,7 +569,7 @@ def train(config: TrainConfig) -> TrainResult:
                 file=sys.stderr,
                 flush=True,
             )
-    result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model)
+    result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model, validation_metrics)
     if out and info.is_main:
         write_text_atomic(
             json.dumps({"config": asdict(config), **result.to_json()}, indent=2), os.path.join(out, "final.json")
