@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .experiments import bench, extrapolate, probe_state
+from .experiments import bench, extrapolate, probe_state, reproduce
 from .models import MIXERS
 from .tasks import TASKS
 from .train import TrainConfig
@@ -21,6 +21,7 @@ EXPERIMENTS = {
     "extrapolate": (extrapolate, "length extrapolation: perplexity and passkey accuracy against evaluation length"),
     "probe-state": (probe_state, "state-norm probe of the recurrent mixers (VLA, linear attention, DeltaNet)"),
     "bench": (bench, "timing of the ops (CPU table; GPU kernel benchmarks)"),
+    "reproduce": (reproduce, "reproduce a paper's claims (path, tapa, vla, all): cells, verdicts, report.md"),
 }
 
 
