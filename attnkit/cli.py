@@ -24,6 +24,7 @@ EXPERIMENTS = {
     "probe-state": ("probe_state", "state-norm probe of the recurrent mixers (VLA, linear attention, DeltaNet)"),
     "bench": ("bench", "timing of the ops (CPU table; GPU kernel benchmarks)"),
     "eval": ("evaluate", "lm-eval-harness tasks on a run folder or save_pretrained model"),
+    "reproduce": ("reproduce", "reproduce a paper's claims (path, tapa, vla, all): cells, verdicts, report.md"),
 }
 
 

@@ -1,5 +1,13 @@
 """The interface every task implements, and the metric helpers the tasks share.
 
+Splits (every task): training batches are drawn fresh from the generator the trainer passes to ``sample``;
+the ``validation`` split (``validation_sets``: for choosing learning rates and other settings) and the ``test``
+split (``test_sets``: for the numbers reported) are fixed, and each is drawn from its own named stream derived
+from the task's seed (``validation_generator``, ``test_generator``), distinct from each other and from the
+trainer's per-step streams. The validation split follows the training distribution at the training length;
+the test sets are the task's source paper's. Distinct streams do not always mean distinct examples: where the
+space of examples is small (copying strings of a few letters) the same example can occur in two splits.
+
 Label convention (every task): ``labels[b, t]`` is the target of the model's output at position ``t``; it is
 already shifted, so the loss is ``cross_entropy(logits[b, t], labels[b, t])`` over ``labels != -100``. Do not
 pass these labels to a Hugging Face ``forward(labels=...)``, which would shift them a second time.
@@ -14,6 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 IGNORE_INDEX = -100
+SPLITS = ("validation", "test")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,7 +66,8 @@ class Task(ABC):
     """A sequence task: fresh training batches, fixed test sets and the metric of its source paper.
 
     Subclasses set ``name`` (the registry name), ``vocab_size`` and ``seq_len`` (the training length), and
-    implement ``sample``, ``_build_test_sets``, ``statistics`` and ``finalize``.
+    implement ``sample``, ``_build_test_sets``, ``statistics`` and ``finalize``. The validation split defaults to
+    ``validation_size`` fresh ``sample`` sequences from the validation stream (``_build_validation_sets``).
 
     Metrics are split into additive ``statistics`` (sums and counts, so chunks and data-parallel ranks can be
     summed or all-reduced) and ``finalize`` (the ratios reported); ``evaluate`` does both on one batch.
@@ -67,9 +77,12 @@ class Task(ABC):
     vocab_size: int
     seq_len: int
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, validation_size: int = 256) -> None:
+        if isinstance(validation_size, bool) or not isinstance(validation_size, int) or validation_size < 1:
+            raise ValueError(f"validation_size: expected a positive integer, got {validation_size!r}")
         self.seed = int(seed)
-        self._test_sets: dict[str, Batch] | None = None
+        self.validation_size = validation_size
+        self._sets: dict[str, dict[str, Batch]] = {}
 
     @abstractmethod
     def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
@@ -79,18 +92,34 @@ class Task(ABC):
     def _build_test_sets(self) -> dict[str, Batch]:
         """The test sets, built from generators derived from ``self.seed`` only."""
 
-    def test_sets(self) -> dict[str, Batch]:
-        """Fixed test sets ``{name: (input_ids [N, T], labels [N, T])}``: the same tensors every call and process.
+    def _build_validation_sets(self) -> dict[str, Batch]:
+        """The validation split: ``validation_size`` training-distribution sequences from the validation stream."""
+        return {"validation": self.sample(self.validation_size, self.validation_generator("validation"))}
 
-        Built once and cached; callers must not modify the returned tensors in place.
-        """
-        if self._test_sets is None:
-            self._test_sets = self._build_test_sets()
-        return self._test_sets
+    def split_sets(self, split: str) -> dict[str, Batch]:
+        """The fixed sets of ``split`` ("validation" or "test"): ``{name: (input_ids [N, T], labels [N, T])}``, the
+        same tensors every call and process. Built once and cached; callers must not modify them in place."""
+        if split not in SPLITS:
+            raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+        if split not in self._sets:
+            self._sets[split] = self._build_validation_sets() if split == "validation" else self._build_test_sets()
+        return self._sets[split]
+
+    def test_sets(self) -> dict[str, Batch]:
+        """The test split: the sets the task's source paper reports (see ``split_sets``)."""
+        return self.split_sets("test")
+
+    def validation_sets(self) -> dict[str, Batch]:
+        """The validation split, for choosing settings such as the learning rate (see ``split_sets``)."""
+        return self.split_sets("validation")
 
     def test_generator(self, set_name: str) -> torch.Generator:
         """The generator a test set called ``set_name`` is drawn from (independent of training generators)."""
         return make_generator(derived_seed(self.seed, f"{self.name}/test/{set_name}"))
+
+    def validation_generator(self, set_name: str) -> torch.Generator:
+        """The generator a validation set called ``set_name`` is drawn from (independent of training and test)."""
+        return make_generator(derived_seed(self.seed, f"{self.name}/validation/{set_name}"))
 
     @abstractmethod
     def statistics(self, outputs: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -114,13 +143,15 @@ class Task(ABC):
         logits_fn: Callable[[torch.Tensor], torch.Tensor],
         batch_size: int = 64,
         sets: Iterable[str] | None = None,
+        split: str = "test",
     ) -> dict[str, dict[str, float]]:
-        """Run ``logits_fn(input_ids [b, T]) -> logits [b, T, V]`` over the test sets in chunks of ``batch_size``.
+        """Run ``logits_fn(input_ids [b, T]) -> logits [b, T, V]`` over the sets of ``split`` ("test" or
+        "validation"; ``sets`` picks some by name) in chunks of ``batch_size``.
 
         Returns ``{set name: metrics}``. The inputs stay on the CPU; ``logits_fn`` moves them to its device.
         """
         results = {}
-        for set_name, (input_ids, labels) in self.test_sets().items():
+        for set_name, (input_ids, labels) in self.split_sets(split).items():
             if sets is not None and set_name not in sets:
                 continue
             total: dict[str, float] = {}

@@ -45,7 +45,9 @@ def copy_sequences(lengths: torch.Tensor, generator: torch.Generator) -> Batch:
 
 class Copying(AccuracyTask):
     """Copying. Options: ``min_len`` (1), ``max_len`` (64), ``test_lengths`` (default ``TEST_FRACTIONS`` of max_len),
-    ``test_size`` (sequences per test length, default 128)."""
+    ``test_size`` (sequences per test length, default 128), ``validation_size`` (sequences of the validation set,
+    training lengths, default 256). Strings of a few letters are few (26 of one letter), so the same short string
+    can occur in training, validation and test: their streams are distinct, their examples need not be."""
 
     name = "copying"
     vocab_size = FIRST_LETTER + NUM_LETTERS
@@ -57,8 +59,9 @@ class Copying(AccuracyTask):
         max_len: int = 64,
         test_lengths: tuple[int, ...] | None = None,
         test_size: int = 128,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         if test_lengths is None:

@@ -41,7 +41,8 @@ def flipflop_sequences(batch_size: int, seq_len: int, p_ignore: float, generator
 
 class FlipFlop(Task):
     """Flip-flop LM. Options: ``seq_len`` (even, default 512), ``p_ignore`` (training p_i, default 0.8),
-    ``train_on`` ("all" or "reads"), ``test_sizes`` (``{set name: number of sequences}`` over the three sets)."""
+    ``train_on`` ("all" or "reads"), ``test_sizes`` (``{set name: number of sequences}`` over the three sets),
+    ``validation_size`` (sequences at the training p_i, default 256; scored on the reads like the test sets)."""
 
     name = "flipflop"
     vocab_size = 5
@@ -53,8 +54,9 @@ class FlipFlop(Task):
         p_ignore: float = 0.8,
         train_on: str = "all",
         test_sizes: dict[str, int] | None = None,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         if seq_len < 4 or seq_len % 2:
             raise ValueError(f"seq_len must be even and >= 4, got {seq_len}")
         if not 0.0 <= p_ignore < 1.0:
@@ -85,6 +87,11 @@ class FlipFlop(Task):
             # Test labels mark only what is scored: the bit after each read.
             sets[set_name] = (seq, self._labels(seq, "reads"))
         return sets
+
+    def _build_validation_sets(self) -> dict[str, Batch]:
+        generator = self.validation_generator("validation")
+        seq = flipflop_sequences(self.validation_size, self.seq_len, self.p_ignore, generator)
+        return {"validation": (seq, self._labels(seq, "reads"))}
 
     def statistics(self, outputs: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         """Reads are found from ``input_ids`` (an ``r`` at position t; its answer is ``input_ids[:, t + 1]``)."""

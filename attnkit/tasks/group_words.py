@@ -85,12 +85,15 @@ def running_products(words: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 class GroupWords(AccuracyTask):
     """Group word problem. Options: ``group`` (one of ``GROUP_NAMES``, default "A5"), ``k`` (word length,
-    default 16), ``test_size`` (sequences in the ``test`` set, default 512). Elements are drawn uniformly."""
+    default 16), ``test_size`` (sequences in the ``test`` set, default 512), ``validation_size`` (default 256).
+    Elements are drawn uniformly."""
 
     name = "group_words"
 
-    def __init__(self, seed: int = 0, group: str = "A5", k: int = 16, test_size: int = 512) -> None:
-        super().__init__(seed)
+    def __init__(
+        self, seed: int = 0, group: str = "A5", k: int = 16, test_size: int = 512, validation_size: int = 256
+    ) -> None:
+        super().__init__(seed, validation_size)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.group = get_group(group)

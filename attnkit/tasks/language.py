@@ -13,6 +13,9 @@ of the longest window), so the lengths are compared on the same text; with ``sli
 ``sliding{W}``: windows every ``stride`` tokens over that span whose first ``W - stride`` labels are masked
 (except in the first window), so every scored token but the first window's sees ``W - stride`` tokens of
 context or more. A length whose window does not fit in the held-out stream is skipped with a warning.
+Validation set ``validation``: up to ``validation_size`` non-overlapping windows of ``seq_len`` from the held-out
+tokens after the test span (none of its tokens is scored by a test set or seen in training); empty, with a
+warning, when the held-out stream has nothing left after the test span.
 
 Metric: mean token loss (nats), ``perplexity = exp(loss)`` and top-1 ``accuracy``, from logits;
 ``per_position_loss`` gives the curve over positions.
@@ -93,7 +96,8 @@ class LanguageModeling(Task):
     or "bpe"), ``bpe_vocab_size`` (4096), ``bpe_path`` (load the BPE from this file if it exists, else train and
     save it there), ``seq_len`` (512), ``eval_multipliers`` (1, 2, 4, 8, 16), ``eval_tokens`` (the held-out
     span scored at every length, default 32768, small for CPU), ``sliding_stride`` (None: no sliding-window
-    sets), ``val_fraction`` (0.05), ``text_field`` and ``max_documents`` (for Hugging Face datasets).
+    sets), ``val_fraction`` (0.05), ``text_field`` and ``max_documents`` (for Hugging Face datasets),
+    ``validation_size`` (windows of the validation set, default 256).
 
     ``seed`` plays no part in the test sets (they are the held-out stream in order); training windows come
     from the generator passed to ``sample``."""
@@ -114,8 +118,9 @@ class LanguageModeling(Task):
         val_fraction: float = 0.05,
         text_field: str = "text",
         max_documents: int | None = None,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
         if sliding_stride is not None and not 0 < sliding_stride <= seq_len:
@@ -143,12 +148,29 @@ class LanguageModeling(Task):
     def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
         return random_windows(self.train_stream, batch_size, self.seq_len, generator)
 
+    def _test_span(self) -> int:
+        """Held-out tokens scored by the test sets: ``eval_tokens``, down to a multiple of the longest window."""
+        available = self.val_stream.numel() - 1
+        longest = max((m * self.seq_len for m in self.eval_multipliers if m * self.seq_len <= available), default=0)
+        return max(min(self.eval_tokens, available) // longest, 1) * longest if longest else 0
+
+    def _build_validation_sets(self) -> dict[str, Batch]:
+        # the test span's last label is held-out token `span`, so validation starts after it
+        rest = self.val_stream[self._test_span() + 1 :]
+        inputs, labels = eval_windows(rest, self.seq_len, None, self.validation_size * self.seq_len)
+        if inputs.shape[0] == 0:
+            warnings.warn(
+                f"held-out stream ({self.val_stream.numel()} tokens) has no window of {self.seq_len} left after the "
+                "test span for a validation set; raise val_fraction or lower eval_tokens",
+                stacklevel=2,
+            )
+            return {}
+        return {"validation": (inputs, labels)}
+
     def _build_test_sets(self) -> dict[str, Batch]:
         sets = {}
-        available = self.val_stream.numel() - 1
         lengths = [m * self.seq_len for m in self.eval_multipliers]
-        longest = max((w for w in lengths if w <= available), default=0)
-        span = max(min(self.eval_tokens, available) // longest, 1) * longest if longest else 0
+        span = self._test_span()
         for length in lengths:
             kinds = {f"len{length}": None}
             if self.sliding_stride is not None:

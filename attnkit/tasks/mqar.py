@@ -12,7 +12,8 @@ option Zoology's code has.
 VLA form (``MQARVLA``, registry name "mqar_vla"): vocabulary 128 with separator 127, ``k1 v1 … kn vn SEP
 q1 … qn`` (``T = 3n + 1``). Keys are ``n`` distinct ids from ``[0, 64)``, values uniform over ``[64, 127)``
 (our split of the vocabulary, so a value is never mistaken for a key), the queries are drawn uniformly from
-the stored keys, and the label sits on each query token: that key's value.
+the stored keys, and the label sits on each query token: that key's value. With ``seq_len`` longer than
+``3n + 1`` (the paper's retention variant), ``T - 2n - 1`` queries fill the rest of the sequence.
 
 Metric of both: accuracy over the query positions (``accuracy``), plus ``sequence_accuracy``.
 """
@@ -57,7 +58,8 @@ def zoology_mqar(
 class MQAR(AccuracyTask):
     """Zoology MQAR. Options: ``seq_len`` (L, default 256), ``num_kv_pairs`` (n, default 16), ``vocab_size``
     (V, default 8192), ``power_a`` (α, default 0.01), ``random_non_queries`` (default False), ``test_size``
-    (default 512). Zoology's sweep: (L, n) in {(64,4), (128,8), (256,16), (256,32), (512,64)}."""
+    (default 512), ``validation_size`` (default 256). Zoology's sweep: (L, n) in {(64,4), (128,8), (256,16),
+    (256,32), (512,64)}."""
 
     name = "mqar"
 
@@ -70,8 +72,9 @@ class MQAR(AccuracyTask):
         power_a: float = 0.01,
         random_non_queries: bool = False,
         test_size: int = 512,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         if seq_len % 2:
             raise ValueError(f"seq_len must be even, got {seq_len}")
         if 4 * num_kv_pairs > seq_len:
@@ -100,13 +103,15 @@ class MQAR(AccuracyTask):
 VLA_VOCAB, VLA_SEP, VLA_NUM_KEYS = 128, 127, 64
 
 
-def vla_mqar(batch_size: int, num_kv_pairs: int, generator: torch.Generator) -> Batch:
-    """VLA-form MQAR batch: ``input_ids, labels`` ``[batch_size, 3n + 1]`` int64."""
+def vla_mqar(batch_size: int, num_kv_pairs: int, generator: torch.Generator, num_queries: int | None = None) -> Batch:
+    """VLA-form MQAR batch: ``input_ids, labels`` ``[batch_size, 2n + 1 + Q]`` int64, ``Q = num_queries``
+    (default ``n``, so ``T = 3n + 1``)."""
     B, n = batch_size, num_kv_pairs
+    Q = n if num_queries is None else num_queries
     keys = uniform_choice(B, VLA_NUM_KEYS, n, generator)
     values = torch.randint(VLA_NUM_KEYS, VLA_SEP, (B, n), generator=generator)
-    which = torch.randint(0, n, (B, n), generator=generator)
-    input_ids = torch.zeros(B, 3 * n + 1, dtype=torch.int64)
+    which = torch.randint(0, n, (B, Q), generator=generator)
+    input_ids = torch.zeros(B, 2 * n + 1 + Q, dtype=torch.int64)
     input_ids[:, 0 : 2 * n : 2] = keys
     input_ids[:, 1 : 2 * n : 2] = values
     input_ids[:, 2 * n] = VLA_SEP
@@ -118,21 +123,40 @@ def vla_mqar(batch_size: int, num_kv_pairs: int, generator: torch.Generator) -> 
 
 class MQARVLA(AccuracyTask):
     """VLA-form MQAR. Options: ``num_kv_pairs`` (n <= 64, default 8; the paper uses 4/8/12/16/24),
-    ``test_size`` (default 512)."""
+    ``test_size`` (default 512), ``validation_size`` (default 256), ``seq_len`` (T; default ``3n + 1``, one query
+    per pair; a longer T is the paper's retention variant: the ``T - 2n - 1`` queries fill the rest of the
+    sequence, each drawn uniformly from the stored keys). The test set is ``n{n}``, or ``n{n}_T{T}`` for a
+    ``seq_len`` other than ``3n + 1``."""
 
     name = "mqar_vla"
     vocab_size = VLA_VOCAB
 
-    def __init__(self, seed: int = 0, num_kv_pairs: int = 8, test_size: int = 512) -> None:
-        super().__init__(seed)
+    def __init__(
+        self,
+        seed: int = 0,
+        num_kv_pairs: int = 8,
+        test_size: int = 512,
+        validation_size: int = 256,
+        seq_len: int | None = None,
+    ) -> None:
+        super().__init__(seed, validation_size)
         if not 1 <= num_kv_pairs <= VLA_NUM_KEYS:
             raise ValueError(f"num_kv_pairs must lie in [1, {VLA_NUM_KEYS}], got {num_kv_pairs}")
+        default_len = 3 * num_kv_pairs + 1
+        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
+            raise ValueError(f"seq_len: expected an integer or None, got {seq_len!r}")
+        if seq_len is not None and seq_len < 2 * num_kv_pairs + 2:
+            need = 2 * num_kv_pairs + 2
+            raise ValueError(f"seq_len: {num_kv_pairs} pairs need T >= {need} (one query), got {seq_len}")
         self.num_kv_pairs, self.test_size = num_kv_pairs, test_size
-        self.seq_len = 3 * num_kv_pairs + 1
+        self.seq_len = default_len if seq_len is None else seq_len
+        self.num_queries = self.seq_len - 2 * num_kv_pairs - 1
 
     def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
-        return vla_mqar(batch_size, self.num_kv_pairs, generator)
+        return vla_mqar(batch_size, self.num_kv_pairs, generator, self.num_queries)
 
     def _build_test_sets(self) -> dict[str, Batch]:
         name = f"n{self.num_kv_pairs}"
+        if self.seq_len != 3 * self.num_kv_pairs + 1:
+            name += f"_T{self.seq_len}"
         return {name: self.sample(self.test_size, self.test_generator(name))}

@@ -63,7 +63,8 @@ def mqrar(
 
 class MQRAR(AccuracyTask):
     """MQRAR-N. Options: ``n_back`` (N, default 2), ``seq_len`` (default 768), ``num_keys`` (32),
-    ``num_queries`` (63; ``seq_len - 1 - num_queries`` must be even), ``num_values`` (128), ``test_size`` (512)."""
+    ``num_queries`` (63; ``seq_len - 1 - num_queries`` must be even), ``num_values`` (128), ``test_size`` (512),
+    ``validation_size`` (256)."""
 
     name = "mqrar"
 
@@ -76,8 +77,9 @@ class MQRAR(AccuracyTask):
         num_queries: int = 63,
         num_values: int = 128,
         test_size: int = 512,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         context = seq_len - 1 - num_queries
         if num_queries < 1 or context <= 0 or context % 2:
             raise ValueError(f"seq_len - 1 - num_queries must be positive and even, got {seq_len} - 1 - {num_queries}")

@@ -115,7 +115,8 @@ class Passkey(Task):
     """Passkey retrieval. Options: ``seq_len`` (training length, default 512), ``num_keys`` (key names, 64),
     ``num_needles`` (1 + distractors, default 1), ``num_queries`` (default 1), ``haystack`` ("noise" or "text"),
     ``text`` (haystack text for "text"), ``test_lengths`` (default 1, 2, 4, 8 and 16 times ``seq_len``),
-    ``test_size`` (sequences per L × δ cell, default 16)."""
+    ``test_size`` (sequences per L × δ cell, default 16), ``validation_size`` (sequences at the training length
+    and uniform depths, default 256)."""
 
     name = "passkey"
 
@@ -130,8 +131,9 @@ class Passkey(Task):
         text: str | None = None,
         test_lengths: tuple[int, ...] | None = None,
         test_size: int = 16,
+        validation_size: int = 256,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, validation_size)
         test_lengths = tuple(m * seq_len for m in TEST_MULTIPLIERS) if test_lengths is None else test_lengths
         if not 1 <= num_queries <= num_needles <= num_keys:
             raise ValueError(

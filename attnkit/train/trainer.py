@@ -280,6 +280,7 @@ class TrainResult:
     tokens_per_s: float
     profile: dict[str, float] | None
     model: torch.nn.Module | None = field(default=None, repr=False)
+    validation_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # the validation split's, at the end
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
@@ -549,9 +550,10 @@ def train(config: TrainConfig) -> TrainResult:
                 elif key not in ("event", "step"):
                     writer.add_scalar(f"{event['event']}/{key}", value, event["step"])
 
-    def evaluate(step: int) -> dict[str, dict[str, float]]:
+    def evaluate(step: int, split: str) -> dict[str, dict[str, float]]:
         raw_model.eval()
-        batches = sum(-(-len(ids) // config.eval_batch_size) for ids, _ in task.test_sets().values())
+        sets = task.validation_sets() if split == "validation" else task.test_sets()
+        batches = sum(-(-len(ids) // config.eval_batch_size) for ids, _ in sets.values())
         with progress.evaluation(batches) as tick:
 
             def logits_fn(x: torch.Tensor) -> torch.Tensor:
@@ -559,7 +561,7 @@ def train(config: TrainConfig) -> TrainResult:
                 with autocast:
                     return raw_model(input_ids=x.to(device), use_cache=False).logits
 
-            metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size)
+            metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size, split=split)
         progress.evaluated(step, metrics)
         raw_model.train()
         return metrics
@@ -604,7 +606,6 @@ def train(config: TrainConfig) -> TrainResult:
     tokens_since, t_log = 0, time.perf_counter()
     t_start = time.perf_counter()
     loss_value = float("nan")
-    metrics: dict[str, dict[str, float]] = {}
     raw_model.train()
     for step in range(start_step, end):
         t0 = time.perf_counter()
@@ -666,8 +667,8 @@ def train(config: TrainConfig) -> TrainResult:
             save(done)
         t4 = time.perf_counter()
         if config.eval_every and done % config.eval_every == 0 and done != end:
-            metrics = evaluate(done)
-            log({"event": "eval", "step": done, **{k: v for k, v in metrics.items()}})
+            # during training only the validation split is scored: the test sets are for the end
+            log({"event": "eval", "split": "validation", "step": done, **evaluate(done, "validation")})
         t5 = time.perf_counter()
         timings["data"] += t1 - t0
         timings["forward_backward"] += t2 - t1
@@ -682,9 +683,10 @@ def train(config: TrainConfig) -> TrainResult:
     if ckpt_path and done > start_step and last_good != done:  # not twice at one step
         save(done)
     t_eval = time.perf_counter()
-    metrics = evaluate(done)
+    validation_metrics, metrics = evaluate(done, "validation"), evaluate(done, "test")
     timings["eval"] += time.perf_counter() - t_eval
-    log({"event": "eval", "step": done, **metrics})
+    log({"event": "eval", "split": "validation", "step": done, **validation_metrics})
+    log({"event": "eval", "split": "test", "step": done, **metrics})
     steps_run = max(end - start_step, 0)
     tokens_per_s = steps_run * config.batch_size * task.seq_len / max(wall, 1e-9)
     profile = None
@@ -695,7 +697,7 @@ def train(config: TrainConfig) -> TrainResult:
         profile["data_log_checkpoint"] = (timings["data"] + timings["log_checkpoint"]) / max(step_time, 1e-9)
         if info.is_main:
             print(format_profile(profile, timings, steps_run), file=sys.stderr, flush=True)
-    result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model)
+    result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model, validation_metrics)
     if out and info.is_main:
         write_text_atomic(
             json.dumps({"config": asdict(config), **result.to_json()}, indent=2), os.path.join(out, "final.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnkit.tasks import MQAR, MQARVLA, make_generator
 
@@ -55,15 +56,16 @@ def test_zoology_gaps_follow_the_power_law():
     assert (gaps < 10).float().mean() > (gaps >= 114).float().mean() * 5
 
 
-def check_vla(x, y, n):
+def check_vla(x, y, n, T=None):
+    T = 3 * n + 1 if T is None else T
     for seq, lab in zip(x.tolist(), y.tolist()):
-        assert len(seq) == 3 * n + 1 and seq[2 * n] == 127
+        assert len(seq) == T and seq[2 * n] == 127
         keys, values = seq[0 : 2 * n : 2], seq[1 : 2 * n : 2]
         assert len(set(keys)) == n and all(0 <= k < 127 for k in keys + values)
         assert not set(keys) & set(values)
         memory = dict(zip(keys, values))
         assert all(lab[t] == -100 for t in range(2 * n + 1))
-        for t in range(2 * n + 1, 3 * n + 1):
+        for t in range(2 * n + 1, T):
             assert seq[t] in memory and lab[t] == memory[seq[t]]
 
 
@@ -75,6 +77,30 @@ def test_vla_layout(n):
     assert task.vocab_size == 128
     check_vla(x, y, n)
     check_vla(*task.test_sets()[f"n{n}"], n)
+
+
+@pytest.mark.parametrize("T", [49, 128])
+def test_vla_retention_variant_fills_the_rest_with_queries(T):
+    task = MQARVLA(num_kv_pairs=8, seq_len=T, test_size=32)
+    assert task.seq_len == T and task.num_queries == T - 17
+    x, y = task.sample(64, make_generator(T))
+    check_shapes(task, x, y, 64)
+    check_vla(x, y, 8, T)
+    assert list(task.test_sets()) == [f"n8_T{T}"]
+    check_vla(*task.test_sets()[f"n8_T{T}"], 8, T)
+    # queries are drawn uniformly from the stored keys, so each of the 8 is asked about as often
+    asked = torch.stack([(x[:, 17:] == x[:, 2 * i : 2 * i + 1]).sum() for i in range(8)]).float()
+    assert asked.min() > 0.5 * asked.mean()
+
+
+def test_vla_default_length_keeps_its_stream():
+    a, b = MQARVLA(num_kv_pairs=6), MQARVLA(num_kv_pairs=6, seq_len=19)
+    assert list(b.test_sets()) == ["n6"]
+    assert torch.equal(a.test_sets()["n6"][0], b.test_sets()["n6"][0])
+    with pytest.raises(ValueError, match="seq_len"):
+        MQARVLA(num_kv_pairs=8, seq_len=17)
+    with pytest.raises(ValueError, match="seq_len"):
+        MQARVLA(num_kv_pairs=8, seq_len=64.0)
 
 
 def test_reproducible():

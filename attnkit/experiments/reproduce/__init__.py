@@ -1,0 +1,24 @@
+"""``attnkit reproduce``: the three papers' claims, checked by one command each.
+
+    attnkit reproduce {path,tapa,vla,all} [--scale smoke|full] [--out DIR] [--resume] [--cells PATTERN] [--jobs N]
+
+Each paper module (``vla``, ``tapa``, ``path``) declares its experiments at both scales and its claims, with the
+published numbers and the criterion of each verdict. An experiment is a learning-rate sweep (``sweep``: every
+model with the same budget, the best learning rate chosen on the validation split) or a probe (``probes``); both
+are made of cells (``cells``: one run each, cached as a JSON file under ``<out>/<paper>/cells/``, never rerun).
+``verdicts`` turns the results into CONFIRMED / PARTIAL / REFUTED / INCONCLUSIVE / NOT RUN, and ``report`` writes
+``<out>/<paper>/report.md`` with its plots and ``report.json``.
+
+Full scale on one GPU: the models are tiny, so run several cells at once (``--jobs 8`` runs eight processes
+sharing the GPU) and in pieces that fit a time limit, reusing what earlier calls finished::
+
+    attnkit reproduce vla --scale full --out reports --jobs 8 --max-minutes 8 --resume
+
+``--max-minutes`` starts no cell after the limit (the running ones finish); the cells left are NOT RUN in the
+report until a later call with ``--resume`` runs them. ``--cells PATTERN`` runs a subset (``--list`` shows the
+names). A folder that already holds finished cells is refused without ``--resume``.
+"""
+
+from .command import add_arguments, run
+
+__all__ = ["add_arguments", "run"]

@@ -1,0 +1,108 @@
+"""``attnkit reproduce {path,tapa,vla,all}``: run a paper's cells (or the ones missing) and write its report."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import shlex
+import sys
+import time
+
+from . import path, tapa, vla
+from .cells import load_cell, run_cells
+from .probes import Probe, summarise_probe
+from .sweep import summarise
+from .verdicts import judge
+
+PAPERS = {"path": path, "tapa": tapa, "vla": vla}
+SCALES = ("smoke", "full")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paper", choices=[*PAPERS, "all"], help="the paper whose claims to reproduce")
+    parser.add_argument("--scale", choices=SCALES, default="smoke", help="smoke: CPU minutes; full: the GPU budgets")
+    parser.add_argument("--out", default="runs/reproduce", help="folder; each paper writes <out>/<paper>/")
+    parser.add_argument(
+        "--resume", action="store_true", help="reuse the finished cells in the folder (never rerun), run the rest"
+    )
+    parser.add_argument("--cells", default=None, metavar="PATTERN", help="run only cells whose name matches (fnmatch)")
+    parser.add_argument("--jobs", type=int, default=1, help="cells run at once, each in its own process")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device of every cell")
+    parser.add_argument(
+        "--max-minutes", type=float, default=0.0, help="start no cell after this many minutes (0: no limit)"
+    )
+    parser.add_argument("--list", action="store_true", help="list the cells and whether each has finished; run none")
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this invocation."""
+    words = ["attnkit", "reproduce", args.paper, "--scale", args.scale, "--out", args.out, "--jobs", str(args.jobs)]
+    if args.cells:
+        words += ["--cells", args.cells]
+    if args.resume:
+        words.append("--resume")
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def declared(paper: str, scale: str) -> list:
+    """The experiments (sweeps and probes) of ``paper`` at ``scale``."""
+    return PAPERS[paper].experiments(scale)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        print(f"attnkit reproduce: --jobs: expected a positive integer, got {args.jobs}", file=sys.stderr)
+        return 2
+    papers = list(PAPERS) if args.paper == "all" else [args.paper]
+    plans = {}
+    for paper in papers:
+        experiments = declared(paper, args.scale)
+        cells_dir = os.path.join(args.out, paper, "cells")
+        cells = [c for e in experiments for c in e.cells()]
+        finished = [c for c in cells if load_cell(cells_dir, c) is not None]
+        if args.list:
+            for c in cells:
+                print(f"{'done   ' if c in finished else 'pending'} {paper} {c.name}")
+            continue
+        if finished and not args.resume:
+            print(
+                f"attnkit reproduce: {cells_dir} already holds {len(finished)} finished cells of this scale: pass "
+                "--resume to reuse them (they are never rerun), or choose another --out",
+                file=sys.stderr,
+            )
+            return 2
+        plans[paper] = (experiments, cells_dir, cells)
+    if args.list:
+        return 0
+    t0 = time.time()
+    deadline = t0 + 60 * args.max_minutes if args.max_minutes > 0 else None
+    failed = 0
+    for paper, (experiments, cells_dir, cells) in plans.items():
+        selected = [c for c in cells if args.cells is None or fnmatch.fnmatch(c.name, args.cells)]
+        print(f"attnkit reproduce {paper} ({args.scale}): {len(selected)} of {len(cells)} cells", file=sys.stderr)
+        summary = run_cells(selected, cells_dir, args.jobs, args.device, deadline)
+        failed += len(summary.failed)
+        records = {c.name: r for c in cells if (r := load_cell(cells_dir, c)) is not None}
+        results = {
+            e.name: summarise_probe(e, records) if isinstance(e, Probe) else summarise(e, records) for e in experiments
+        }
+        outcomes = {claim.id: judge(claim, results) for claim in PAPERS[paper].CLAIMS}
+        run_info = {
+            "command": command_line(args),
+            "ran": len(summary.ran),
+            "cached": len(summary.cached),
+            "failed": len(summary.failed),
+            "skipped": len(summary.skipped),
+            "wall_s": summary.wall_s,
+            "jobs": args.jobs,
+            "devices": sorted({r["device"] for r in records.values()}),
+            "failures": summary.failed,
+        }
+        from .report import write_report
+
+        report = write_report(os.path.join(args.out, paper), PAPERS[paper], args.scale, results, outcomes, run_info)
+        verdicts = ", ".join(f"{cid} {o.verdict}" for cid, o in outcomes.items())
+        print(f"wrote {report}: {verdicts}")
+    print(f"attnkit reproduce: {time.time() - t0:.0f} s", file=sys.stderr)
+    return 1 if failed else 0

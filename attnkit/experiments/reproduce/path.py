@@ -1,0 +1,303 @@
+"""PaTH (arXiv 2505.16381): the experiments at both scales and the claims.
+
+PaTH cells run on the default backend (the fused kernels on a GPU once they are the default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .sweep import Budget, Stat, Sweep
+from .verdicts import Claim, Decision, fmt
+
+TITLE = "PaTH: position encoding by accumulated Householder transformations (arXiv 2505.16381)"
+SCALE_NOTES = {
+    "smoke": "CPU minutes: short sequences and a few dozen steps, far too little for any claim, so the verdicts "
+    "are expected to be INCONCLUSIVE.",
+    "full": "The H200 budgets, at the paper's settings where they fit (flip-flop T = 512); two seeds.",
+}
+TRAINED_PPL = 8.0  # byte tokens: a model that uses context (a unigram model of English bytes scores about 20)
+LAYERS = (1, 2, 3, 4)
+
+_SCALE = {
+    "smoke": dict(budget=Budget(steps=40, batch_size=16, evals=2), lrs=(1e-3, 3e-3, 1e-2), seeds=(0,), test=32,
+                  val=32),
+    "full": dict(budget=Budget(steps=5000, batch_size=64, evals=10), lrs=(3e-4, 1e-3, 3e-3), seeds=(0, 1), test=1024,
+                 val=256),
+}  # fmt: skip
+
+
+def _sweep(scale: str, **kw) -> Sweep:
+    s = _SCALE[scale]
+    return Sweep(budget=s["budget"], lrs=s["lrs"], seeds=s["seeds"], **kw)
+
+
+def experiments(scale: str) -> list:
+    s, smoke = _SCALE[scale], scale == "smoke"
+    T = 64 if smoke else 512
+    ks = (8,) if smoke else (8, 16, 24, 32)
+    groups = ("A5",) if smoke else ("A5", "S5")
+    depths = (1, 2) if smoke else LAYERS
+    ns = (1, 2) if smoke else (1, 2, 3, 4)
+    mqrar = {"seq_len": 64, "num_keys": 4, "num_queries": 15} if smoke else {}
+    lm_len = 64 if smoke else 512
+    lm = {"eval_multipliers": (1, 2, 4) if smoke else (1, 2, 4, 8, 16), "eval_tokens": 2048 if smoke else 65536}
+    flipflop_test = {"in_distribution": s["test"], "sparse": 4 * s["test"], "dense": s["test"]}
+    return [
+        _sweep(
+            scale,
+            name="flipflop",
+            title=f"Flip-flop (1 layer, 2 heads, width 64, T = {T})",
+            task="flipflop",
+            models={m: {"mixer": m} for m in ("path", "rope", "fox", "path_fox")},
+            settings={f"T{T}": {"seq_len": T}},
+            metric="read_error",
+            higher_is_better=False,
+            task_options={"test_sizes": flipflop_test, "validation_size": s["val"]},
+            arch={"hidden_size": 64, "num_layers": 1, "num_heads": 2},
+            note="Read error (argmax over the two bits) after each r; test sets: in-distribution p_i = 0.8, sparse "
+            "0.98, dense 0.1.",
+        ),
+        _sweep(
+            scale,
+            name="words",
+            title="Group word problems: the fewest layers reaching > 90% sequence accuracy",
+            task="group_words",
+            models={
+                f"{m} {d}L": {"mixer": m, "arch": {"num_layers": d}} for m in ("path", "rope", "fox") for d in depths
+            },
+            settings={f"{g} k{k}": {"group": g, "k": k} for g in groups for k in ks},
+            metric="sequence_accuracy",
+            task_options={"test_size": s["test"], "validation_size": s["val"]},
+            arch={"hidden_size": 64 if smoke else 128, "num_heads": 2 if smoke else 4},
+        ),
+        _sweep(
+            scale,
+            name="mqrar",
+            title="MQRAR-N: recall of the N-th most recent value of a key",
+            task="mqrar",
+            models={m: {"mixer": m} for m in ("path", "rope", "fox")},
+            settings={f"N{n}": {"n_back": n, **mqrar} for n in ns},
+            metric="accuracy",
+            task_options={"test_size": s["test"], "validation_size": s["val"]},
+            arch={"hidden_size": 64 if smoke else 256, "num_layers": 2, "num_heads": 2},
+            x={f"N{n}": n for n in ns},
+            x_label="N",
+            note="Smoke: 4 keys, T = 64. Full: the paper's 32 keys, T = 768, width 256.",
+        ),
+        *(
+            _sweep(
+                scale,
+                name=f"lm_{corpus}",
+                title=f"Length extrapolation of a small LM ({label}), trained at {lm_len}",
+                task="lm",
+                models={m: {"mixer": m} for m in ("path", "path_fox", "rope", "fox")},
+                settings={f"L{lm_len}": {"seq_len": lm_len, "corpus": corpus, **extra}},
+                metric="perplexity",
+                higher_is_better=False,
+                task_options={**lm, "validation_size": s["val"]},
+                arch={"hidden_size": 64, "num_layers": 2, "num_heads": 2}
+                if smoke
+                else {"hidden_size": 256, "num_layers": 4, "num_heads": 4},
+                test_x_label="evaluation length (tokens)",
+                note=f"Byte tokens; corpus {label}.",
+            )
+            for corpus, label, extra in (
+                ("default", "King James Bible", {}),
+                ("stdlib", "Python standard library, code", {"max_documents": 300} if smoke else {}),
+            )
+        ),
+    ]
+
+
+def _flipflop(results: dict[str, Any]) -> Decision:
+    r = results["flipflop"]
+    setting = next(iter(r.sweep.settings))
+    stats = {f"{m} {s}": r.stat(m, setting, s) for m in r.sweep.models for s in ("in_distribution", "sparse", "dense")}
+    ours = fmt({k: Stat(100 * v.mean, 100 * v.spread, v.n) for k, v in stats.items()}) + " (error %)"
+    best = min(v.mean for k, v in stats.items() if k.endswith("in_distribution"))
+    if best >= 0.1:
+        return "INCONCLUSIVE", f"no model's in-distribution read error is below 10% (best {100 * best:.3g}%)", ours
+    path_ok = stats["path in_distribution"].mean < 0.01 and stats["path sparse"].mean < 0.01
+    if path_ok and stats["rope sparse"].mean > 0.05:
+        return "CONFIRMED", "PaTH < 1% in-distribution and sparse; RoPE > 5% sparse", ours
+    if all(stats[f"rope {s}"].mean <= stats[f"path {s}"].mean for s in ("in_distribution", "sparse")):
+        return "REFUTED", "RoPE's error is no higher than PaTH's in-distribution and sparse", ours
+    return "PARTIAL", "PaTH ahead of RoPE, not at the published levels", ours
+
+
+def _fewest_layers(r, mixer: str, setting: str) -> int | None:
+    for label, model in r.sweep.models.items():
+        if model["mixer"] == mixer and r.stat(label, setting).mean > 0.9:
+            return model["arch"]["num_layers"]
+    return None
+
+
+def _words(results: dict[str, Any]) -> Decision:
+    r = results["words"]
+    depth = {(m, s): _fewest_layers(r, m, s) for s in r.sweep.settings for m in ("path", "rope", "fox")}
+    deepest = max(model["arch"]["num_layers"] for model in r.sweep.models.values())
+    ours = "; ".join(f"{m} {s}: {d or '> ' + str(deepest)}" for (m, s), d in depth.items()) + " layers"
+    decided = [s for s in r.sweep.settings if depth[("path", s)] or depth[("rope", s)]]
+    if not decided:
+        return "INCONCLUSIVE", "neither PaTH nor RoPE reached 90% at any depth run: the budget trained neither", ours
+    inf = deepest + 1
+    fewer = [s for s in decided if (depth[("path", s)] or inf) < (depth[("rope", s)] or inf)]
+    if len(fewer) == len(decided):
+        return "CONFIRMED", "PaTH needs fewer layers than RoPE wherever either reaches 90%", ours
+    if not fewer:
+        return "REFUTED", "PaTH never needs fewer layers than RoPE", ours
+    return "PARTIAL", f"PaTH needs fewer layers at {', '.join(fewer)} only", ours
+
+
+def _mqrar(results: dict[str, Any]) -> Decision:
+    r = results["mqrar"]
+    settings = list(r.sweep.settings)
+    stats = {f"{m} {s}": r.stat(m, s) for s in settings for m in ("path", "fox", "rope")}
+    ours = fmt(stats)
+    if max(v.mean for k, v in stats.items() if k.endswith(settings[0])) < 0.9:
+        return "INCONCLUSIVE", f"no model reached 0.9 at {settings[0]}: the budget trained none", ours
+    hard = [s for s in settings if r.sweep.settings[s]["n_back"] >= 2]
+    if not hard:
+        return "INCONCLUSIVE", "no N ≥ 2 at this scale", ours
+    solved = [s for s in settings if r.sweep.settings[s]["n_back"] <= 3 and stats[f"path {s}"].mean >= 0.9]
+    fox_fails = all(stats[f"fox {s}"].mean < 0.9 for s in hard if r.sweep.settings[s]["n_back"] <= 3)
+    if len(solved) == sum(r.sweep.settings[s]["n_back"] <= 3 for s in settings) and fox_fails:
+        return "CONFIRMED", "PaTH ≥ 0.9 for N ≤ 3 while FoX < 0.9 for N ≥ 2", ours
+    if all(stats[f"fox {s}"].mean >= stats[f"path {s}"].mean for s in hard):
+        return "REFUTED", "FoX ≥ PaTH at every N ≥ 2", ours
+    return "PARTIAL", f"PaTH ≥ 0.9 at {', '.join(solved) or 'no N'}", ours
+
+
+def _lm_at(r, model: str, multiple: int) -> Stat:
+    setting = next(iter(r.sweep.settings))
+    return r.stat(model, setting, f"len{multiple * r.sweep.settings[setting]['seq_len']}")
+
+
+def _lm_check(r) -> str | None:
+    ppl = max(_lm_at(r, m, 1).mean for m in r.sweep.models)
+    return None if ppl <= TRAINED_PPL else f"perplexity at 1× up to {ppl:.3g} > {TRAINED_PPL:g}: not trained yet"
+
+
+def _path_stable(results: dict[str, Any]) -> Decision:
+    r = results["lm_default"]
+    top = max(r.sweep.task_options["eval_multipliers"])
+    stats = {f"{m} {k}×": _lm_at(r, m, k) for m in ("path", "rope") for k in (1, top)}
+    ours = fmt(stats)
+    reason = _lm_check(r)
+    if reason:
+        return "INCONCLUSIVE", reason, ours
+    growth = {m: stats[f"{m} {top}×"].mean / stats[f"{m} 1×"].mean for m in ("path", "rope")}
+    if growth["path"] <= 1.5 and growth["rope"] >= 3:
+        return "CONFIRMED", f"perplexity ×{growth['path']:.3g} (PaTH) vs ×{growth['rope']:.3g} (RoPE) at {top}×", ours
+    if growth["path"] >= growth["rope"]:
+        return "REFUTED", f"PaTH's perplexity grows as much as RoPE's (×{growth['path']:.3g})", ours
+    return "PARTIAL", f"×{growth['path']:.3g} (PaTH) vs ×{growth['rope']:.3g} (RoPE) at {top}×", ours
+
+
+def _path_fox_best(results: dict[str, Any]) -> Decision:
+    best, ours, checks = {}, [], []
+    for corpus in ("lm_default", "lm_stdlib"):
+        r = results[corpus]
+        top = max(r.sweep.task_options["eval_multipliers"])
+        stats = {m: _lm_at(r, m, top) for m in r.sweep.models}
+        ours.append(f"{corpus} at {top}×: " + fmt(stats))
+        best[corpus] = min(stats, key=lambda m: stats[m].mean)
+        checks.append(_lm_check(r))
+    ours_text = " | ".join(ours)
+    if any(checks):
+        return "INCONCLUSIVE", "; ".join(c for c in checks if c), ours_text
+    wins = [c for c, m in best.items() if m == "path_fox"]
+    if len(wins) == 2:
+        return "CONFIRMED", "PaTH-FoX has the lowest perplexity at the longest length on text and code", ours_text
+    if wins == ["lm_stdlib"]:
+        return "PARTIAL", "PaTH-FoX lowest on code only", ours_text
+    if wins:
+        return "PARTIAL", "PaTH-FoX lowest on text only", ours_text
+    return "REFUTED", f"lowest: {best}", ours_text
+
+
+SHORT = "A budget far below the paper's: the models have not learned the task yet."
+SBA = "needs the stick-breaking attention mixer 'stickbreaking' (helper h7), not on main yet"
+
+CLAIMS = [
+    Claim(
+        id="P1",
+        claim="PaTH solves flip-flop language modelling (1 layer, 2 heads) where RoPE and FoX do not",
+        published="read error % (in-distribution / sparse / dense): PaTH 0 / 0.0001 / 0; RoPE 6.9 / 40.3 / 0.01; "
+        "FoX 8.3 / 36.3 / 0",
+        criterion="Budget check: some model's in-distribution read error < 10%, else INCONCLUSIVE. CONFIRMED if "
+        "PaTH's in-distribution and sparse errors are < 1% and RoPE's sparse error > 5%; REFUTED if RoPE's errors "
+        "are ≤ PaTH's in-distribution and sparse; PARTIAL otherwise.",
+        experiments=("flipflop",),
+        decide=_flipflop,
+        cause=SHORT,
+    ),
+    Claim(
+        id="P2",
+        claim="On A5/S5 word problems PaTH needs fewer layers than RoPE and FoX to reach > 90% sequence accuracy",
+        published="PaTH needs fewer layers than RoPE, stick-breaking and FoX (Fig. 2); the others need depth "
+        "growing with k",
+        criterion="Fewest layers (of those run, 1-4) reaching > 90% test sequence accuracy, per mixer and k. Budget "
+        "check: PaTH or RoPE reaches it somewhere, else INCONCLUSIVE. CONFIRMED if PaTH needs fewer layers than RoPE "
+        "at every setting where either reaches it; REFUTED if at none; PARTIAL otherwise.",
+        experiments=("words",),
+        decide=_words,
+        cause=SHORT,
+    ),
+    Claim(
+        id="P3",
+        claim="PaTH solves MQRAR-N for N = 1, 2, 3, where FoX struggles for N ≥ 2",
+        published="PaTH solves N < 4; stick-breaking and FoX fail for N ≥ 2 (§4.1)",
+        criterion="Budget check: some model reaches 0.9 at the smallest N, else INCONCLUSIVE. CONFIRMED if PaTH ≥ 0.9 "
+        "at every N ≤ 3 run and FoX < 0.9 at every N in 2..3 run; REFUTED if FoX ≥ PaTH at every N ≥ 2; PARTIAL "
+        "otherwise.",
+        experiments=("mqrar",),
+        decide=_mqrar,
+        cause=SHORT,
+    ),
+    Claim(
+        id="P4",
+        claim="The stick-breaking attention baseline needs more layers on A5 and fails MQRAR-N for N ≥ 2",
+        published="stick-breaking behind PaTH on A5 (Fig. 2) and on MQRAR-N ≥ 2",
+        criterion="As P2 and P3 with stick-breaking in place of RoPE and FoX.",
+        not_run=SBA,
+    ),
+    Claim(
+        id="P5",
+        claim="A small PaTH LM stays stable beyond its training length, where RoPE fails right after it",
+        published="760M, trained at 4k: PaTH stable to ~32k; RoPE fails just past 4k",
+        criterion=f"Budget check: every model's perplexity at 1× ≤ {TRAINED_PPL:g} (byte tokens), else INCONCLUSIVE. "
+        "CONFIRMED if at the longest length PaTH's perplexity is ≤ 1.5× its 1× value and RoPE's ≥ 3×; REFUTED if "
+        "PaTH's grows as much as RoPE's; PARTIAL otherwise.",
+        experiments=("lm_default",),
+        decide=_path_stable,
+        cause="A scaled-down analog: byte-level models of width 64-256, not 760M models on 50B tokens.",
+    ),
+    Claim(
+        id="P6",
+        claim="PaTH-FoX extrapolates best (lowest perplexity at the longest length), especially on code",
+        published="PaTH-FoX generalises to 64k with the lowest perplexity; strongest on code (CodeParrot)",
+        criterion="Budget check as P5 on both corpora. CONFIRMED if PaTH-FoX has the lowest perplexity at the longest "
+        "length on text and on code; PARTIAL if on one; REFUTED if on neither.",
+        experiments=("lm_default", "lm_stdlib"),
+        decide=_path_fox_best,
+        cause="A scaled-down analog; the code corpus is the Python standard library, not CodeParrot.",
+    ),
+    Claim(
+        id="P7",
+        claim="PaTH-FoX leads on retrieval beyond the training length: multi-needle passkey and variable tracking",
+        published="RULER / BABILong / PhoneBook: PaTH-FoX best, above all on multi-needle retrieval and variable "
+        "tracking",
+        criterion="CONFIRMED if PaTH-FoX has the highest exact match at 4× the training length on both tasks.",
+        not_run="attnkit.tasks has no variable-tracking task yet; multi-needle passkey alone does not decide the claim",
+    ),
+    Claim(
+        id="P8",
+        claim="Converting a pretrained RoPE model to PaTH and training on beats the RoPE model trained on equally",
+        published="SmolLM2-1.7B converted: PaTH above RoPE on GSM-8K, HumanEval, MBPP; Qwen2.5-7B: mixed",
+        criterion="CONFIRMED if the converted model's held-out perplexity after the same continued training is lower.",
+        not_run="continued training needs the trainer to start from saved weights (TrainConfig init_from, issue 19); "
+        "the pretrained 1.7B-7B weights are not available offline",
+    ),
+]

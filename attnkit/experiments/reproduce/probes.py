@@ -1,0 +1,64 @@
+"""Cells that measure without training: each probe takes JSON keyword arguments and returns a JSON dict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .cells import Cell
+from .sweep import Missing, Stat
+
+
+def state_norm(mixers: list[str], lengths: list[int], hidden_size: int, num_heads: int, seed: int) -> dict:
+    """``‖S_T‖_F`` of untrained layers on random inputs (``attnkit.experiments.probe_state``):
+    ``{"norms": {mixer: {T: norm}}}``."""
+    from ..probe_state import probe_state  # the layers are imported only when a probe runs
+
+    rows = probe_state(mixers, lengths, hidden_size, num_heads, seed)
+    norms: dict[str, dict[str, float]] = {}
+    for row in rows:
+        norms.setdefault(row["mixer"], {})[str(row["T"])] = row["state_norm"]
+    return {"norms": norms}
+
+
+PROBES: dict[str, Callable[..., dict]] = {"state_norm": state_norm}
+
+
+@dataclass(frozen=True, eq=False)
+class Probe:
+    """A measurement without training, repeated over ``seeds``: ``kind`` names a function of ``PROBES`` called
+    with ``params`` and ``seed``."""
+
+    name: str
+    title: str
+    kind: str
+    params: dict[str, Any]
+    seeds: tuple[int, ...]
+    note: str = ""
+
+    def cells(self) -> list[Cell]:
+        return [Cell(self.name, f"s{seed}", self.kind, {**self.params, "seed": seed}) for seed in self.seeds]
+
+
+@dataclass
+class ProbeResult:
+    probe: Probe
+    results: list[dict]  # one per finished seed
+    finished: int
+    total: int
+    wall_s: float
+
+    def norm(self, mixer: str, T: int) -> Stat:
+        """``‖S_T‖_F`` of ``mixer`` at ``T`` over the seeds (state-norm probes)."""
+        if self.finished < self.total:
+            raise Missing(f"{self.probe.name}: {self.total - self.finished} of {self.total} seeds not run")
+        values = [r["norms"][mixer][str(T)] for r in self.results if str(T) in r["norms"].get(mixer, {})]
+        if len(values) < len(self.results):
+            raise Missing(f"{self.probe.name}: {mixer} is not probed at T={T} at this scale")
+        return Stat.of(values)
+
+
+def summarise_probe(probe: Probe, records: dict[str, dict]) -> ProbeResult:
+    done = [records[c.name] for c in probe.cells() if c.name in records]
+    return ProbeResult(probe, [r["result"] for r in done], len(done), len(probe.seeds), sum(r["wall_s"] for r in done))

@@ -1,0 +1,352 @@
+"""The report of one paper: ``report.md`` (claims table, criteria, per-experiment sweeps, hardware, commit, budgets,
+wall times), PNG plots beside it (the metric against steps, against the setting, against length) and
+``report.json`` with the same content as data."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import torch
+
+from ..output import write_json
+from .cells import cpu_count
+from .probes import ProbeResult
+from .sweep import Missing, Stat, SweepResult
+from .verdicts import Outcome
+
+
+def environment() -> dict[str, Any]:
+    """Commit (with a ``-dirty`` mark), versions and hardware of this run."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
+    return {
+        "commit": commit,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": cpu_count(),
+        "gpus": gpus,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _number(name: str) -> float | None:
+    found = re.findall(r"\d+", name)
+    return float(found[-1]) if found else None
+
+
+def plot_sweep(result: SweepResult, folder: str) -> list[str]:
+    """The PNGs of one sweep; returns their file names."""
+    sweep, plt, files = result.sweep, _pyplot(), []
+    chosen = {k: c for k, c in result.choices.items() if c.lr is not None}
+    if not chosen:
+        return files
+    settings = [s for s in sweep.settings if any(k[1] == s for k in chosen)]
+    fig, axes = plt.subplots(1, len(settings), figsize=(3.6 * len(settings), 3.2), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        for model in sweep.models:
+            choice = chosen.get((model, setting))
+            if choice is None or not choice.curves or not choice.curves[0]:
+                continue
+            steps = [p[0] for p in choice.curves[0]]
+            values = [sum(c[i][1] for c in choice.curves) / len(choice.curves) for i in range(len(steps))]
+            ax.plot(steps, values, marker="o", label=f"{model} (lr {choice.lr:g})")
+        ax.set(title=setting, xlabel="step", ylabel=f"validation {sweep.metric}")
+        ax.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(sweep.title, 45 * len(settings)), fontsize=9)
+    fig.tight_layout()
+    files.append(_save(fig, folder, f"{sweep.name}_steps.png", plt))
+
+    if sweep.x and len(settings) > 1:
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        for model in sweep.models:
+            points = [
+                (sweep.x[s], _first(chosen[(model, s)].test, sweep.metric)) for s in settings if (model, s) in chosen
+            ]
+            points = [(x, st) for x, st in points if st is not None]
+            if points:
+                ax.errorbar([p[0] for p in points], [p[1].mean for p in points], [p[1].spread for p in points],
+                            marker="o", capsize=3, label=model)  # fmt: skip
+        ax.set(xlabel=sweep.x_label, ylabel=f"test {sweep.metric}")
+        _style(ax, sweep.title)
+        fig.tight_layout()
+        files.append(_save(fig, folder, f"{sweep.name}_vs_setting.png", plt))
+
+    if sweep.test_x_label:
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        xs: set[float] = set()
+        for (model, _), choice in chosen.items():
+            groups = {"": choice.test, **{f"+{v}": sets for v, sets in choice.variants.items()}}
+            for suffix, sets in groups.items():
+                points = sorted((_number(n), m[sweep.metric]) for n, m in sets.items() if sweep.metric in m)
+                if points:
+                    xs.update(p[0] for p in points)
+                    ax.plot([p[0] for p in points], [p[1].mean for p in points], marker="o", label=model + suffix)
+        ax.set(xlabel=sweep.test_x_label, ylabel=f"test {sweep.metric}", xscale="log")
+        _style(ax, sweep.title, sorted(xs))
+        fig.tight_layout()
+        files.append(_save(fig, folder, f"{sweep.name}_vs_length.png", plt))
+    return files
+
+
+def _style(ax, title: str, xticks: list[float] | None = None) -> None:
+    """A wrapped title, plain tick labels at ``xticks`` (on log axes too), and the legend outside the data."""
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.set_title(textwrap.fill(title, 60), fontsize=9)
+    if xticks:
+        ax.set_xticks(xticks, [f"{x:g}" for x in xticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    if ax.get_yscale() == "log":
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _first(sets: dict[str, dict[str, Stat]], metric: str) -> Stat | None:
+    for metrics in sets.values():
+        if metric in metrics:
+            return metrics[metric]
+    return None
+
+
+def _save(fig, folder: str, name: str, plt) -> str:
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(os.path.join(folder, name), dpi=110)
+    plt.close(fig)
+    return name
+
+
+def plot_probe(result: ProbeResult, folder: str) -> list[str]:
+    if not result.results or "norms" not in result.results[0]:
+        return []
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    for mixer, by_len in result.results[0]["norms"].items():
+        lengths = sorted(int(t) for t in by_len)
+        means = [sum(r["norms"][mixer][str(t)] for r in result.results) / len(result.results) for t in lengths]
+        ax.plot(lengths, means, marker="o", label=mixer)
+    ax.set(
+        xscale="log", yscale="log", xlabel="T (tokens)", ylabel="‖S_T‖_F (mean over heads)", title=result.probe.title
+    )
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return [_save(fig, folder, f"{result.probe.name}.png", plt)]
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
+    sweep = result.sweep
+    lines = [f"### {sweep.name}: {sweep.title}", ""]
+    if sweep.note:
+        lines += [sweep.note, ""]
+    seq = {c.seq_len for c in result.choices.values() if c.seq_len}
+    lines += [
+        f"Task `{sweep.task}`, options {sweep.task_options}; model {sweep.arch}. Budget, the same for every model: "
+        f"{sweep.budget_text()}" + (f", T = {', '.join(map(str, sorted(seq)))}" if seq else "") + ". "
+        f"Learning rate chosen on the validation split by {sweep.metric} "
+        f"({'higher' if sweep.higher_is_better else 'lower'} is better). "
+        f"Cells: {result.finished} of {result.total} finished, {result.wall_s:.0f} s of cell time.",
+        "",
+    ]
+    lrs = " | ".join(f"val @ {lr:g}" for lr in sweep.lrs)
+    lines += [f"| model | setting | {lrs} | chosen lr | test {sweep.metric} (mean ± spread) |"]
+    lines += ["|---|---|" + "---|" * len(sweep.lrs) + "---|---|"]
+    for (model, setting), choice in result.choices.items():
+        scores = " | ".join(
+            "pending" if v is None else "diverged" if lr in choice.diverged else f"{v:.3g}"
+            for lr, v in choice.scores.items()
+        )
+        if choice.lr is None:
+            lines.append(f"| {model} | {setting} | {scores} | — | — |")
+            continue
+        tests = "; ".join(
+            f"{name} {m[sweep.metric]}"
+            for name, m in {**choice.test, **_variant_sets(choice)}.items()
+            if sweep.metric in m
+        )
+        lines.append(f"| {model} | {setting} | {scores} | {choice.lr:g} | {_cell(tests)} |")
+    lines.append("")
+    lines += [f"![{name}]({name})" for name in plots]
+    return lines + [""]
+
+
+def _variant_sets(choice) -> dict[str, dict[str, Stat]]:
+    return {f"{v}:{name}": m for v, sets in choice.variants.items() for name, m in sets.items()}
+
+
+def _probe_section(result: ProbeResult, plots: list[str]) -> list[str]:
+    probe = result.probe
+    lines = [f"### {probe.name}: {probe.title}", ""]
+    if probe.note:
+        lines += [probe.note, ""]
+    lines += [
+        f"Probe `{probe.kind}` with {probe.params}, seeds {list(probe.seeds)}: {result.finished} of {result.total} "
+        f"finished, {result.wall_s:.0f} s.",
+        "",
+    ]
+    if result.results and "norms" in result.results[0]:
+        lengths = probe.params["lengths"]
+        lines += ["| mixer | " + " | ".join(f"T={T}" for T in lengths) + " |", "|---|" + "---|" * len(lengths)]
+        for mixer in result.results[0]["norms"]:
+            cells = []
+            for T in lengths:
+                try:
+                    cells.append(str(result.norm(mixer, T)))
+                except Missing:
+                    cells.append("pending")
+            lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [f"![{name}]({name})" for name in plots]
+    return lines + [""]
+
+
+def _stat_json(obj: Any) -> Any:
+    if isinstance(obj, Stat):
+        return {"mean": obj.mean, "spread": obj.spread, "n": obj.n}
+    if isinstance(obj, dict):
+        return {str(k): _stat_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_stat_json(v) for v in obj]
+    return obj
+
+
+def write_report(
+    folder: str,
+    paper: Any,
+    scale: str,
+    results: dict[str, SweepResult | ProbeResult],
+    outcomes: dict[str, Outcome],
+    run: dict[str, Any],
+) -> str:
+    """Write ``report.md``, its plots and ``report.json`` for ``paper`` (a module of this package) into ``folder``;
+    returns the path of ``report.md``."""
+    env = environment()
+    plots = {
+        name: plot_sweep(r, folder) if isinstance(r, SweepResult) else plot_probe(r, folder)
+        for name, r in results.items()
+    }
+    budgets = {name: r.sweep.budget_text() for name, r in results.items() if isinstance(r, SweepResult)}
+    counts = {
+        v: sum(o.verdict == v for o in outcomes.values()) for v in dict.fromkeys(o.verdict for o in outcomes.values())
+    }
+    lines = [
+        f"# Reproduction: {paper.TITLE}, {scale} scale",
+        "",
+        f"{paper.SCALE_NOTES[scale]}",
+        "",
+        f"Verdicts: {', '.join(f'{n} {v}' for v, n in counts.items())}. Generated by `{run['command']}` at commit "
+        f"`{env['commit']}` on {env['date']}.",
+        "",
+        "## Claims",
+        "",
+        "| id | claim | published | ours (mean ± spread; budget) | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for claim in paper.CLAIMS:
+        o = outcomes[claim.id]
+        budget = "; ".join(budgets[e] for e in claim.experiments if e in budgets)
+        ours = o.ours + (f" ({budget})" if budget and o.ours != "—" else "")
+        verdict = f"**{o.verdict}**: {o.reason}"
+        if o.verdict != "NOT RUN" and claim.cause:
+            verdict += f". Where ours differ from the published numbers: {claim.cause}"
+        lines.append(
+            f"| {claim.id} | {_cell(claim.claim)} | {_cell(claim.published)} | {_cell(ours)} | {_cell(verdict)} |"
+        )
+    lines += ["", "## Criteria (fixed in code before any cell ran)", ""]
+    lines += [f"- **{c.id}**: {c.criterion}" for c in paper.CLAIMS]
+    lines += ["", "## Experiments", ""]
+    for name, result in results.items():
+        section = _sweep_section if isinstance(result, SweepResult) else _probe_section
+        lines += section(result, plots[name])
+    lines += [
+        "## Run",
+        "",
+        f"- Commit `{env['commit']}`, Python {env['python']}, torch {env['torch']}, {env['platform']}.",
+        f"- Hardware: {env['cpu_cores']} CPU cores ({env['cpu']})"
+        + (f", GPUs: {', '.join(env['gpus'])}" if env["gpus"] else ", no GPU")
+        + f"; cell devices: {', '.join(run['devices']) or '—'}.",
+        f"- This invocation: {run['ran']} cells run, {run['cached']} cached, {run['failed']} failed, "
+        f"{run['skipped']} left for later; {run['wall_s']:.0f} s wall time with {run['jobs']} job(s).",
+        "- Cell time per experiment: "
+        + ", ".join(f"{n} {r.wall_s:.0f} s ({r.finished}/{r.total})" for n, r in results.items())
+        + ".",
+        "",
+    ]
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    payload = {
+        "paper": paper.TITLE,
+        "scale": scale,
+        "environment": env,
+        "run": run,
+        "claims": [
+            {
+                **{k: getattr(c, k) for k in ("id", "claim", "published", "criterion", "experiments", "cause")},
+                **o.__dict__,
+            }  # fmt: skip
+            for c, o in ((c, outcomes[c.id]) for c in paper.CLAIMS)
+        ],
+        "experiments": {name: _result_json(r) for name, r in results.items()},
+        "plots": plots,
+    }
+    write_json(os.path.join(folder, "report.json"), payload)
+    return path
+
+
+def _result_json(result: SweepResult | ProbeResult) -> dict:
+    if isinstance(result, ProbeResult):
+        return {"kind": result.probe.kind, "params": result.probe.params, "results": result.results}
+    sweep = result.sweep
+    return {
+        "task": sweep.task,
+        "task_options": sweep.task_options,
+        "settings": sweep.settings,
+        "arch": sweep.arch,
+        "budget": sweep.budget.__dict__,
+        "lrs": sweep.lrs,
+        "seeds": sweep.seeds,
+        "metric": sweep.metric,
+        "finished": result.finished,
+        "total": result.total,
+        "choices": [
+            _stat_json({k: v for k, v in c.__dict__.items() if k != "curves"} | {"curves": c.curves})
+            for c in result.choices.values()
+        ],
+    }

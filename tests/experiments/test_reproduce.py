@@ -1,0 +1,194 @@
+"""``attnkit reproduce``: cells, the learning-rate sweep, the verdict rules, and each paper's smoke scale end to end
+(report structure, every claim with a verdict, cells cached and never rerun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import pytest
+
+from attnkit.cli import main
+from attnkit.experiments.reproduce import cells as cells_mod
+from attnkit.experiments.reproduce.command import PAPERS
+from attnkit.experiments.reproduce.sweep import Budget, Diverged, Missing, Stat, Sweep, summarise
+from attnkit.experiments.reproduce.verdicts import VERDICTS, Claim, judge
+
+
+def tiny_sweep(**overrides) -> Sweep:
+    options = dict(
+        name="toy",
+        title="toy",
+        task="mqar_vla",
+        models={"a": {"mixer": "linear"}, "b": {"mixer": "deltanet"}},
+        settings={"n2": {"num_kv_pairs": 2}},
+        budget=Budget(steps=3, batch_size=4, evals=1),
+        lrs=(1e-3, 3e-3, 1e-2),
+        seeds=(0, 1),
+        metric="accuracy",
+        task_options={"test_size": 4, "validation_size": 4},
+        arch={"hidden_size": 16, "num_layers": 1, "num_heads": 2},
+    )
+    options.update(overrides)
+    return Sweep(**options)
+
+
+def fake_record(val: float, test: float, loss: float = 1.0, status: str = "ok") -> dict:
+    result = {"status": status, "final_loss": loss, "events": [], "variants": {}}
+    if status == "ok":
+        result.update(validation={"validation": {"accuracy": val}}, test={"n2": {"accuracy": test}})
+    return {"result": result, "wall_s": 1.0}
+
+
+def test_sweep_declarations_keep_the_budget_the_same_for_every_model():
+    with pytest.raises(ValueError, match="at least 3 learning rates"):
+        tiny_sweep(lrs=(1e-3, 1e-2))
+    with pytest.raises(ValueError, match="budget is the sweep's"):
+        tiny_sweep(models={"a": {"mixer": "linear", "steps": 10}})
+    sweep = tiny_sweep()
+    configs = [c.params["config"] for c in sweep.cells()]
+    assert len(configs) == 2 * 3 * 2
+    budget = {(c["steps"], c["batch_size"], c["warmup_steps"], c["eval_every"]) for c in configs}
+    assert budget == {(3, 4, 1, 3)}
+    assert len({c.key for c in sweep.cells()}) == len(configs)
+    # a cell's key is its definition: another budget is another cell
+    other = tiny_sweep(budget=Budget(steps=4, batch_size=4, evals=1)).cells()
+    assert not {c.key for c in other} & {c.key for c in sweep.cells()}
+
+
+def test_summarise_picks_the_best_validation_lr_and_reports_its_test_metric():
+    sweep = tiny_sweep()
+    records = {}
+    # model a: lr 3e-3 best on validation (though 1e-2 is best on test: the test split must not choose)
+    for lr, (val, test) in {1e-3: (0.2, 0.2), 3e-3: (0.8, 0.5), 1e-2: (0.6, 0.9)}.items():
+        for seed, shift in ((0, 0.0), (1, 0.1)):
+            records[sweep.cell("a", "n2", lr, seed).name] = fake_record(val + shift, test + shift)
+    # model b: a tie on validation goes to the lower training loss; one diverged lr scores worst
+    for lr, loss in {1e-3: 2.0, 3e-3: 1.0}.items():
+        for seed in (0, 1):
+            records[sweep.cell("b", "n2", lr, seed).name] = fake_record(0.5, loss / 10, loss)
+    records[sweep.cell("b", "n2", 1e-2, 0).name] = fake_record(0, 0, status="diverged")
+    records[sweep.cell("b", "n2", 1e-2, 1).name] = fake_record(0.99, 0.99)
+    result = summarise(sweep, records)
+    a, b = result.choice("a", "n2"), result.choice("b", "n2")
+    assert a.lr == 3e-3 and a.scores[3e-3] == pytest.approx(0.85)
+    assert result.stat("a", "n2").mean == pytest.approx(0.55) and result.stat("a", "n2").n == 2
+    assert result.stat("a", "n2").spread == pytest.approx(0.1 / 2**0.5)
+    assert b.lr == 3e-3 and b.diverged == [1e-2]
+    assert result.finished == result.total == 12
+
+    del records[sweep.cell("a", "n2", 1e-2, 1).name]
+    partial = summarise(sweep, records)
+    assert partial.finished == 11 and partial.choices[("a", "n2")].lr is None
+    with pytest.raises(Missing, match="1 of 3 learning rates"):
+        partial.stat("a", "n2")
+    with pytest.raises(Missing, match="not run at this scale"):
+        partial.stat("a", "n64")
+    for lr in sweep.lrs:
+        for seed in sweep.seeds:
+            records[sweep.cell("a", "n2", lr, seed).name] = fake_record(0, 0, status="diverged")
+    with pytest.raises(Diverged):
+        summarise(sweep, records).stat("a", "n2")
+
+
+def test_judge_applies_the_shared_rules():
+    sweep = tiny_sweep()
+
+    class Result:
+        def __init__(self, seeds):
+            self.sweep = tiny_sweep(seeds=seeds)
+
+    def decided(results):
+        return "CONFIRMED", "it holds", "a 1 ± 0"
+
+    claim = Claim("X", "x", "1", "rule", ("toy",), decided)
+    assert judge(claim, {"toy": Result((0, 1))}).verdict == "CONFIRMED"
+    one_seed = judge(claim, {"toy": Result((0,))})
+    assert one_seed.verdict == "INCONCLUSIVE" and "CONFIRMED" in one_seed.reason
+    assert judge(Claim("X", "x", "1", "rule", ("toy",), decided, trained=False), {"toy": Result((0,))}).verdict == (
+        "CONFIRMED"
+    )
+    assert judge(claim, {}).verdict == "NOT RUN"
+
+    def missing(results):
+        raise Missing("cells pending")
+
+    def diverged(results):
+        raise Diverged("every learning rate diverged")
+
+    outcome = judge(Claim("Y", "y", "1", "rule", ("toy",), missing), {"toy": sweep})
+    assert (outcome.verdict, outcome.reason) == ("NOT RUN", "cells pending")
+    assert judge(Claim("D", "d", "1", "rule", ("toy",), diverged), {"toy": sweep}).verdict == "INCONCLUSIVE"
+    assert judge(Claim("Z", "z", "1", "rule", not_run="no op"), {}).reason == "no op"
+    with pytest.raises(ValueError, match="not_run"):
+        Claim("W", "w", "1", "rule")
+    assert str(Stat(0.5, 0.01, 2)) == "0.5 ± 0.01"
+
+
+def test_run_cells_caches_and_never_reruns(tmp_path):
+    sweep = tiny_sweep(seeds=(0,), models={"a": {"mixer": "linear"}})
+    cells = sweep.cells()
+    lines = []
+    first = cells_mod.run_cells(cells[:2], str(tmp_path), log=lines.append)
+    assert sorted(first.ran) == sorted(c.name for c in cells[:2]) and not first.failed
+    record = cells_mod.load_cell(str(tmp_path), cells[0])
+    assert record["result"]["status"] == "ok" and record["params"] == cells[0].params
+    assert set(record["result"]["validation"]) == {"validation"} and set(record["result"]["test"]) == {"n2"}
+    stamps = {c.name: os.path.getmtime(cells_mod.cell_path(str(tmp_path), c)) for c in cells[:2]}
+    again = cells_mod.run_cells(cells, str(tmp_path), deadline=time.time() - 1, log=lines.append)
+    assert sorted(again.cached) == sorted(stamps) and again.skipped == [cells[2].name] and not again.ran
+    assert {c: os.path.getmtime(cells_mod.cell_path(str(tmp_path), cells[i])) for i, c in enumerate(stamps)} == stamps
+    with open(cells_mod.cell_path(str(tmp_path), cells[2]), "w") as f:
+        json.dump({"cell": {"key": "another"}}, f)
+    with pytest.raises(ValueError, match="holds another cell"):
+        cells_mod.run_cells(cells, str(tmp_path))
+    with pytest.raises(ValueError, match="jobs"):
+        cells_mod.run_cells(cells, str(tmp_path), jobs=0)
+
+
+def claims_table(report: str) -> dict[str, str]:
+    """``{claim id: verdict cell}`` from the claims table of report.md."""
+    section = report.split("## Claims", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| id")]
+    return {row.split(" | ")[0][2:]: row.rsplit(" | ", 1)[1].rstrip(" |") for row in rows}
+
+
+@pytest.mark.parametrize("paper", list(PAPERS))
+def test_smoke_scale_writes_a_complete_report_and_resumes_without_rerunning(paper, tmp_path, capsys):
+    args = ["reproduce", paper, "--scale", "smoke", "--out", str(tmp_path), "--jobs", "2"]
+    t0 = time.perf_counter()
+    assert main(args) == 0
+    wall = time.perf_counter() - t0
+    folder = tmp_path / paper
+    report = (folder / "report.md").read_text()
+    data = json.loads((folder / "report.json").read_text())
+    module = PAPERS[paper]
+    table = claims_table(report)
+    assert list(table) == [c.id for c in module.CLAIMS]
+    for claim in data["claims"]:
+        verdict = re.match(r"\*\*([A-Z ]+)\*\*: (.+)", table[claim["id"]])
+        assert verdict and verdict.group(1) == claim["verdict"] in VERDICTS, table[claim["id"]]
+        assert claim["reason"] and verdict.group(2).startswith(claim["reason"][:20].replace("|", "\\|"))
+        assert claim["published"] and claim["criterion"]
+        if claim["verdict"] != "NOT RUN":
+            assert claim["ours"] != "—"
+    # every declared cell finished and is cached; every plot the report links exists
+    declared = [c for e in module.experiments("smoke") for c in e.cells()]
+    assert all(cells_mod.load_cell(str(folder / "cells"), c) is not None for c in declared)
+    assert data["run"]["ran"] == len(declared) and data["run"]["failed"] == 0
+    for png in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):
+        assert (folder / png).stat().st_size > 0
+    assert "## Run" in report and data["environment"]["commit"]
+    assert all(f"### {e.name}" in report for e in module.experiments("smoke"))
+    print(f"{paper} smoke: {wall:.0f} s")
+
+    stamps = {p: p.stat().st_mtime for p in (folder / "cells").iterdir()}
+    assert main(args) == 2  # a folder with finished cells needs --resume
+    assert "--resume" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    again = json.loads((folder / "report.json").read_text())
+    assert again["run"]["ran"] == 0 and again["run"]["cached"] == len(declared)
+    assert {p: p.stat().st_mtime for p in (folder / "cells").iterdir()} == stamps
+    assert [c["verdict"] for c in again["claims"]] == [c["verdict"] for c in data["claims"]]
