@@ -164,9 +164,10 @@ class RunProgress:
             self._last_eval_s = time.perf_counter() - t0
             self._eval_s += self._last_eval_s
 
-    def evaluated(self, step: int, metrics: dict[str, dict[str, float]]) -> None:
-        """After an evaluation: one line with its headline metric per test set and how long it took."""
-        self._print(f"[{self.label}] eval at step {step} ({self._last_eval_s:.1f} s): {summarize_metrics(metrics)}")
+    def evaluated(self, step: int, metrics: dict[str, dict[str, float]], split: str = "test") -> None:
+        """After an evaluation: one line with the split, its headline metric per set and how long it took."""
+        took = f"{self._last_eval_s:.1f} s"
+        self._print(f"[{self.label}] eval at step {step}, {split} ({took}): {summarize_metrics(metrics)}")
 
     def close(self) -> None:
         """Ends the steps' bar (later lines, such as the final evaluation's, print plainly)."""

@@ -543,12 +543,14 @@ def train(config: TrainConfig) -> TrainResult:
             with open(os.path.join(out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(event) + "\n")
         if writer is not None:
+            # eval/<split>/<set>/<metric> (the split of an eval event is part of its tag, not a value)
+            tag = "/".join(str(event[k]) for k in ("event", "split") if k in event)
             for key, value in event.items():
                 if isinstance(value, dict):
                     for name, number in value.items():
-                        writer.add_scalar(f"{event['event']}/{key}/{name}", number, event["step"])
-                elif key not in ("event", "step"):
-                    writer.add_scalar(f"{event['event']}/{key}", value, event["step"])
+                        writer.add_scalar(f"{tag}/{key}/{name}", number, event["step"])
+                elif key not in ("event", "step", "split"):
+                    writer.add_scalar(f"{tag}/{key}", value, event["step"])
 
     def evaluate(step: int, split: str) -> dict[str, dict[str, float]]:
         raw_model.eval()
@@ -562,7 +564,7 @@ def train(config: TrainConfig) -> TrainResult:
                     return raw_model(input_ids=x.to(device), use_cache=False).logits
 
             metrics = task.evaluate_model(logits_fn, batch_size=config.eval_batch_size, split=split)
-        progress.evaluated(step, metrics)
+        progress.evaluated(step, metrics, split)
         raw_model.train()
         return metrics
 

@@ -294,7 +294,9 @@ def test_demo_tiny(tmp_path, capsys):
     # the progress on stderr: labelled lines, an evaluation line per evaluation, no carriage returns
     err = captured.err.splitlines()
     assert err and all(line.startswith(("[flipflop path lr=0.003 seed=0] ", "[flipflop rope ")) for line in err)
-    assert sum(" eval at step " in line for line in err) == 6 and "\r" not in captured.err
+    # per run: the validation split twice during training, then both splits at the end
+    assert sum(" eval at step " in line for line in err) == 8 and "\r" not in captured.err
+    assert sum(", test (" in line for line in err) == 2
     assert main(["demo", "--tiny", "--device", "cpu", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--overwrite" in err

@@ -163,7 +163,7 @@ def test_tensorboard_event_files(tmp_path, monkeypatch):
     acc = EventAccumulator(events)
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "eval/sparse/read_error"} <= tags
+    assert {"train/loss", "train/lr", "eval/test/sparse/read_error", "eval/validation/validation/read_error"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
 
     real = trainer.importlib.util.find_spec
