@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from attnkit.train.sharded import load_sharded, remove_stale_shards, save_sharded, shards_folder
+from tests.helpers import leave_process_group
 
 
 def _free_port() -> int:
@@ -58,9 +59,9 @@ def _round_trip(rank: int, world: int, port: int, folder: str, result: str) -> N
         m(x).square().mean().backward()
         opt.step()
     same &= all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
-    torch.distributed.destroy_process_group()
     if rank == 0:
         torch.save({"same": same, "files": sorted(os.listdir(folder))}, result)
+    leave_process_group()
 
 
 def test_round_trip_restores_every_tensor_exactly(tmp_path):

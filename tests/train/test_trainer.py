@@ -15,6 +15,7 @@ import attnkit.train.trainer as trainer
 from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, train
 from attnkit.train.checkpoint import write_text_atomic
 from attnkit.train.trainer import RESUMABLE_FIELDS, RUN_FIELDS
+from tests.helpers import leave_process_group
 
 
 def tiny(tmp_path, name: str, **overrides) -> TrainConfig:
@@ -308,9 +309,9 @@ def _ddp_worker(rank: int, world: int, port: int, config: TrainConfig, result_pa
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(result.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    torch.distributed.destroy_process_group()
     if rank == 0:
         torch.save({"loss": result.loss, "params": state}, result_path)
+    leave_process_group()
 
 
 @pytest.mark.parametrize("mode,accum", [("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)])
