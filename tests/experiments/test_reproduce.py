@@ -155,6 +155,12 @@ def claims_table(report: str) -> dict[str, str]:
     return {row.split(" | ")[0][2:]: row.rsplit(" | ", 1)[1].rstrip(" |") for row in rows}
 
 
+DECIDED_AT_SMOKE = {
+    "path": ("P1", "P2", "P3", "P4", "P5", "P6"),
+    "vla": tuple(f"V{i}" for i in (1, 2, 3, 4, 5, 6, 7, 9, 10)),
+}
+
+
 @pytest.mark.parametrize("paper", list(PAPERS))
 def test_smoke_scale_writes_a_complete_report_and_resumes_without_rerunning(paper, tmp_path, capsys):
     args = ["reproduce", paper, "--scale", "smoke", "--out", str(tmp_path), "--jobs", "2"]
@@ -174,6 +180,12 @@ def test_smoke_scale_writes_a_complete_report_and_resumes_without_rerunning(pape
         assert claim["published"] and claim["criterion"]
         if claim["verdict"] != "NOT RUN":
             assert claim["ours"] != "—"
+    verdicts = {c["id"]: c["verdict"] for c in data["claims"]}
+    # claims whose experiments exist run at smoke scale: stick-breaking (PaTH P4) and Proposition 2 (VLA V10)
+    assert all(verdicts[i] != "NOT RUN" for i in DECIDED_AT_SMOKE.get(paper, ()))
+    if paper == "vla":  # random inputs, no training: the norm of I − α̂ k̂ᵀ exceeds 1 while its radius is 1
+        v10 = next(c for c in data["claims"] if c["id"] == "V10")
+        assert v10["verdict"] == "REFUTED" and "radius" in v10["ours"], v10
     # every declared cell finished and is cached; every plot the report links exists
     declared = [c for e in module.experiments("smoke") for c in e.cells()]
     assert all(cells_mod.load_cell(str(folder / "cells"), c) is not None for c in declared)

@@ -64,7 +64,9 @@ def experiments(scale: str) -> list:
             title="Group word problems: the fewest layers reaching > 90% sequence accuracy",
             task="group_words",
             models={
-                f"{m} {d}L": {"mixer": m, "arch": {"num_layers": d}} for m in ("path", "rope", "fox") for d in depths
+                f"{m} {d}L": {"mixer": m, "arch": {"num_layers": d}}
+                for m in ("path", "rope", "fox", "stickbreaking")
+                for d in depths
             },
             settings={f"{g} k{k}": {"group": g, "k": k} for g in groups for k in ks},
             metric="sequence_accuracy",
@@ -76,7 +78,7 @@ def experiments(scale: str) -> list:
             name="mqrar",
             title="MQRAR-N: recall of the N-th most recent value of a key",
             task="mqrar",
-            models={m: {"mixer": m} for m in ("path", "rope", "fox")},
+            models={m: {"mixer": m} for m in ("path", "rope", "fox", "stickbreaking")},
             settings={f"N{n}": {"n_back": n, **mqrar} for n in ns},
             metric="accuracy",
             task_options={"test_size": s["test"], "validation_size": s["val"]},
@@ -217,8 +219,38 @@ def _path_fox_best(results: dict[str, Any]) -> Decision:
     return "REFUTED", f"lowest: {best}", ours_text
 
 
+def _stickbreaking(results: dict[str, Any]) -> Decision:
+    words, mqrar = results["words"], results["mqrar"]
+    a5 = [s for s in words.sweep.settings if s.startswith("A5")]
+    depth = {(m, s): _fewest_layers(words, m, s) for s in a5 for m in ("path", "stickbreaking")}
+    deepest = max(model["arch"]["num_layers"] for model in words.sweep.models.values())
+    hard = [s for s in mqrar.sweep.settings if mqrar.sweep.settings[s]["n_back"] >= 2]
+    stats = {f"{m} {s}": mqrar.stat(m, s) for s in mqrar.sweep.settings for m in ("path", "stickbreaking")}
+    layers = "; ".join(f"{m} {s}: {d or '> ' + str(deepest)}" for (m, s), d in depth.items())
+    ours = f"A5 fewest layers: {layers} | MQRAR: {fmt(stats)}"
+    decided = [s for s in a5 if depth[("path", s)] or depth[("stickbreaking", s)]]
+    first = next(iter(mqrar.sweep.settings))
+    best = max(mqrar.stat(m, first).mean for m in mqrar.sweep.models)
+    if not decided or best < 0.9 or not hard:
+        why = [] if decided else ["neither PaTH nor stick-breaking reached 90% on A5 at any depth run"]
+        why += [] if best >= 0.9 else [f"no model reached 0.9 at MQRAR {first}"]
+        why += [] if hard else ["no MQRAR N ≥ 2 at this scale"]
+        return "INCONCLUSIVE", "; ".join(why) + ": the budget did not decide it", ours
+    inf = deepest + 1
+    more = [s for s in decided if (depth[("stickbreaking", s)] or inf) > (depth[("path", s)] or inf)]
+    fails = [s for s in hard if stats[f"stickbreaking {s}"].mean < 0.9]
+    if len(more) == len(decided) and len(fails) == len(hard):
+        return "CONFIRMED", "stick-breaking needs more layers than PaTH on A5 and is < 0.9 at every N ≥ 2", ours
+    if not more and all(stats[f"stickbreaking {s}"].mean >= stats[f"path {s}"].mean for s in hard):
+        return "REFUTED", "stick-breaking never needs more layers than PaTH on A5 and is ≥ PaTH at every N ≥ 2", ours
+    return (
+        "PARTIAL",
+        f"more layers at {', '.join(more) or 'no A5 setting'}; < 0.9 at {', '.join(fails) or 'no N'}",
+        ours,
+    )
+
+
 SHORT = "A budget far below the paper's: the models have not learned the task yet."
-SBA = "needs the stick-breaking attention mixer 'stickbreaking' (helper h7), not on main yet"
 
 CLAIMS = [
     Claim(
@@ -260,8 +292,14 @@ CLAIMS = [
         id="P4",
         claim="The stick-breaking attention baseline needs more layers on A5 and fails MQRAR-N for N ≥ 2",
         published="stick-breaking behind PaTH on A5 (Fig. 2) and on MQRAR-N ≥ 2",
-        criterion="As P2 and P3 with stick-breaking in place of RoPE and FoX.",
-        not_run=SBA,
+        criterion="Fewest layers on A5 as P2, and MQRAR accuracy as P3, each model with its own learning-rate sweep. "
+        "Budget check: PaTH or stick-breaking reaches 90% on A5 at some depth, some model reaches 0.9 at the "
+        "smallest N, and some N ≥ 2 is run, else INCONCLUSIVE. CONFIRMED if stick-breaking needs more layers than "
+        "PaTH at every A5 setting where either reaches 90% and is < 0.9 at every N ≥ 2; REFUTED if it needs more "
+        "layers at none and is ≥ PaTH at every N ≥ 2; PARTIAL otherwise.",
+        experiments=("words", "mqrar"),
+        decide=_stickbreaking,
+        cause=SHORT,
     ),
     Claim(
         id="P5",
@@ -297,7 +335,8 @@ CLAIMS = [
         claim="Converting a pretrained RoPE model to PaTH and training on beats the RoPE model trained on equally",
         published="SmolLM2-1.7B converted: PaTH above RoPE on GSM-8K, HumanEval, MBPP; Qwen2.5-7B: mixed",
         criterion="CONFIRMED if the converted model's held-out perplexity after the same continued training is lower.",
-        not_run="continued training needs the trainer to start from saved weights (TrainConfig init_from, issue 19); "
+        not_run="continued training from a trained cell needs cell chaining (a cell initialised from another cell's "
+        "run folder via TrainConfig.init_from, with the mixer changed from RoPE to PaTH), not built yet; "
         "the pretrained 1.7B-7B weights are not available offline",
     ),
 ]

@@ -22,7 +22,18 @@ def state_norm(mixers: list[str], lengths: list[int], hidden_size: int, num_head
     return {"norms": norms}
 
 
-PROBES: dict[str, Callable[..., dict]] = {"state_norm": state_norm}
+def proposition2(batch: int, seq_len: int, num_heads: int, head_dim: int, lam0: float, seed: int, tol: float) -> dict:
+    """Spectral norm and radius of VLA's transition ``I − α̂ k̂ᵀ`` on random inputs
+    (``attnkit.experiments.vla_proposition.check_proposition2``): ``{"seed": seed, "random": stats}``."""
+    from ..vla_proposition import check_proposition2
+
+    stats = check_proposition2(
+        batch=batch, seq_len=seq_len, num_heads=num_heads, head_dim=head_dim, lam0=lam0, seed=seed, tol=tol
+    )
+    return {"seed": seed, "random": stats["random"]}
+
+
+PROBES: dict[str, Callable[..., dict]] = {"state_norm": state_norm, "proposition2": proposition2}
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,10 +60,15 @@ class ProbeResult:
     total: int
     wall_s: float
 
-    def norm(self, mixer: str, T: int) -> Stat:
-        """``‖S_T‖_F`` of ``mixer`` at ``T`` over the seeds (state-norm probes)."""
+    def complete(self) -> list[dict]:
+        """Every seed's result; ``Missing`` while some seed has not run."""
         if self.finished < self.total:
             raise Missing(f"{self.probe.name}: {self.total - self.finished} of {self.total} seeds not run")
+        return self.results
+
+    def norm(self, mixer: str, T: int) -> Stat:
+        """``‖S_T‖_F`` of ``mixer`` at ``T`` over the seeds (state-norm probes)."""
+        self.complete()
         values = [r["norms"][mixer][str(T)] for r in self.results if str(T) in r["norms"].get(mixer, {})]
         if len(values) < len(self.results):
             raise Missing(f"{self.probe.name}: {mixer} is not probed at T={T} at this scale")

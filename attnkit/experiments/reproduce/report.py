@@ -231,6 +231,12 @@ def _probe_section(result: ProbeResult, plots: list[str]) -> list[str]:
                     cells.append("pending")
             lines.append(f"| {mixer} | " + " | ".join(cells) + " |")
         lines.append("")
+    if result.results and "random" in result.results[0]:
+        keys = ("count", "norm_max", "norm_median", "radius_min", "radius_max", "frac_norm_above_1", "cos_min")
+        lines += ["| seed | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for r in result.results:
+            lines.append(f"| {r['seed']} | " + " | ".join(f"{r['random'][k]:.10g}" for k in keys) + " |")
+        lines.append("")
     lines += [f"![{name}]({name})" for name in plots]
     return lines + [""]
 

@@ -177,8 +177,8 @@ CLAIMS = [
         "RoPE, PI, YaRN ≈ 900-2280 at 49k-64k",
         criterion="CONFIRMED if, after continued pretraining at 4L, TAPA's perplexity at 8L is ≤ 1.1× its 4L value "
         "while RoPE's, PI's and YaRN's are ≥ 3×.",
-        not_run="continued pretraining starts from the pretrained weights, and the trainer has no initialisation "
-        "from a checkpoint yet (TrainConfig init_from, issue 19)",
+        not_run="continued pretraining needs cell chaining (a cell initialised from another cell's run folder via "
+        "TrainConfig.init_from), not built yet",
     ),
     Claim(
         id="T2",
