@@ -31,7 +31,6 @@ GENERIC = [
     generic.test_gradients_reach_every_parameter,
     generic.test_bad_inputs,
     generic.test_built_on_meta_device_then_loaded,
-    generic.test_empty_sequence,
 ]
 
 
@@ -39,6 +38,12 @@ GENERIC = [
 @pytest.mark.parametrize("name", LAYERS)
 def test_generic_contract(name, test):
     test(name)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["dense", "with-mask"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_empty_sequence(name, masked):
+    generic.test_empty_sequence(name, masked)
 
 
 @pytest.mark.parametrize("case", generic.DECODE)
