@@ -7,7 +7,20 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-MIXERS = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet", "stickbreaking")
+# mixer name -> (layer class, fixed arguments, whether it takes num_kv_heads)
+MIXER_LAYERS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "path": ("PaTHAttention", {}, True),
+    "path_fox": ("PaTHAttention", {"use_forget_gate": True}, True),
+    "tapa": ("TAPAAttention", {}, True),
+    "vla": ("VLAAttention", {}, False),
+    "rope": ("RoPEAttention", {}, True),
+    "nope": ("NoPEAttention", {}, True),
+    "fox": ("FoXAttention", {}, True),
+    "linear": ("LinearAttention", {}, True),
+    "deltanet": ("DeltaNetAttention", {}, False),
+    "stickbreaking": ("StickBreakingAttention", {}, True),
+}
+MIXERS = tuple(MIXER_LAYERS)
 
 
 def _finite(value: object) -> bool:
@@ -32,7 +45,6 @@ def mixer_options(mixer: str) -> list[str]:
     import inspect
 
     from .. import layers
-    from .modeling import MIXER_LAYERS  # here: modeling imports this module
 
     cls_name = MIXER_LAYERS[mixer][0]
     fixed = {key for _, keys, _ in MIXER_LAYERS.values() for key in keys}

@@ -15,25 +15,11 @@ from transformers.utils import logging
 from .. import layers
 from ..layers.base import State
 from .cache import AttnKitCache
-from .configuration import AttnKitConfig
+from .configuration import MIXER_LAYERS, AttnKitConfig
 
 logger = logging.get_logger(__name__)
 
 IGNORE_INDEX = -100
-
-# mixer name -> (layer class, fixed arguments, whether it takes num_kv_heads)
-MIXER_LAYERS: dict[str, tuple[str, dict[str, Any], bool]] = {
-    "path": ("PaTHAttention", {}, True),
-    "path_fox": ("PaTHAttention", {"use_forget_gate": True}, True),
-    "tapa": ("TAPAAttention", {}, True),
-    "vla": ("VLAAttention", {}, False),
-    "rope": ("RoPEAttention", {}, True),
-    "nope": ("NoPEAttention", {}, True),
-    "fox": ("FoXAttention", {}, True),
-    "linear": ("LinearAttention", {}, True),
-    "deltanet": ("DeltaNetAttention", {}, False),
-    "stickbreaking": ("StickBreakingAttention", {}, True),
-}
 
 
 def build_mixer(config: AttnKitConfig, layer_idx: int) -> nn.Module:

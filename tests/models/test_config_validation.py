@@ -10,8 +10,7 @@ import pytest
 
 from attnkit import layers
 from attnkit.models import MIXERS, AttnKitConfig, AttnKitForCausalLM
-from attnkit.models.configuration import mixer_options
-from attnkit.models.modeling import MIXER_LAYERS
+from attnkit.models.configuration import MIXER_LAYERS, mixer_options
 
 SMALL = dict(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_heads=2)
 
