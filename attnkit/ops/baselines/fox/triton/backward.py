@@ -6,7 +6,7 @@ the query blocks that see the keys; dQ per (query block, query head) over its ca
 recomputation, not float32 atomics from the dK/dV kernel: a FoX logit costs one FMA and one exp2 to rebuild, so the
 second pass is cheaper than ``HQ·D`` float32 atomics a query row and the buffer's cast, and it is deterministic.
 The query-side gate sum ``Σ_j dS_ij`` is zero (the rows of ``P`` sum to one), so no kernel computes it; ``dg`` is
-the suffix sum of ``dG`` within each sequence (``common.gate_cumsum``). Derivation: ``README.md`` of the op.
+the suffix sum of ``dG`` within each sequence (``ops/common/triton/scan.py``). Derivation: ``README.md`` of the op.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.baselines.fox.triton.common import gate_cumsum, launch_grid, program_block
+from attnkit.ops.baselines.fox.triton.common import launch_grid, program_block
 from attnkit.ops.baselines.fox.triton.forward import key_tile, precision, query_tile
+from attnkit.ops.common.triton.scan import segment_cumsum
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 
 
@@ -222,7 +223,7 @@ def fox_bwd_fn(
     BK, BV = block_dim(K), block_dim(V)
     config = config or bwd_config(max(BK, BV))
     is_varlen, has_gate = cu_seqlens is not None, g is not None
-    gc = gate_cumsum(g, cu_seqlens, LOG2E, False, torch.float32) if has_gate else None
+    gc = segment_cumsum(g, cu_seqlens, LOG2E, False, torch.float32) if has_gate else None
     delta = torch.empty_like(lse)
     BT = 64
     fox_bwd_delta_kernel[(triton.cdiv(T, BT), B * HQ)](o, do, delta, T, *do.stride(), HQ=HQ, V=V, BV=BV, BT=BT)
@@ -248,5 +249,5 @@ def fox_bwd_fn(
         BM=BM, BN=BN, LOG_N=log_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
     # G is a cumulative sum: g_t's gradient sums dG from t to the end of its sequence.
-    dg = gate_cumsum(dgc, cu_seqlens, 1.0, True, g.dtype) if has_gate else q.new_empty(0)
+    dg = segment_cumsum(dgc, cu_seqlens, 1.0, True, g.dtype) if has_gate else q.new_empty(0)
     return dq, dk, dv, dg

@@ -1,7 +1,7 @@
 """FoX forward: FlashAttention-2's online softmax with the gate bias, one program per (query block, query head).
 
 The logits run in base 2: ``s = log2(e)·(scale·qᵀk + G_i − G_j)``, the gate's cumulative sums pre-scaled by
-``log2(e)`` (``common.gate_cumsum``), so a logit is one FMA and one subtraction past the ``tl.dot``. Key blocks
+``log2(e)`` (``ops/common/triton/scan.py``), so a logit is one FMA and one subtraction past the ``tl.dot``. Key blocks
 wholly below the query block's first row need no mask; only the ones that cross the diagonal do. Saves the base-2
 log-sum-exp for the backward.
 """
@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.baselines.fox.triton.common import gate_cumsum, launch_grid, program_block
+from attnkit.ops.baselines.fox.triton.common import launch_grid, program_block
+from attnkit.ops.common.triton.scan import segment_cumsum
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 
 
@@ -165,7 +166,7 @@ def fox_fwd_fn(
     H, V = k.shape[2], v.shape[-1]
     BK, BV = block_dim(K), block_dim(V)
     BM, BN, num_warps, num_stages = config or fwd_config(max(BK, BV))
-    gc = None if g is None else gate_cumsum(g, cu_seqlens, LOG2E, False, torch.float32)
+    gc = None if g is None else segment_cumsum(g, cu_seqlens, LOG2E, False, torch.float32)
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     grid, offsets, N, log_n = launch_grid(cu_seqlens, B, T, HQ, BM)
