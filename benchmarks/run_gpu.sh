@@ -6,10 +6,10 @@
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
-#                              [train] [decode] [tune]
+#                              [train] [decode] [tune] [foxtests] [fox]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests` alone;
-#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathgrid` alone; `train` alone
+#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathgrid` alone; `train` alone; `foxtests fox`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -45,6 +45,12 @@ for step in $steps; do
             timeout 150 python3 -m pytest -q -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -q -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
             grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
+        foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
+            timeout 150 python3 -m pytest -q -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
+            tail -12 "$OUT/foxtests.log" ;;
+        fox)  # FoX forward and forward+backward against SDPA and FLA's parallel_forgetting_attn (issue 17's bar)
+            timeout 300 python3 benchmarks/ops.py --ops fox --impls sdpa fox_triton fla_parallel_forgetting_attn \
+                --seq-lens 2048 8192 32768 --out "$OUT" --name ops_fox_h200 > "$OUT/fox.log" 2>&1 ;;
         tapa)
             timeout 120 python3 benchmarks/ops.py --ops tapa --impls sdpa tapa_triton --out "$OUT" --name ops_tapa_h200 \
                 > "$OUT/tapa.log" 2>&1 ;;
@@ -116,7 +122,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathgrid pathacc pathsuper pathprof pathtune pathcarry train \
+for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathgrid pathacc pathsuper pathprof pathtune pathcarry train \
     flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
