@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from attnkit.ops.common.utils import segment_bounds
-from attnkit.ops.common.validation import check_backend, check_cu_seqlens
+from attnkit.ops.common.validation import check_backend, check_cu_seqlens, masks_checked, reads_masks
 
 State = dict[str, torch.Tensor]
 
@@ -65,6 +65,26 @@ def check_attention_mask(attention_mask: object, batch: int, length: int) -> tor
     if (mask.int().diff(dim=1) < 0).any():
         raise ValueError("attention_mask: only left padding is supported (a 0 follows a 1)")
     return mask
+
+
+def check_decode_mask(attention_mask: object, batch: int, new_tokens: int) -> None:
+    """An ``attention_mask`` given with a cache: ``[B, past + T]``, left padding only, its ``T`` new tokens real
+    (the earlier columns are the cache's business). The shape is always checked; the values are read from the
+    device once, unless the caller checked them already (:func:`attnkit.ops.common.validation.masks_checked`)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError("attention_mask: expected a [B, L] tensor of 0/1")
+    if attention_mask.shape[0] != batch or attention_mask.shape[1] < new_tokens:
+        raise ValueError(
+            f"attention_mask: expected shape [{batch}, past + {new_tokens}], got {list(attention_mask.shape)}"
+        )
+    if not reads_masks():
+        return
+    mask = attention_mask.bool()
+    padded_after, new_padding = torch.stack([(mask.int().diff(dim=1) < 0).any(), ~mask[:, -new_tokens:].all()]).tolist()
+    if padded_after:
+        raise ValueError("attention_mask: only left padding is supported (a 0 follows a 1)")
+    if new_padding:
+        raise ValueError("attention_mask: tokens after the prompt must not be padding")
 
 
 def positions_in_segments(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -202,10 +222,7 @@ class TokenMixer(nn.Module):
             check_cu_seqlens(cu_seqlens, B, T, hidden_states.device)
         if past_state is not None:
             if attention_mask is not None:
-                # the columns of earlier calls are the cache's business; the new tokens must be real
-                mask = check_attention_mask(attention_mask, B, attention_mask.shape[1])
-                if not mask[:, -T:].all():
-                    raise ValueError("attention_mask: tokens after the prompt must not be padding")
+                check_decode_mask(attention_mask, B, T)
             self._check_state(past_state, B)
             return self._decode(hidden_states, past_state, use_cache)
 
@@ -256,7 +273,8 @@ class TokenMixer(nn.Module):
             position = state["seen"]
             state = dict(state)
             state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(position.numel(), 1)], dim=1)
-            o, state = self.step(hidden_states[:, t : t + 1], state, position)
+            with masks_checked():  # the new token's slot, appended above, is real in every row
+                o, state = self.step(hidden_states[:, t : t + 1], state, position)
             state["seen"] = position + 1
             outs.append(o)
         return torch.cat(outs, dim=1), (state if use_cache else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -13,7 +14,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from .. import layers
-from ..layers.base import State
+from ..layers.base import State, check_decode_mask
+from ..ops.common.validation import masks_checked
 from .cache import AttnKitCache
 from .configuration import MIXER_LAYERS, AttnKitConfig
 
@@ -223,13 +225,19 @@ class AttnKitModel(AttnKitPreTrainedModel):
             return BaseModelOutputWithPast(
                 last_hidden_state=self.norm(hidden_states), cache=cache if use_cache else None
             )
-        for i, block in enumerate(self.layers):
-            past = None if cache is None else cache.layers[i].state
-            hidden_states, state = block(
-                hidden_states, attention_mask=attention_mask, cu_seqlens=cu_seqlens, cache=past, use_cache=use_cache
-            )
-            if use_cache:
-                cache.layers[i].state = state
+        checked = contextlib.nullcontext()
+        if attention_mask is not None and cache is not None and cache.layers[0].state is not None:
+            # Decoding: the mask is checked once here, not once per layer (each check reads the device).
+            check_decode_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
+            checked = masks_checked()
+        with checked:
+            for i, block in enumerate(self.layers):
+                past = None if cache is None else cache.layers[i].state
+                hidden_states, state = block(
+                    hidden_states, attention_mask=attention_mask, cu_seqlens=cu_seqlens, cache=past, use_cache=use_cache
+                )
+                if use_cache:
+                    cache.layers[i].state = state
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache if use_cache else None)
 
 

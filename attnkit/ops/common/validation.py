@@ -6,7 +6,10 @@ Every failure is a ``ValueError`` whose message starts with the name of the offe
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -215,12 +218,34 @@ def reads_data() -> bool:
     return not torch.compiler.is_compiling()
 
 
+_MASKS_CHECKED = contextvars.ContextVar("attnkit_masks_checked", default=False)
+
+
+@contextlib.contextmanager
+def masks_checked() -> Iterator[None]:
+    """Within this context the caller vouches for the masks it passes: every ``cache_mask`` row has a real slot,
+    and an ``attention_mask`` given with a cache is left padding whose new tokens are real. A layer's decode step
+    (which appends its new token's slot itself) and a model that checked its mask once per call use it, so that a
+    generated token costs no device read per layer; a public op called outside it still checks."""
+    token = _MASKS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _MASKS_CHECKED.reset(token)
+
+
+def reads_masks() -> bool:
+    """Whether the data preconditions of masks are read from the device: in eager mode and outside
+    :func:`masks_checked`."""
+    return reads_data() and not _MASKS_CHECKED.get()
+
+
 def check_real_slots(cache_mask: torch.Tensor) -> None:
     """Every row of a ``[B, L]`` bool ``cache_mask`` has a real slot (a softmax over no slot is undefined).
 
     Reads the device once (a synchronisation on CUDA): the precondition is data, not shape (see
-    :func:`reads_data`)."""
-    if cache_mask.shape[0] and reads_data():
+    :func:`reads_masks`)."""
+    if cache_mask.shape[0] and reads_masks():
         check_rows_have_slots("cache_mask", int((~cache_mask.any(-1)).sum()))
 
 
