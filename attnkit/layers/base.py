@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from attnkit.ops.common.utils import segment_bounds
-from attnkit.ops.common.validation import check_backend, check_cu_seqlens, masks_checked, reads_masks
+from attnkit.ops.common.validation import check_backend, check_cu_seqlens, checks_data, data_checked
 
 State = dict[str, torch.Tensor]
 
@@ -56,13 +56,14 @@ def head_layout(
 
 
 def check_attention_mask(attention_mask: object, batch: int, length: int) -> torch.Tensor:
-    """``[B, L]`` of 0/1 (or bool) with padding on the left only; returned as bool."""
+    """``[B, L]`` of 0/1 (or bool) with padding on the left only; returned as bool. The values are read from the
+    device once, unless the caller checked them (:func:`attnkit.ops.common.validation.data_checked`)."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         raise ValueError("attention_mask: expected a [B, L] tensor of 0/1")
     if tuple(attention_mask.shape) != (batch, length):
         raise ValueError(f"attention_mask: expected shape [{batch}, {length}], got {list(attention_mask.shape)}")
     mask = attention_mask.bool()
-    if (mask.int().diff(dim=1) < 0).any():
+    if checks_data() and (mask.int().diff(dim=1) < 0).any():
         raise ValueError("attention_mask: only left padding is supported (a 0 follows a 1)")
     return mask
 
@@ -70,14 +71,14 @@ def check_attention_mask(attention_mask: object, batch: int, length: int) -> tor
 def check_decode_mask(attention_mask: object, batch: int, new_tokens: int) -> None:
     """An ``attention_mask`` given with a cache: ``[B, past + T]``, left padding only, its ``T`` new tokens real
     (the earlier columns are the cache's business). The shape is always checked; the values are read from the
-    device once, unless the caller checked them already (:func:`attnkit.ops.common.validation.masks_checked`)."""
+    device once, unless the caller checked them already (:func:`attnkit.ops.common.validation.data_checked`)."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         raise ValueError("attention_mask: expected a [B, L] tensor of 0/1")
     if attention_mask.shape[0] != batch or attention_mask.shape[1] < new_tokens:
         raise ValueError(
             f"attention_mask: expected shape [{batch}, past + {new_tokens}], got {list(attention_mask.shape)}"
         )
-    if not reads_masks():
+    if not checks_data():
         return
     mask = attention_mask.bool()
     padded_after, new_padding = torch.stack([(mask.int().diff(dim=1) < 0).any(), ~mask[:, -new_tokens:].all()]).tolist()
@@ -224,9 +225,24 @@ class TokenMixer(nn.Module):
             if attention_mask is not None:
                 check_decode_mask(attention_mask, B, T)
             self._check_state(past_state, B)
-            return self._decode(hidden_states, past_state, use_cache)
+        elif attention_mask is not None:
+            attention_mask = check_attention_mask(attention_mask, B, T)
+        with data_checked():  # checked above, or built valid below: the ops need not read them again
+            if past_state is not None:
+                return self._decode(hidden_states, past_state, use_cache)
+            return self._prefill(hidden_states, attention_mask, cu_seqlens, use_cache)
 
-        if cu_seqlens is None and attention_mask is None:
+    def _prefill(
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        use_cache: bool,
+    ) -> tuple[torch.Tensor, State | None]:
+        """The forward without a cache to extend: a dense batch, a left-padded one (``key_mask [B, T]`` bool)
+        or packed sequences."""
+        B, T, width = hidden_states.shape
+        if cu_seqlens is None and key_mask is None:
             # a dense batch runs as it is: the ops batch over B (packing would make B sequences of one batch)
             o, token_state, state = self.prefill(hidden_states, None, use_cache)
             if not use_cache:
@@ -237,7 +253,6 @@ class TokenMixer(nn.Module):
             return o, state
         if cu_seqlens is None:
             # the cache keeps the columns of the batch as given, so its length counts padding like the mask
-            key_mask = check_attention_mask(attention_mask, B, T)
             layout = key_mask.flatten().nonzero().squeeze(1)
             x = hidden_states.reshape(B * T, width)[layout][None]
             lengths = key_mask.sum(1)
@@ -273,8 +288,7 @@ class TokenMixer(nn.Module):
             position = state["seen"]
             state = dict(state)
             state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(position.numel(), 1)], dim=1)
-            with masks_checked():  # the new token's slot, appended above, is real in every row
-                o, state = self.step(hidden_states[:, t : t + 1], state, position)
+            o, state = self.step(hidden_states[:, t : t + 1], state, position)  # its mask's new slot is real
             state["seen"] = position + 1
             outs.append(o)
         return torch.cat(outs, dim=1), (state if use_cache else None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -14,8 +13,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils import logging
 
 from .. import layers
-from ..layers.base import State, check_decode_mask
-from ..ops.common.validation import masks_checked
+from ..layers.base import State, check_attention_mask, check_decode_mask
+from ..ops.common.validation import check_cu_seqlens, data_checked
 from .cache import AttnKitCache
 from .configuration import MIXER_LAYERS, AttnKitConfig
 
@@ -225,12 +224,16 @@ class AttnKitModel(AttnKitPreTrainedModel):
             return BaseModelOutputWithPast(
                 last_hidden_state=self.norm(hidden_states), cache=cache if use_cache else None
             )
-        checked = contextlib.nullcontext()
-        if attention_mask is not None and cache is not None and cache.layers[0].state is not None:
-            # Decoding: the mask is checked once here, not once per layer (each check reads the device).
-            check_decode_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
-            checked = masks_checked()
-        with checked:
+        # The index inputs are checked once here, not once a layer (each check reads the device).
+        B, T = hidden_states.shape[:2]
+        if cu_seqlens is not None and hidden_states.dim() == 3:
+            check_cu_seqlens(cu_seqlens, B, T, hidden_states.device)
+        if attention_mask is not None and hidden_states.dim() == 3:
+            if cache is not None and cache.layers[0].state is not None:
+                check_decode_mask(attention_mask, B, T)
+            else:
+                check_attention_mask(attention_mask, B, T)
+        with data_checked():
             for i, block in enumerate(self.layers):
                 past = None if cache is None else cache.layers[i].state
                 hidden_states, state = block(

@@ -9,7 +9,7 @@ import torch
 
 from attnkit.layers import RoPEAttention
 from attnkit.models import MIXERS
-from attnkit.ops.baselines.softmax import softmax_decode_step
+from attnkit.ops.baselines.softmax import softmax_attention, softmax_decode_step
 from attnkit.ops.common import validation
 from tests.models.test_models import tiny_model
 
@@ -18,10 +18,10 @@ VOCAB = 61
 
 @pytest.fixture
 def mask_reads(monkeypatch):
-    """The number of device reads of mask values: the model's and layers' attention-mask checks and the ops'
-    real-slot checks."""
+    """The number of device reads of index inputs' values: the model's and layers' mask and ``cu_seqlens`` checks
+    and the ops' real-slot and ``cu_seqlens`` checks."""
     reads = {"n": 0}
-    real = validation.reads_masks
+    real = validation.checks_data
 
     def counting() -> bool:
         answer = real()
@@ -30,8 +30,8 @@ def mask_reads(monkeypatch):
 
     import attnkit.layers.base as base
 
-    monkeypatch.setattr(validation, "reads_masks", counting)
-    monkeypatch.setattr(base, "reads_masks", counting)
+    monkeypatch.setattr(validation, "checks_data", counting)
+    monkeypatch.setattr(base, "checks_data", counting)
     return reads
 
 
@@ -77,7 +77,35 @@ def test_an_op_called_directly_still_checks_its_slots():
     mask = torch.tensor([[True, True, True, True], [False, False, False, False]])
     with pytest.raises(ValueError, match="cache_mask: 1 row"):
         softmax_decode_step(q, k, v, mask)
-    with validation.masks_checked():  # the caller vouches: nothing is read
+    with validation.data_checked():  # the caller vouches: nothing is read
         softmax_decode_step(q, k, v, mask)
     with pytest.raises(ValueError, match="cache_mask: 1 row"):
         softmax_decode_step(q, k, v, mask)
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("packed", [False, True], ids=["left-padded", "packed"])
+def test_a_forward_reads_its_index_inputs_once(mixer, packed, mask_reads):
+    """Training on a padded or packed batch: the mask or ``cu_seqlens`` is checked once a model call, not by every
+    layer and op (each check is a synchronisation on CUDA)."""
+    model = tiny_model(mixer, num_hidden_layers=3).train()
+    if packed:
+        ids, kwargs = torch.randint(1, VOCAB, (1, 9)), dict(cu_seqlens=torch.tensor([0, 4, 4, 9]))
+    else:
+        ids, kwargs = torch.randint(1, VOCAB, (2, 5)), dict(attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1] * 5]))
+    out = model(ids, labels=ids, use_cache=False, **kwargs)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert mask_reads["n"] == 1
+
+
+@pytest.mark.parametrize(
+    "cu, message", [([0, 4, 8], "end at T=9"), ([0, 5, 4, 9], "non-decreasing"), ([1, 4, 9], "start at 0")]
+)
+def test_bad_cu_seqlens_are_refused_once_checked(cu, message):
+    model = tiny_model("rope")
+    with pytest.raises(ValueError, match=f"cu_seqlens: .*{message}"):
+        model(torch.randint(1, VOCAB, (1, 9)), cu_seqlens=torch.tensor(cu))
+    q = k = v = torch.randn(1, 9, 2, 8)
+    with pytest.raises(ValueError, match=f"cu_seqlens: .*{message}"):
+        softmax_attention(q, k, v, cu_seqlens=torch.tensor(cu))

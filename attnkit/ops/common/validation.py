@@ -91,12 +91,13 @@ def check_cu_seqlens(cu_seqlens: object, batch: int, seq_len: int, device: torch
         raise ValueError(f"cu_seqlens: requires batch size 1 (sequences packed along T), got B={batch}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens: expected device {device} (that of q), got {cu_seqlens.device}")
-    values = cu_seqlens.tolist()
-    if values[0] != 0 or values[-1] != seq_len:
-        raise ValueError(f"cu_seqlens: must start at 0 and end at T={seq_len}, got {values[0]} ... {values[-1]}")
-    if any(b < a for a, b in zip(values[:-1], values[1:])):
-        raise ValueError("cu_seqlens: must be non-decreasing")
-    return len(values) - 1
+    if checks_data():  # one device read (see data_checked)
+        first, last, decreasing = torch.stack([cu_seqlens[0], cu_seqlens[-1], (cu_seqlens.diff() < 0).any()]).tolist()
+        if first != 0 or last != seq_len:
+            raise ValueError(f"cu_seqlens: must start at 0 and end at T={seq_len}, got {first} ... {last}")
+        if decreasing:
+            raise ValueError("cu_seqlens: must be non-decreasing")
+    return cu_seqlens.numel() - 1
 
 
 def check_scalar(
@@ -218,34 +219,35 @@ def reads_data() -> bool:
     return not torch.compiler.is_compiling()
 
 
-_MASKS_CHECKED = contextvars.ContextVar("attnkit_masks_checked", default=False)
+_DATA_CHECKED = contextvars.ContextVar("attnkit_data_checked", default=False)
 
 
 @contextlib.contextmanager
-def masks_checked() -> Iterator[None]:
-    """Within this context the caller vouches for the masks it passes: every ``cache_mask`` row has a real slot,
-    and an ``attention_mask`` given with a cache is left padding whose new tokens are real. A layer's decode step
-    (which appends its new token's slot itself) and a model that checked its mask once per call use it, so that a
-    generated token costs no device read per layer; a public op called outside it still checks."""
-    token = _MASKS_CHECKED.set(True)
+def data_checked() -> Iterator[None]:
+    """Within this context the caller vouches for the values of the index inputs it passes, which it checked
+    itself or built valid: ``cu_seqlens`` (:func:`check_cu_seqlens`), a ``cache_mask`` with a real slot in every
+    row, an ``attention_mask`` given with a cache that is left padding with real new tokens. A model checks them
+    once a call and a layer once, and their ops read nothing again, so that a training step or a generated token
+    costs no device read per layer; a public op called outside this context still checks."""
+    token = _DATA_CHECKED.set(True)
     try:
         yield
     finally:
-        _MASKS_CHECKED.reset(token)
+        _DATA_CHECKED.reset(token)
 
 
-def reads_masks() -> bool:
-    """Whether the data preconditions of masks are read from the device: in eager mode and outside
-    :func:`masks_checked`."""
-    return reads_data() and not _MASKS_CHECKED.get()
+def checks_data() -> bool:
+    """Whether the values of index inputs are read from the device and checked: in eager mode (:func:`reads_data`)
+    and outside :func:`data_checked`."""
+    return reads_data() and not _DATA_CHECKED.get()
 
 
 def check_real_slots(cache_mask: torch.Tensor) -> None:
     """Every row of a ``[B, L]`` bool ``cache_mask`` has a real slot (a softmax over no slot is undefined).
 
     Reads the device once (a synchronisation on CUDA): the precondition is data, not shape (see
-    :func:`reads_masks`)."""
-    if cache_mask.shape[0] and reads_masks():
+    :func:`checks_data`)."""
+    if cache_mask.shape[0] and checks_data():
         check_rows_have_slots("cache_mask", int((~cache_mask.any(-1)).sum()))
 
 
