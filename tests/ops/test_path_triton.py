@@ -2,8 +2,8 @@
 
 On CPU they run through Triton's interpreter (``conftest.py``) with 16-position chunks, so a few dozen tokens
 already cross several chunks; on a GPU the same tests run with 64-position chunks. ``path_attention(backend=
-"triton")`` runs the fused forward and backward (the chunk-local terms by autograd in PyTorch, the gradients
-between chunks by the kernels of ``triton/backward.py``); every gradient is held to the PyTorch backend.
+"triton")`` runs the fused forward and backward (kernels only: ``attnkit.ops.path.parallel.path_bwd_fn``); every
+gradient is held to the PyTorch backend.
 """
 
 from __future__ import annotations

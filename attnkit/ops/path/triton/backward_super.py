@@ -10,15 +10,19 @@ whose scratch fits ``SCRATCH_BYTES`` (``README.md`` beside the op derives the fo
 
 - ``path_bwd_super_kv_kernel``, one program per (``tiles_per_program`` key tiles of superblock ``n``, key/value
   head), walks the later superblocks ``s`` left to right carrying ``Π_{n,s}`` (``Π ← Σ_sᵀ Π``, one ``K × K`` product
-  a step) for the query heads of its group: ``y = k̂ Πᵀ`` meets every query tile of ``s``; ``dk̂ += scale · Σ dSᵀ q̂ Π``,
-  ``dV += Σ Pᵀ dO``, both sides of the gates' gradient, ``dq̂ += scale · dS y`` by float32 atomic adds
-  (FlashAttention-2's ``dQ``) and the row ``E_{n,s} = scale · Σ_heads q̂ᵀ dS k̂`` (``K × K``, the gradient of
-  ``Π_{n,s}``) into the program's own scratch slots.
+  a step) for the query heads of its group: ``y = k̂ Πᵀ`` meets every query tile of ``s``;
+  ``dk̂ += scale · Σ dSᵀ q̂ Π``, ``dV += Σ Pᵀ dO``, both sides of the gates' gradient, ``dq̂ += scale · dS y`` by
+  float32 atomic adds (FlashAttention-2's ``dQ``) and the row ``E_{n,s} = scale · Σ_heads q̂ᵀ dS k̂`` (``K × K``,
+  the gradient of ``Π_{n,s}``) into the program's own scratch slots.
 - ``path_bwd_super_row_kernel``, one program per (row ``n``, key/value head): right to left
   ``F_{n,p} = E_{n,p+1}ᵀ + F_{n,p+1} Σ_{p+1}ᵀ``, in place of ``E``, then left to right (``Π`` recomputed, one
   product a step) ``Z_{n,p} = Π_{n,p} F_{n,p}``, in place again.
 - ``path_bwd_super_sig_kernel``, one program per (superblock ``p``, key/value head): ``dΣ_p += Σ_n Z_{n,p}`` over the
   wave's rows (plain adds: the program owns ``dΣ_p``).
+
+The logits ``q̂ yᵀ`` run in the products' precision (one TF32 pass on float32 operands for 16-bit inputs, as the
+forward's), ``dS y`` and ``dSᵀ q̂`` take 16-bit operands for 16-bit inputs, and every carry (``Π``, ``y``, ``E``,
+``F``, ``Z``) is float32 in the carries' precision (:func:`attnkit.ops.path.triton.prepare.precisions`).
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ SCRATCH_BYTES = 1 << 28  # the rows E_{n,s} of one wave of key superblocks (floa
 
 
 def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
-    """``tile`` (rows of a query or key tile), ``tiles_per_program`` (key tiles of a superblock that one program of the
-    sweep takes in turn: the superblock's tiles over that many programs, each with its own ``E`` slots, so fewer
-    means more programs and more scratch), ``num_warps`` and ``num_stages`` of the between-superblock kernels. They
-    need no chunk structure, only ``q̂``, ``k̂`` per token and ``Σ`` per superblock, so their tile is free of the
-    backward's chunk (it must divide the superblock): the chunk and the chunk kernels' warps, with three stages of
-    software pipelining above K = 64 and none up to it (what the checkpointed design they replace ran best with on
-    the H200), and one program a superblock (``tiles_per_program`` 0: the least scratch, one ``K × K`` matrix a pair
-    of superblocks and head).
-    Not yet timed on a GPU: ``benchmarks/path_tune.py --super-only`` sweeps them."""
+    """``tile`` (rows of a query or key tile), ``tiles_per_program`` (the key tiles one program of the sweep takes in
+    turn, 0 for all of a superblock's: fewer means more programs, each with its own ``E`` slots, so more scratch and
+    more waves), ``num_warps`` and ``num_stages`` of the between-superblock kernels. They need no chunk structure, only
+    ``q̂``, ``k̂`` per token and ``Σ`` per superblock, so their tile is free of the backward's chunk (it must divide the
+    superblock). Defaults: the chunk and the chunk kernels' warps, three stages of software pipelining above K = 64
+    and none up to it (what the checkpointed design this sweep replaced ran best with on the H200), one program a
+    superblock (the least scratch: one ``K × K`` matrix a pair of superblocks and head). Compiled for sm_90a with
+    Triton 3.6, the sweep kernel needs 136 KB of shared memory at K = 64 (64-row tiles) and 216 KB at K = 128
+    (32-row tiles; 336 KB with 64 rows). Not yet timed on a GPU: ``benchmarks/path_tune.py --super-only`` sweeps
+    them."""
     stages = 3 if key_dim > 64 else 1
     return dict(tile=chunk, tiles_per_program=0, num_warps=backward.backward_config(key_dim)[1], num_stages=stages)
 
