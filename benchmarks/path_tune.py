@@ -1,5 +1,5 @@
 """Tuning sweep of the PaTH Triton kernels on a GPU: warps and stages of the forward, chunk size and warps of the
-backward kernels, tile, warps and stages of the between-superblock backward kernels — each held to the default
+backward kernels, tile, tiles a program, warps and stages of the between-superblock sweep — each held to the default
 configuration and timed against SDPA (flash) in one run.
 
     python benchmarks/path_tune.py [--seq-lens 4096] [--head-dims 64 128] [--out DIR]
@@ -40,10 +40,14 @@ SOLVE = [16, 32]
 # (path_bwd_kv_tile_kernel: 49 KB of shared memory at K = 128 against 205 KB for the K x K product) rather than the
 # product; None keeps carries_key_tile's rule.
 BWD = [(64, 4, None), (64, 8, None), (32, 4, None), (32, 8, None), (16, 4, None), (64, 4, True), (32, 8, True)]
-# (tile, num_warps, num_stages) of the between-superblock kernels (backward_super.launch_config); None keeps the
-# default's, so the first row is the default itself. A 64-row tile at K = 128 (where the chunk is 32) asks for 336 KB
-# of shared memory (227 KB an H200 block may have) with one stage or two, so it is not among them.
-SUPER = [(None, None, None), (None, None, 1), (None, None, 2), (None, None, 3), (None, 4, 2), (None, 8, 2)]
+# (tile, tiles_per_program, num_warps, num_stages) of the between-superblock sweep (backward_super.launch_config);
+# None keeps the default's, so the first row is the default itself (one program a key superblock). tiles_per_program
+# 1 or 2: more programs, each with its own rows of E (more scratch, so more waves at 32k). A 64-row tile at K = 128
+# (where the chunk is 32) asks for more shared memory than an H200 block has, so it is not among them.
+SUPER = [
+    (None, None, None, None), (None, 1, None, None), (None, 2, None, None), (None, None, None, 1),
+    (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2),
+]  # fmt: skip
 # --carry-only: the forward's default and single-TF32 carries, then forward+backward with every carry in 3xTF32 (the
 # default) and in one TF32 pass (prepare.CARRY_16BIT), with beta drawn from (1.5, 2) as issue 3's accuracy bar asks.
 CARRY = [None, "tf32"]
@@ -151,9 +155,10 @@ def time_cell(
             backward.backward_config, backward.carries_key_tile = config, rule
         cell["bwd"].append(setting | row)
     launch = backward_super.launch_config
-    for tile, warps, stages in sup:
+    for tile, per_program, warps, stages in sup:
         chosen = launch(D, backward.backward_config(D)[0])
-        setting = chosen | {k: v for k, v in dict(tile=tile, num_warps=warps, num_stages=stages).items() if v}
+        given = dict(tile=tile, tiles_per_program=per_program, num_warps=warps, num_stages=stages)
+        setting = chosen | {k: v for k, v in given.items() if v is not None}
         backward_super.launch_config = lambda key_dim, chunk, c=setting: c
         try:
             row = time_grads(f"D={D} T={T} super " + " ".join(f"{k}={v}" for k, v in setting.items()), x, do, default,
@@ -167,7 +172,7 @@ def time_cell(
 SETTINGS = (
     ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows")),
     ("bwd", ("chunk", "num_warps", "key_tile")),
-    ("super", ("tile", "num_warps", "num_stages")),
+    ("super", ("tile", "tiles_per_program", "num_warps", "num_stages")),
 )
 
 
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    fwd, bwd, sup = ([FWD[0], FWD[-1]], [BWD[2], BWD[-1]], [SUPER[0], SUPER[2]]) if args.quick else (FWD, BWD, SUPER)
+    fwd, bwd, sup = ([FWD[0], FWD[-1]], [BWD[2], BWD[-1]], [SUPER[0], SUPER[1]]) if args.quick else (FWD, BWD, SUPER)
     if args.carry_only:
         fwd, bwd, sup = [FWD[0], FWD[-1]], [], []
     if args.super_only:

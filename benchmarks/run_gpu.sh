@@ -6,10 +6,11 @@
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
-#                              [train] [decode] [tune] [foxtests] [fox]
+#                              [pathvs] [train] [decode] [tune] [foxtests] [fox]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests` alone;
-#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathgrid` alone; `train` alone; `foxtests fox`
+#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathvs` alone;
+#   `pathgrid` alone; `train` alone; `foxtests fox`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -98,6 +99,17 @@ for step in $steps; do
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens 32768 --head-dims 64 128 --out "$OUT" \
                 > "$OUT/pathcarry.log" 2>&1 ;;
+        pathvs)  # PaTH forward+backward at D = 64 and 128, 8k and 32k: this tree, then the tree in ${PATH_OLD:-.old} (the
+            # design before it, e.g. `mkdir .old && git archive b95a202 | tar -x -C .old`, carried as `.old`), same call
+            out=$(realpath "$OUT")
+            for label in new old; do
+                tree=.; [ $label = old ] && tree=${PATH_OLD:-.old}
+                [ -f "$tree/benchmarks/ops.py" ] || { echo "pathvs: no tree at $tree" >> "$OUT/pathvs.log"; continue; }
+                echo "== $label ($tree)" >> "$OUT/pathvs.log"
+                (cd "$tree" && timeout 200 python3 benchmarks/ops.py --ops path --impls path_triton --modes fwdbwd \
+                    --seq-lens 8192 32768 --grad-check-max-t 0 --out "$out" --name "ops_pathvs_$label") \
+                    >> "$OUT/pathvs.log" 2>&1
+            done ;;
         pathgrid)  # PaTH and PaTH-FoX forward+backward at D = 64 and 128 without the gradient check (issue 16's cells)
             timeout 300 python3 benchmarks/ops.py --ops path path_fox --impls sdpa path_triton fla_parallel_path_attn \
                 --seq-lens ${PATH_SEQ_LENS:-1024 4096 16384} --grad-check-max-t 0 --out "$OUT" \
@@ -122,8 +134,8 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathgrid pathacc pathsuper pathprof pathtune pathcarry train \
-    flex decode tune; do
+for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
+    pathcarry train flex decode tune; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -2,8 +2,8 @@
 
 On CPU they run through Triton's interpreter (``conftest.py``) with 16-position chunks, so a few dozen tokens
 already cross several chunks; on a GPU the same tests run with 64-position chunks. ``path_attention(backend=
-"triton")`` runs the fused forward and backward (the chunk-local terms by autograd in PyTorch, the gradients
-between chunks by the kernels of ``triton/backward.py``); every gradient is held to the PyTorch backend.
+"triton")`` runs the fused forward and backward (kernels only: ``attnkit.ops.path.parallel.path_bwd_fn``); every
+gradient is held to the PyTorch backend.
 """
 
 from __future__ import annotations
@@ -361,11 +361,13 @@ def test_forward_opcheck_and_compile():
 def test_superblock_spans(monkeypatch, span, offsets):
     """Superblocks of one chunk (every chunk pair between superblocks: the dense carries and their gradient across
     six superblocks), of three chunks (a partial last one), or none (chunk by chunk throughout): the forward and
-    every gradient against the PyTorch backend, with a one-chunk scratch budget (many waves)."""
-    from attnkit.ops.path.triton import backward, prepare
+    every gradient against the PyTorch backend, with a one-chunk scratch budget (many waves) and the sweep between
+    superblocks a row of ``E`` a wave."""
+    from attnkit.ops.path.triton import backward, backward_super, prepare
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
     monkeypatch.setattr(backward, "SCRATCH_BYTES", 1)
+    monkeypatch.setattr(backward_super, "SCRATCH_BYTES", 1)
     inputs = [x.to(DEVICE) for x in make_inputs(1, 100, 4, 2, 16, 24, gate=True, dtype=torch.float32, beta_low=1.5)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
     do = torch.randn(1, 100, 4, 24, device=DEVICE)
@@ -457,11 +459,12 @@ def test_superblock_terms_adjoint(K, offsets):
 @pytest.mark.parametrize("span", [2, 4], ids=["one-tile-a-superblock", "two-tiles-a-superblock"])
 def test_superblock_tiles_of_their_own(monkeypatch, span):
     """The between-superblock kernels on 32-row tiles while the chunks have 16 positions (their tile is free of the
-    chunk): every gradient against the PyTorch backend, dense and with GQA."""
+    chunk), one program a key tile (two programs a superblock at four chunks, each with its own rows of ``E``): every
+    gradient against the PyTorch backend, dense and with GQA."""
     from attnkit.ops.path.triton import backward_super, prepare
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
-    config = dict(tile=32, num_warps=1, num_stages=1)
+    config = dict(tile=32, tiles_per_program=1, num_warps=1, num_stages=1)
     monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, chunk: config)
     inputs = [x.to(DEVICE) for x in make_inputs(2, 150, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=1.5)]
     do = torch.randn(2, 150, 4, 16, device=DEVICE)

@@ -77,7 +77,12 @@ def _setup_fwd(ctx, inputs, output):
 
 
 def _superblock_cuts(
-    cu_seqlens: torch.Tensor | None, offsets: torch.Tensor | None, batch: int, seq_len: int, chunk: int, span: int,
+    cu_seqlens: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    chunk: int,
+    span: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cuts, their chunk offsets)`` (int32), computed on the device: ``cuts`` cut the ``batch * seq_len`` tokens of
@@ -111,13 +116,14 @@ def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tens
 def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     """The fused backward of ``attnkit::path_fwd`` (contiguous inputs): ``(dq, dk, dw, dbeta)`` in the inputs'
     dtypes, ``dv`` float32 and ``dg`` in ``g``'s dtype (empty without gates). Kernels only, a fixed number of
-    launches besides the waves of the kernels between chunks, and no host sync:
+    launches besides the waves of the kernels between chunks and superblocks (each a function of the shapes and a
+    memory budget), and no host sync:
 
     1. the prepare kernel (``M``, ``K̃``, ``M W`` per chunk), the queries carried to their chunk's and superblock's
        start (:func:`local.query_terms_fn`), the keys carried to their superblock's end and each superblock's ``Σ``
        (:func:`carry.carry_keys_fn`);
-    2. the gradients between superblocks (``backward_super.py``) and between chunks inside each superblock
-       (``backward.py``, on the flattened batch cut at superblock boundaries);
+    2. the gradients between superblocks (``backward_super.py``: one key-major sweep, ``E``'s rows in waves) and
+       between chunks inside each superblock (``backward.py``, on the flattened batch cut at superblock boundaries);
     3. the superblock-local terms' adjoint and the chunk-local terms' adjoint with the diagonal blocks
        (``local.py``), which give ``dq, dk, dw, dbeta``.
 
@@ -152,7 +158,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
             sb_offsets=sb_offsets,
         )  # fmt: skip
         dxh, dkh, _, dsig, _ = path_bwd_super_fn(
-            xh, kh, kh.to(v.dtype), v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, T, sb_offsets, dv,
+            xh, kh, v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, T, sb_offsets, dv,
             dgcum,
         )  # fmt: skip
         del xh, kh, sig

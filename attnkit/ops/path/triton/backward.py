@@ -77,16 +77,18 @@ def backward_config(key_dim: int) -> tuple[int, int]:
 
 @triton.jit
 def key_chunk_grads(
-    x, do, lse, delta, gcum, dgcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v,
-    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    USE_G: tl.constexpr, PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False,
+    x, do, lse, delta, gcum, dgcum, dx, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k,
+    m_v, HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    USE_G: tl.constexpr, PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False, ADD_DX: tl.constexpr = False,
 ):  # fmt: skip
     """Query chunk ``i_c`` of every query head of key head ``i_h``'s group against key chunk ``m`` carried to it
     (``b_y``; values ``b_v``, rows ``p_m``), with ``P = exp(S − lse)`` and ``dS = P (dO Vᵀ − Δ)``: returns
     ``(Σ_heads dSᵀ x, b_dv + Σ Pᵀ dO, b_dg − colsum(dS) per head)``, and with gates the query rows' side
     ``rowsum(dS)`` added to ``dgcum [*, HQ]`` (atomic adds: every key-major program meets these rows). With
     ``LOW_GRAD`` the product ``dSᵀ x`` takes its operands in ``dO``'s dtype (FlashAttention's rounding of its
-    gradient products); the logits stay in ``PRECISION``.
+    gradient products); the logits stay in ``PRECISION``. With ``ADD_DX`` the queries' gradient
+    ``scale · dS y`` is added to ``dx [*, HQ, K]`` float32 by atomic adds (FlashAttention-2's ``dQ``; ``dx`` unused
+    otherwise).
 
     The gate's two sides come from the same ``dS``: a query's row sum is zero only for the exact ``Δ = Σ_j P dP``,
     and ``Δ = dO · O`` from the rounded output is off by ``dO · (O − round(O))`` a row. Kept from one tile, that
@@ -117,6 +119,13 @@ def key_chunk_grads(
             b_dy += tl.dot(tl.trans(b_ds).to(b_do.dtype), b_x.to(b_do.dtype), input_precision=PRECISION)
         else:
             b_dy += tl.dot(tl.trans(b_ds), b_x, input_precision=PRECISION)
+        if ADD_DX:
+            if LOW_GRAD:
+                b_dx = tl.dot(b_ds.to(b_do.dtype), b_y.to(b_do.dtype), input_precision=PRECISION)
+            else:
+                b_dx = tl.dot(b_ds, b_y, input_precision=PRECISION)
+            p_dx = dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
+            tl.atomic_add(p_dx, b_dx * scale, mask=m_i[:, None] & m_k, sem="relaxed")
         if USE_G:
             tl.atomic_add(dgcum + p_i * HQ + i_hq, tl.sum(b_ds, 1), mask=m_i, sem="relaxed")
         b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
@@ -194,8 +203,8 @@ def path_bwd_kv_kernel(
         # The key chunk carried to the start of chunk c: y = K̃_m Πᵀ.
         b_y = tl.dot(b_kt, tl.trans(b_pi), input_precision=CARRY_PRECISION)
         b_dy, b_dv, b_dg = key_chunk_grads(
-            x, do, lse, delta, gcum, dgcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g,
-            m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
+            x, do, lse, delta, gcum, dgcum, None, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
+            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
         )  # fmt: skip
         b_dkt += tl.dot(b_dy * scale, b_pi, input_precision=CARRY_PRECISION)
         # Π ← A_c Π = Π − W_cᵀ ((M_c W_c) Π); the padding rows of a last chunk have w = 0 (identity).
@@ -268,8 +277,8 @@ def path_bwd_kv_tile_kernel(
             if s + 1 < n_steps:  # Γ of y at chunk c + 1, back across chunk c (a complete one)
                 b_gam = carry_across(b_gam, w, mw, bos, i_c, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
             b_dy, b_dv, b_dg = key_chunk_grads(
-                x, do, lse, delta, gcum, dgcum, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g,
-                m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
+                x, do, lse, delta, gcum, dgcum, None, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
+                o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
             )  # fmt: skip
             b_gam += b_dy * scale
     store_key_chunk_grads(dkt, dv, dgcum, b_gam, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
