@@ -10,9 +10,9 @@ no loop over heads, no host sync): :func:`path_bwd_fn` says which, ``README.md``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 
+from attnkit.ops.common.triton.scan import segment_cumsum
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton import backward, local, prepare
 from attnkit.ops.path.triton.backward_super import path_bwd_super_fn
@@ -101,18 +101,6 @@ def _superblock_cuts(
     return torch.cat([cuts, bounds[-1:]]).to(torch.int32), torch.cat([rows, first[-1:]]).to(torch.int32)
 
 
-def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """``x [B,T,H]`` summed from each token to the end of its sequence (along ``T``; packed sequences restart at
-    ``cu_seqlens``), on the device."""
-    total = x.flip(1).cumsum(1).flip(1)
-    if cu_seqlens is None:
-        return total
-    T = x.shape[1]
-    positions = torch.arange(T, device=x.device)
-    ends = cu_seqlens[torch.searchsorted(cu_seqlens[1:], positions, right=True) + 1].long()
-    return total - F.pad(total, (0, 0, 0, 1))[:, ends]
-
-
 def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     """The fused backward of ``attnkit::path_fwd`` (contiguous inputs): ``(dq, dk, dw, dbeta)`` in the inputs'
     dtypes, ``dv`` float32 and ``dg`` in ``g``'s dtype (empty without gates). Kernels only, a fixed number of
@@ -187,7 +175,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         dw_in if has_dm else None, dv, dgcum if g is not None else None, scale, cu_seqlens, chunk, offsets,
     )  # fmt: skip
     # gcum is a cumulative sum: its gradient sums from each token to the end of its sequence.
-    dg = q.new_empty(0) if g is None else _suffix_sums(dgcum, cu_seqlens).to(g.dtype)
+    dg = q.new_empty(0) if g is None else segment_cumsum(dgcum, cu_seqlens, 1.0, True, g.dtype)
     return dq, dk, dv, dw, dbeta, dg
 
 

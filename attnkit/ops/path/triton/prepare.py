@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds
+from attnkit.ops.common.triton_seq import block_offsets, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 
 
@@ -191,11 +191,7 @@ def precisions(dtype: torch.dtype) -> tuple[str, str]:
 def chunk_offsets(cu_seqlens: torch.Tensor | None, chunk: int) -> torch.Tensor | None:
     """The first chunk of each packed sequence cut into chunks of ``chunk`` positions, ``[N+1]`` int32 (the last
     entry the total), computed on the device (no host sync); None without ``cu_seqlens``."""
-    if cu_seqlens is None:
-        return None
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    counts = (lengths + chunk - 1) // chunk
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    return None if cu_seqlens is None else block_offsets(cu_seqlens, chunk)
 
 
 def chunk_offsets_of(cu_seqlens: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor | None, int]:
