@@ -1,6 +1,7 @@
 """Pieces shared by the TAPA kernels: the distance factor, the sequence bounds and the cosine of a phase.
 
-Phases are kept in cycles, ``x = (q_P·k_P)·r(m − n)`` with ``r(d) = d^alpha/sqrt(dP)``, and reduced to
+Phases are kept in cycles, ``x = s·r(m − n)`` with ``s = q_P·k_P`` (the linear phase: ``s = Σ q_P − Σ k_P``) and
+``r(d) = d^alpha/sqrt(dP)`` (``sqrt(2·dP)`` for the linear phase), and reduced to
 ``[-1/2, 1/2]`` before the cosine: ``cos(2π·x)``
 of a raw ``x`` of tens of cycles would lose digits in a hardware cosine, and the reduced range lets a short
 polynomial replace the cosine (``cos_cycles``).
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_utils import interpreting
+from attnkit.ops.tapa.torch_impl import phase_variance
 
 # On the GPU, log2 and exp2 come straight from the special-function unit (``lg2.approx.ftz``, ``ex2.approx.ftz``;
 # relative error ~1e-7): ``tl.log2`` is libdevice's exact log2, dozens of instructions a logit, and ``tl.exp2``
@@ -42,9 +44,10 @@ def fast_log2(x):
     return tl.log2(x)
 
 
-def power_args(alpha: float, phase_dim: int) -> tuple[float, float, bool]:
-    """Kernel arguments of :func:`distance_factor`: ``(alpha, log2(1/sqrt(dP)), alpha == 0)``."""
-    return float(alpha), -0.5 * math.log2(phase_dim), alpha == 0
+def power_args(alpha: float, phase_dim: int, phase: str = "quadratic") -> tuple[float, float, bool]:
+    """Kernel arguments of :func:`distance_factor`: ``(alpha, log2(1/sqrt(variance)), alpha == 0)``, the variance
+    from ``phase_variance`` (``dP``, or ``2·dP`` for the linear phase)."""
+    return float(alpha), -0.5 * math.log2(phase_variance(phase, phase_dim)), alpha == 0
 
 
 @triton.jit
