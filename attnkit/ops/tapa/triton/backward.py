@@ -19,11 +19,15 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 from attnkit.ops.tapa.triton.common import (
+    NEVER,
+    SERIES_ORDER,
     cos_cycles,
     distance_factor,
+    distance_factor_series,
     fast_exp2,
     phase_cycles,
     power_args,
+    series_gap,
     sin_cycles,
 )
 
@@ -69,10 +73,11 @@ def _dkdv_block(
     o_da, o_dp, o_v,
     HQ: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr, BM: tl.constexpr, BDP: tl.constexpr,
     CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr,
-    ALPHA_ZERO: tl.constexpr, LINEAR: tl.constexpr,
+    ALPHA_ZERO: tl.constexpr, LINEAR: tl.constexpr, SERIES: tl.constexpr,
 ):  # fmt: skip
     """One query block against the program's key block, in the transposed (keys × queries) orientation; ``b_w``
-    is the keys' phase-channel sums (used by the linear phase only)."""
+    is the keys' phase-channel sums (used by the linear phase only); ``SERIES > 0``: the distance factor from the
+    series of that order."""
     D = DA + DP
     o_m = start_m + tl.arange(0, BM)
     m_m = o_m < L
@@ -97,8 +102,13 @@ def _dkdv_block(
         b_phase = tl.dot(b_kp, tl.trans(b_qp), input_precision=PRECISION)
     b_dp = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)
     mask = o_m[None, :] >= o_n[:, None]
-    # Transposed tile: rows are keys, so the factor of (n, m) is r(m − n) with the arguments swapped.
-    b_r = tl.trans(distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL))
+    if SERIES > 0:
+        # Rows are keys: each key's distance to the block's centre query, and the queries' offsets from it.
+        m_c = start_m + (BM - 1) / 2
+        b_r = distance_factor_series(m_c - o_n.to(tl.float32), o_m.to(tl.float32) - m_c, alpha, log2_scale, SERIES)
+    else:
+        # Transposed tile: rows are keys, so the factor of (n, m) is r(m − n) with the arguments swapped.
+        b_r = tl.trans(distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL))
     b_p, b_ds_amp, b_ds_phase = _grad_logits(
         b_amp, b_phase, b_r, b_lse[None, :], b_delta[None, :], b_dp, mask, scale_log2, CAUSAL, TRIG_ASM
     )
@@ -126,11 +136,11 @@ def _dkdv_block(
 
 @triton.jit
 def tapa_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale,
+    q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale, series_gap,
     HQ: tl.constexpr, H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
     BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     IS_VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr,
-    ALPHA_ZERO: tl.constexpr, LINEAR: tl.constexpr,
+    ALPHA_ZERO: tl.constexpr, LINEAR: tl.constexpr, SERIES: tl.constexpr,
 ):  # fmt: skip
     """dK, dV (and with ``ATOMIC_DQ`` dQ, float32) of one key block of one key/value head.
 
@@ -175,14 +185,26 @@ def tapa_bwd_dkdv_kernel(
             b_dka, b_dkp, b_dv = _dkdv_block(
                 b_dka, b_dkp, b_dv, b_ka, b_kp, b_w, b_v, o_n, start_m, L, i_hq, q, do, lse, delta, dq, bos,
                 NT, scale_log2, scale_amp, alpha, log2_scale, o_da, o_dp, o_v, HQ, DA, DP, V, BM, BDP, True,
-                ATOMIC_DQ, PRECISION, TRIG_ASM, ALPHA_ZERO, LINEAR,
+                ATOMIC_DQ, PRECISION, TRIG_ASM, ALPHA_ZERO, LINEAR, 0,
             )  # fmt: skip
-        for start_m in range(start_n + BN, L, BM):
+        # With SERIES, the query blocks whose smallest distance start_m − (start_n + BN − 1) is at least
+        # series_gap come last.
+        m_far = L
+        if SERIES > 0:
+            m_far = tl.minimum(start_n + BN + tl.cdiv(tl.maximum(series_gap - 1, 0), BM) * BM, L)
+        for start_m in range(start_n + BN, m_far, BM):
             b_dka, b_dkp, b_dv = _dkdv_block(
                 b_dka, b_dkp, b_dv, b_ka, b_kp, b_w, b_v, o_n, start_m, L, i_hq, q, do, lse, delta, dq, bos,
                 NT, scale_log2, scale_amp, alpha, log2_scale, o_da, o_dp, o_v, HQ, DA, DP, V, BM, BDP, False,
-                ATOMIC_DQ, PRECISION, TRIG_ASM, ALPHA_ZERO, LINEAR,
+                ATOMIC_DQ, PRECISION, TRIG_ASM, ALPHA_ZERO, LINEAR, 0,
             )  # fmt: skip
+        if SERIES > 0:
+            for start_m in range(m_far, L, BM):
+                b_dka, b_dkp, b_dv = _dkdv_block(
+                    b_dka, b_dkp, b_dv, b_ka, b_kp, b_w, b_v, o_n, start_m, L, i_hq, q, do, lse, delta, dq, bos,
+                    NT, scale_log2, scale_amp, alpha, log2_scale, o_da, o_dp, o_v, HQ, DA, DP, V, BM, BDP, False,
+                    ATOMIC_DQ, PRECISION, TRIG_ASM, ALPHA_ZERO, LINEAR, SERIES,
+                )  # fmt: skip
     p_dk = dk + p_n[:, None] * (H * D) + i_h * D
     tl.store(p_dk + o_da[None, :], (b_dka * scale_amp).to(dk.dtype.element_ty), mask=m_da)
     if LINEAR:
@@ -197,10 +219,10 @@ def _dq_block(
     k, v, bos, scale_log2, scale_amp, alpha, log2_scale, o_da, o_dp, o_v,
     H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr, ALPHA_ZERO: tl.constexpr,
-    LINEAR: tl.constexpr,
+    LINEAR: tl.constexpr, SERIES: tl.constexpr,
 ):  # fmt: skip
     """One key block folded into the dQ of the program's query block; ``b_u`` is the query rows' phase-channel
-    sums (used by the linear phase only)."""
+    sums (used by the linear phase only); ``SERIES > 0``: the distance factor from the series of that order."""
     D = DA + DP
     o_n = start_n + tl.arange(0, BN)
     p_n = bos + o_n.to(tl.int64)
@@ -218,7 +240,11 @@ def _dq_block(
         b_phase = tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)
     b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
     mask = o_m[:, None] >= o_n[None, :]
-    b_r = distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL)
+    if SERIES > 0:
+        n_c = start_n + (BN - 1) / 2
+        b_r = distance_factor_series(o_m.to(tl.float32) - n_c, n_c - o_n.to(tl.float32), alpha, log2_scale, SERIES)
+    else:
+        b_r = distance_factor(o_m.to(tl.float32), o_n.to(tl.float32), alpha, log2_scale, ALPHA_ZERO, CAUSAL)
     _, b_ds_amp, b_ds_phase = _grad_logits(
         b_amp, b_phase, b_r, b_lse[:, None], b_delta[:, None], b_dp, mask, scale_log2, CAUSAL, TRIG_ASM
     )
@@ -232,11 +258,11 @@ def _dq_block(
 
 @triton.jit
 def tapa_bwd_dq_kernel(
-    q, k, v, do, lse, delta, dq, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale,
+    q, k, v, do, lse, delta, dq, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale, series_gap,
     HQ: tl.constexpr, H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
     BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr, ALPHA_ZERO: tl.constexpr,
-    LINEAR: tl.constexpr,
+    LINEAR: tl.constexpr, SERIES: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block of one query head; grid ``(query blocks of the longest sequence, N * HQ)``."""
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -269,17 +295,27 @@ def tapa_bwd_dq_kernel(
     else:
         b_dqp = tl.zeros([BM, BDP], dtype=tl.float32)
     k_h, v_h = k + i_h * D, v + i_h * V
-    for start_n in range(0, start_m, BN):
+    # With SERIES, the key blocks whose smallest distance is at least series_gap come first (as in the forward).
+    n_far = 0
+    if SERIES > 0:
+        n_far = tl.minimum(tl.maximum(start_m - series_gap + 1, 0) // BN * BN, start_m)
+        for start_n in range(0, n_far, BN):
+            b_dqa, b_dqp = _dq_block(
+                b_dqa, b_dqp, b_qa, b_qp, b_u, b_do, b_lse, b_delta, o_m, start_n, L, k_h, v_h, bos, scale_log2,
+                scale_amp, alpha, log2_scale, o_da, o_dp, o_v, H, DA, DP, V, BN, False, PRECISION, TRIG_ASM,
+                ALPHA_ZERO, LINEAR, SERIES,
+            )  # fmt: skip
+    for start_n in range(n_far, start_m, BN):
         b_dqa, b_dqp = _dq_block(
             b_dqa, b_dqp, b_qa, b_qp, b_u, b_do, b_lse, b_delta, o_m, start_n, L, k_h, v_h, bos, scale_log2,
             scale_amp, alpha, log2_scale, o_da, o_dp, o_v, H, DA, DP, V, BN, False, PRECISION, TRIG_ASM, ALPHA_ZERO,
-            LINEAR,
+            LINEAR, 0,
         )  # fmt: skip
     for start_n in range(start_m, tl.minimum(start_m + BM, L), BN):
         b_dqa, b_dqp = _dq_block(
             b_dqa, b_dqp, b_qa, b_qp, b_u, b_do, b_lse, b_delta, o_m, start_n, L, k_h, v_h, bos, scale_log2,
             scale_amp, alpha, log2_scale, o_da, o_dp, o_v, H, DA, DP, V, BN, True, PRECISION, TRIG_ASM, ALPHA_ZERO,
-            LINEAR,
+            LINEAR, 0,
         )  # fmt: skip
     p_dq = dq + p_m[:, None] * (HQ * D) + i_hq * D
     tl.store(p_dq + o_da[None, :], (b_dqa * scale_amp).to(dq.dtype.element_ty), mask=m_da)
@@ -317,16 +353,20 @@ def tapa_bwd_fn(
     config: dict[str, object] | None = None,
     trig_asm: bool = False,
     phase: str = "quadratic",
+    series_order: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` in the dtypes of ``(q, k, v)``; inputs as :func:`tapa_fwd_fn` takes and
     returns them, ``do`` shaped like ``o`` (contiguous). ``config`` overrides :func:`bwd_config`;
-    ``trig_asm`` and ``phase`` as in :func:`tapa_fwd_fn`."""
+    ``trig_asm``, ``phase`` and ``series_order`` as in :func:`tapa_fwd_fn`."""
     B, T, HQ, D = q.shape
     H, V = k.shape[2], v.shape[-1]
     DA, DP = amp_dim, D - amp_dim
     N, longest = seq_layout(cu_seqlens, B, T)
     dims = (block_dim(DA), block_dim(DP), block_dim(V))
     config = config or bwd_config(dims)
+    series_order = SERIES_ORDER if series_order is None else series_order
+    # The dK/dV kernel's series runs along its query columns (BM of them), the dQ kernel's along its keys (BN).
+    gap_dkdv, gap_dq = (series_gap(alpha, config[name][i], series_order) for name, i in (("dkdv", 0), ("dq", 1)))
     alpha, log2_scale, alpha_zero = power_args(alpha, DP, phase)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scales = (DA**-0.5 * LOG2E, DA**-0.5, alpha, log2_scale)
@@ -356,9 +396,9 @@ def tapa_bwd_fn(
     BM, BN, num_warps, num_stages = config["dkdv"]
     if longest > 0:
         tapa_bwd_dkdv_kernel[(triton.cdiv(longest, BN), N * H)](
-            q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, B * T, *scales,
-            BM=BM, BN=BN, IS_VARLEN=is_varlen, ATOMIC_DQ=atomic_dq, num_warps=num_warps, num_stages=num_stages,
-            **common,
+            q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, B * T, *scales, gap_dkdv,
+            BM=BM, BN=BN, IS_VARLEN=is_varlen, ATOMIC_DQ=atomic_dq, SERIES=series_order if gap_dkdv < NEVER else 0,
+            num_warps=num_warps, num_stages=num_stages, **common,
         )  # fmt: skip
     if atomic_dq:
         # The atomics added the unscaled products: the channel groups' factors are applied here, once.
@@ -368,7 +408,8 @@ def tapa_bwd_fn(
     BM, BN, num_warps, num_stages = config["dq"]
     if longest > 0:
         tapa_bwd_dq_kernel[(triton.cdiv(longest, BM), N * HQ)](
-            q, k, v, do, lse, delta, dq, cu_seqlens, T, B * T, *scales,
-            BM=BM, BN=BN, IS_VARLEN=is_varlen, num_warps=num_warps, num_stages=num_stages, **common,
+            q, k, v, do, lse, delta, dq, cu_seqlens, T, B * T, *scales, gap_dq,
+            BM=BM, BN=BN, IS_VARLEN=is_varlen, SERIES=series_order if gap_dq < NEVER else 0,
+            num_warps=num_warps, num_stages=num_stages, **common,
         )  # fmt: skip
     return dq, dk, dv
