@@ -6,9 +6,9 @@
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
-#                              [pathvs] [train] [decode] [tune] [foxtests] [fox]
+#                              [pathvs] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
-#   `tests vlaseq decode`; `tapa tapaacc tune`; `path` alone; `pathtests` alone;
+#   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone;
 #   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathvs` alone;
 #   `pathgrid` alone; `train` alone; `foxtests fox`
 #   (TRAIN_SEQ_LENS=4096 for one length).
@@ -123,6 +123,35 @@ for step in $steps; do
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
             timeout 120 python3 benchmarks/ops.py --ops vla --impls vla_triton vla_sequential --seq-lens 4096 \
                 --out "$OUT" --name ops_vla_sequential_h200 > "$OUT/vlaseq.log" 2>&1 ;;
+        tapaseries)  # TAPA: the distance power's series off the diagonal (issue 17, item 5; off by default) and the
+            # linear phase (issue 20): their GPU tests, then forward and backward times of series orders 3, 4, 6 against
+            # the exact path (order 0) at D = 64, 128, T = 8k, 32k (bf16, 32768 tokens, H·D = 1024), into
+            # $OUT/tapa_series.json. The order that wins becomes common.SERIES_ORDER.
+            timeout 240 python3 -m pytest -q -rf tests/ops/test_tapa_series.py tests/ops/test_tapa_phase.py \
+                > "$OUT/tapaseries.log" 2>&1
+            timeout 300 python3 - "$OUT" >> "$OUT/tapaseries.log" 2>&1 <<'PY'
+import functools, json, sys
+import torch, triton
+from attnkit.ops.tapa.triton.backward import tapa_bwd_fn
+from attnkit.ops.tapa.triton.forward import tapa_fwd_fn
+rows = []
+for D in (64, 128):
+    for T in (8192, 32768):
+        H, B = 1024 // D, 32768 // T
+        q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        o, lse = tapa_fwd_fn(q, k, v, D // 2, 0.1, None)
+        for order in (0, 3, 4, 6):
+            fwd = functools.partial(tapa_fwd_fn, q, k, v, D // 2, 0.1, None, series_order=order)
+            bwd = functools.partial(tapa_bwd_fn, q, k, v, o, lse, do, D // 2, 0.1, None, series_order=order)
+            ms = [triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for f in (fwd, bwd)]
+            rows.append(dict(D=D, T=T, order=order, fwd_ms=ms[0], bwd_ms=ms[1]))
+            base = next(r for r in rows if (r["D"], r["T"], r["order"]) == (D, T, 0))
+            print(f"D={D} T={T} order={order}: fwd {ms[0]:.3f} ms ({ms[0] / base['fwd_ms']:.3f}x exact), "
+                  f"bwd {ms[1]:.3f} ms ({ms[1] / base['bwd_ms']:.3f}x exact)")
+json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "rows": rows}, open(sys.argv[1] + "/tapa_series.json", "w"), indent=1)
+PY
+            grep -E "passed|failed|FAILED|order=" "$OUT/tapaseries.log" | tail -20 ;;
         tapaacc)
             timeout 200 python3 benchmarks/tapa_accuracy.py --seq-lens 1024 16384 65536 --out "$OUT" > "$OUT/tapaacc.log" 2>&1 ;;
         vlaacc)
@@ -135,7 +164,7 @@ for step in $steps; do
     esac
 done
 for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
-    pathcarry train flex decode tune; do
+    pathcarry train flex decode tune tapaseries; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

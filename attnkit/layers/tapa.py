@@ -10,7 +10,7 @@ import torch
 
 from attnkit.ops.common.validation import check_scalar
 from attnkit.ops.tapa import tapa_attention, tapa_decode_step
-from attnkit.ops.tapa.torch_impl import check_theta
+from attnkit.ops.tapa.torch_impl import check_phase, check_theta
 
 from .base import State, TokenMixer, token_positions
 
@@ -24,6 +24,9 @@ class TAPAAttention(TokenMixer):
         theta: fraction of each head used for the amplitude (``round(theta·D)`` channels); amplitude and
             phase parts must both be non-empty.
         alpha: exponent of the distance in the phase, ``>= 0``.
+        phase: the phase function, ``"quadratic"`` (the paper's ``(q_P·k_P)/sqrt(dP)``) or ``"linear"`` (our analog
+            of the paper's linear-phase ablation, ``(Σ q_P − Σ k_P)/sqrt(2·dP)``); see
+            :func:`attnkit.ops.tapa_attention`. In a model config: ``mixer_kwargs={"tapa": {"phase": "linear"}}``.
         layer_idx: index of the layer in a model (for the model's cache), or None.
         backend: ``"auto" | "torch" | "triton"``, passed to :func:`attnkit.ops.tapa_attention`.
     """
@@ -40,17 +43,20 @@ class TAPAAttention(TokenMixer):
         alpha: float = 0.1,
         layer_idx: int | None = None,
         backend: str = "auto",
+        phase: str = "quadratic",
     ) -> None:
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, layer_idx, backend)
         D = self.head_dim
         self.theta = check_theta(theta, D)
         self.alpha = check_scalar("alpha", alpha, low=0.0, strict=False)
+        self.phase = check_phase(phase)
         self.init_qkvo()
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
         B, T, _ = x.shape
         q, k, v = self.qkv(x)
-        o = tapa_attention(q, k, v, theta=self.theta, alpha=self.alpha, cu_seqlens=cu_seqlens, backend=self.backend)
+        kwargs = dict(theta=self.theta, alpha=self.alpha, phase=self.phase)
+        o = tapa_attention(q, k, v, cu_seqlens=cu_seqlens, backend=self.backend, **kwargs)
         token_state = {"k": k, "v": v, "pos": token_positions(x, cu_seqlens)}
         return self.o_proj(o.reshape(B, T, o.shape[2] * o.shape[3])), token_state, {}
 
@@ -62,6 +68,7 @@ class TAPAAttention(TokenMixer):
         state["v"] = torch.cat([state["v"], v], dim=1)
         state["pos"] = torch.cat([state["pos"], position[:, None].to(state["pos"].dtype)], dim=1)
         o = tapa_decode_step(
-            q, state["k"], state["v"], position, state["pos"], state["mask"], theta=self.theta, alpha=self.alpha
-        )
+            q, state["k"], state["v"], position, state["pos"], state["mask"], theta=self.theta, alpha=self.alpha,
+            phase=self.phase,
+        )  # fmt: skip
         return self.o_proj(o.reshape(B, 1, -1)), state

@@ -16,7 +16,7 @@ SMALL = dict(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_heads=2)
 
 
 def test_unknown_key_names_it_and_lists_the_accepted():
-    match = r"^mixer_kwargs: 'tapa' has no option 'alpah'; accepted: \['alpha', 'theta'\]"
+    match = r"^mixer_kwargs: 'tapa' has no option 'alpah'; accepted: \['alpha', 'phase', 'theta'\]"
     with pytest.raises(ValueError, match=match):
         AttnKitConfig(mixer="tapa", mixer_kwargs={"tapa": {"alpah": 0.2}})
 

@@ -7,7 +7,7 @@ import torch
 from attnkit.ops.common.utils import segment_bounds
 from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, resolve_backend
 from attnkit.ops.tapa.decoding import tapa_decode_step
-from attnkit.ops.tapa.torch_impl import check_alpha, check_theta, tapa_split, tapa_torch
+from attnkit.ops.tapa.torch_impl import check_alpha, check_phase, check_theta, tapa_split, tapa_torch
 
 __all__ = ["tapa_attention", "tapa_decode_step"]
 
@@ -25,14 +25,24 @@ def tapa_attention(
     alpha: float = 0.1,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
+    phase: str = "quadratic",
 ) -> torch.Tensor:
     """Causal token-aware phase attention.
 
     For query position ``m`` and key position ``n <= m`` of the same sequence the logit is
-    ``l_mn = (q_A·k_A)/sqrt(dA) · cos(2π · (m−n)^alpha · (q_P·k_P)/sqrt(dP))`` with ``0^alpha = 0`` (also
-    for ``alpha = 0``), where the first ``dA = round(theta·D)`` channels of a head (Python's ``round``,
-    which rounds halves to even) are the amplitude part and the other ``dP = D − dA`` the phase part.
-    ``o_m = Σ_n softmax_n(l_mn) v_n``.
+    ``l_mn = (q_A·k_A)/sqrt(dA) · cos(2π · (m−n)^alpha · φ_mn)`` with ``0^alpha = 0`` (also for ``alpha = 0``),
+    where the first ``dA = round(theta·D)`` channels of a head (Python's ``round``, which rounds halves to even)
+    are the amplitude part and the other ``dP = D − dA`` the phase part. ``o_m = Σ_n softmax_n(l_mn) v_n``.
+
+    The phase function ``φ`` (``phase``):
+
+    - ``"quadratic"`` (the paper's TAPA): ``φ_mn = (q_P,m·k_P,n)/sqrt(dP)``, a bilinear form of the two tokens.
+    - ``"linear"``: ``φ_mn = (Σ_c q_P,m,c − Σ_c k_P,n,c)/sqrt(2·dP)``, a sum of one linear function of each token,
+      no product of ``q`` and ``k``. It is our analog of the linear phase of the paper's ablation, whose exact
+      form the sources at hand do not give: a general linear phase ``aᵀq_P + bᵀk_P`` loses nothing with
+      ``a = 1, b = −1``, since the projections in front of the op learn any linear functional of a token (and
+      its sign); ``sqrt(2·dP)`` gives it unit variance for unit-variance inputs, as ``sqrt(dP)`` gives the
+      quadratic one, so that ``alpha`` means the same in both (README: Phase functions).
 
     Args:
         q: ``[B, T, HQ, D]``, float32 / float16 / bfloat16 (float64 is accepted for tests).
@@ -47,6 +57,7 @@ def tapa_attention(
         backend: ``"auto"`` (the Triton kernels for CUDA tensors of float16 / bfloat16 / float32 with head
             dims up to 256, the PyTorch backend otherwise), ``"torch"`` or ``"triton"`` (CUDA tensors, or CPU
             tensors under ``TRITON_INTERPRET=1``; not float64).
+        phase: ``"quadratic"`` or ``"linear"``, the phase function above.
 
     Returns:
         ``o [B, T, HQ, V]`` in ``v.dtype``; computed in float32 (float64 for float64 inputs).
@@ -54,6 +65,7 @@ def tapa_attention(
     check_qkv(q, k, v)
     B, T, _, D = q.shape
     theta = check_theta(theta, D)
+    phase = check_phase(phase)
     amp_dim, phase_dim = tapa_split(theta, D)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
@@ -72,5 +84,5 @@ def tapa_attention(
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.tapa.parallel import tapa_triton
 
-        return tapa_triton(q, k, v, amp_dim, alpha, cu_seqlens)
-    return tapa_torch(q, k, v, amp_dim, alpha, bounds)
+        return tapa_triton(q, k, v, amp_dim, alpha, cu_seqlens, phase)
+    return tapa_torch(q, k, v, amp_dim, alpha, bounds, phase)

@@ -20,7 +20,7 @@ from attnkit.ops.common.validation import (
     reads_data,
     resolve_backend,
 )
-from attnkit.ops.tapa.torch_impl import check_alpha, check_theta, tapa_split
+from attnkit.ops.tapa.torch_impl import check_alpha, check_phase, check_theta, phase_variance, tapa_split
 
 
 def _check_preconditions(
@@ -65,10 +65,11 @@ def tapa_decode_step(
     theta: float = 0.5,
     alpha: float = 0.1,
     backend: str = "auto",
+    phase: str = "quadratic",
 ) -> torch.Tensor:
     """One decoding step of TAPA: the logit of slot ``n`` is
-    ``(q_A·k_A)/sqrt(dA) · cos(2π · (m−n)^alpha · (q_P·k_P)/sqrt(dP))`` with ``m = q_position``,
-    ``n = k_positions`` and ``0^alpha = 0``, as in :func:`attnkit.ops.tapa_attention`.
+    ``(q_A·k_A)/sqrt(dA) · cos(2π · (m−n)^alpha · φ(q, k_n))`` with ``m = q_position``, ``n = k_positions``,
+    ``0^alpha = 0`` and the phase function ``φ`` of ``phase``, as in :func:`attnkit.ops.tapa_attention`.
 
     The preconditions on positions and the mask are data: they are read from the device once a step (a
     synchronisation on CUDA; not under ``torch.compile``, which trusts them), and a step that breaks one is a
@@ -83,8 +84,8 @@ def tapa_decode_step(
             (masked slots may hold anything).
         cache_mask: ``[B, L]`` bool, True for real slots; slots after ``q_position`` are excluded as well.
             Every row needs a real slot at or before ``q_position`` (its own token's).
-        theta, alpha: as in :func:`attnkit.ops.tapa_attention`; the distance power bound applies to the largest
-            distance ``q_position − k_positions`` of a visible slot.
+        theta, alpha, phase: as in :func:`attnkit.ops.tapa_attention`; the distance power bound applies to the
+            largest distance ``q_position − k_positions`` of a visible slot.
 
         backend: ``"auto"`` (the Triton kernel for CUDA tensors, PyTorch otherwise), ``"torch"`` or
             ``"triton"``. The kernel takes float32 / float16 / bfloat16; float64 inputs stay on PyTorch under
@@ -99,6 +100,7 @@ def tapa_decode_step(
     check_positions("k_positions", k_positions, (B, L), q.device)
     check_cache_mask(cache_mask, (B, L), q.device)
     theta = check_theta(theta, D)
+    phase = check_phase(phase)
     amp_dim, phase_dim = tapa_split(theta, D)
     visible, alpha = _check_preconditions(q_position, k_positions, cache_mask, alpha)
     dtype = compute_dtype(q, k_cache, v_cache)
@@ -106,17 +108,21 @@ def tapa_decode_step(
         # Imported here: triton is a Linux-only dependency, and the CPU path must import without it.
         from attnkit.ops.tapa.parallel import tapa_decode_op
 
-        return tapa_decode_op(q, k_cache, v_cache, q_position, k_positions, cache_mask, amp_dim, float(alpha))
+        args = (q, k_cache, v_cache, q_position, k_positions, cache_mask, amp_dim, float(alpha), phase)
+        return tapa_decode_op(*args)
 
     groups = HQ // H
     qh, kh = q[:, 0].to(dtype), repeat_kv(k_cache, groups).to(dtype)
     amp = torch.einsum("bhd,bnhd->bhn", qh[..., :amp_dim], kh[..., :amp_dim]) / math.sqrt(amp_dim)
-    phase = torch.einsum("bhd,bnhd->bhn", qh[..., amp_dim:], kh[..., amp_dim:])
-    # 2π·d^alpha/sqrt(dP) per slot, built in float64 and rounded once, as the prefill's table is
+    if phase == "quadratic":
+        products = torch.einsum("bhd,bnhd->bhn", qh[..., amp_dim:], kh[..., amp_dim:])
+    else:
+        products = qh[..., amp_dim:].sum(-1)[..., None] - kh[..., amp_dim:].sum(-1).transpose(1, 2)
+    # 2π·d^alpha/sqrt(variance) per slot, built in float64 and rounded once, as the prefill's table is
     dist = (q_position[:, None] - k_positions).to(torch.float64)  # [B, L]
     power = torch.where(dist > 0, dist.clamp_min(1.0).pow(alpha), torch.zeros_like(dist))
-    phase_scale = (power * (2 * math.pi / math.sqrt(phase_dim))).to(dtype)
-    logits = amp * torch.cos(phase * phase_scale[:, None])
+    phase_scale = (power * (2 * math.pi / math.sqrt(phase_variance(phase, phase_dim)))).to(dtype)
+    logits = amp * torch.cos(products * phase_scale[:, None])
     logits = logits.masked_fill(~visible[:, None], -math.inf)
     o = torch.einsum("bhn,bnhv->bhv", logits.softmax(-1), repeat_kv(v_cache, groups).to(dtype))
     return o[:, None].to(v_cache.dtype)

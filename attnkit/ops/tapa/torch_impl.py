@@ -61,10 +61,29 @@ def check_alpha(alpha: object, max_distance: int) -> float:
     return alpha
 
 
+# The phase functions: ``"quadratic"`` is the paper's bilinear form ``φ = (q_P·k_P)/sqrt(dP)``; ``"linear"`` our
+# analog of its linear-phase ablation, ``φ = (Σ q_P − Σ k_P)/sqrt(2·dP)`` (README: Phase functions).
+PHASES = ("quadratic", "linear")
+
+
+def check_phase(phase: object) -> str:
+    """``phase`` one of :data:`PHASES`."""
+    if not isinstance(phase, str) or phase not in PHASES:
+        raise ValueError(f"phase: expected one of {PHASES}, got {phase!r}")
+    return phase
+
+
+def phase_variance(phase: str, phase_dim: int) -> int:
+    """The variance of the phase's product for independent unit-variance ``q_P``, ``k_P``: ``dP`` for ``q_P·k_P``,
+    ``2·dP`` for ``Σ q_P − Σ k_P``. The phase is divided by its square root, so both phases have unit variance."""
+    return phase_dim if phase == "quadratic" else 2 * phase_dim
+
+
 def _reversed_phase_table(
-    seq_len: int, block: int, alpha: float, phase_dim: int, dtype: torch.dtype, device: torch.device
+    seq_len: int, block: int, alpha: float, variance: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """``r[j] = 2π·d^alpha/sqrt(dP)`` at distance ``d = seq_len - 1 - j``, zero for ``d <= 0``.
+    """``r[j] = 2π·d^alpha/sqrt(variance)`` at distance ``d = seq_len - 1 - j``, zero for ``d <= 0``; ``variance``
+    from :func:`phase_variance`.
 
     Built in float64 and rounded once to ``dtype``; ``d`` runs down to ``-(block - 1)`` so that the
     strided view in :func:`_block_phase_scale` also covers the masked upper triangle of a diagonal block.
@@ -72,7 +91,7 @@ def _reversed_phase_table(
     """
     dist = (seq_len - 1) - torch.arange(seq_len + block - 1, device=device, dtype=torch.float64)
     power = torch.where(dist > 0, dist.clamp_min(1.0).pow(alpha), torch.zeros_like(dist))
-    return (power * (2 * math.pi / math.sqrt(phase_dim))).to(dtype)
+    return (power * (2 * math.pi / math.sqrt(variance))).to(dtype)
 
 
 def _block_phase_scale(table: torch.Tensor, table_len: int, start: int, rows: int) -> torch.Tensor:
@@ -87,6 +106,16 @@ def _block_phase_scale(table: torch.Tensor, table_len: int, start: int, rows: in
 
 def _split(x: torch.Tensor, amp_dim: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., :amp_dim] * scale, x[..., amp_dim:].contiguous()
+
+
+def _phase_products(
+    qp: torch.Tensor, k_phase: torch.Tensor, k_sums: torch.Tensor | None, end: int, out: torch.Tensor
+) -> torch.Tensor:
+    """The phase before its distance factor, ``[B*H, G*rows, end]`` into ``out``: ``q_P·k_P`` (``k_sums`` None),
+    or ``Σ q_P − Σ k_P`` for the linear phase (``k_sums [B*H, T]``, the keys' channel sums)."""
+    if k_sums is None:
+        return torch.bmm(qp, k_phase[:, :end].transpose(1, 2), out=out)
+    return torch.sub(qp.sum(-1, keepdim=True), k_sums[:, None, :end], out=out)
 
 
 def _workspace(count: int, numel: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -105,13 +134,15 @@ def _tapa_fwd(
     o: torch.Tensor,
     lse: torch.Tensor,
     block: int,
+    linear: bool,
 ) -> None:
     """One dense segment. ``q [B,H,G,T,D]``, ``k [B,H,T,D]``, ``v [B,H,T,V]`` in the compute dtype;
-    ``table`` from :func:`_reversed_phase_table` with ``table_len >= T``. Writes ``o [B,H,G,T,V]`` and
-    ``lse [B,H,G,T]``."""
+    ``table`` from :func:`_reversed_phase_table` with ``table_len >= T``; ``linear`` picks the linear phase.
+    Writes ``o [B,H,G,T,V]`` and ``lse [B,H,G,T]``."""
     B, H, G, T, _ = q.shape
     q_amp, q_phase = _split(q, amp_dim, amp_dim**-0.5)
     k_amp, k_phase = (x.reshape(B * H, T, -1).contiguous() for x in (k[..., :amp_dim], k[..., amp_dim:]))
+    k_sums = k_phase.sum(-1) if linear else None
     v = v.reshape(B * H, T, -1)
     causal = torch.ones(block, block, dtype=torch.bool, device=q.device).triu_(1)
     buffers = _workspace(2, B * H * G * min(block, T) * T, q)
@@ -122,7 +153,7 @@ def _tapa_fwd(
         qa = q_amp[:, :, :, start:end].reshape(B * H, G * rows, -1)
         qp = q_phase[:, :, :, start:end].reshape(B * H, G * rows, -1)
         torch.bmm(qa, k_amp[:, :end].transpose(1, 2), out=logits)
-        torch.bmm(qp, k_phase[:, :end].transpose(1, 2), out=phase)
+        _phase_products(qp, k_phase, k_sums, end, phase)
         phase.view(B * H, G, rows, end).mul_(_block_phase_scale(table, table_len, start, rows))
         logits.mul_(phase.cos_())
         logits.view(B * H, G, rows, end)[..., start:].masked_fill_(causal[:rows, :rows], -math.inf)
@@ -145,6 +176,7 @@ def _tapa_bwd(
     lse: torch.Tensor,
     delta: torch.Tensor,
     block: int,
+    linear: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One dense segment; shapes as in :func:`_tapa_fwd`, ``delta = rowsum(dO ⊙ O)``. Returns
     ``dq [B,H,G,T,D]``, ``dk [B,H,T,D]``, ``dv [B,H,T,V]`` in the compute dtype."""
@@ -152,6 +184,7 @@ def _tapa_bwd(
     amp_scale = amp_dim**-0.5
     q_amp, q_phase = _split(q, amp_dim, amp_scale)
     k_amp, k_phase = (x.reshape(B * H, T, -1).contiguous() for x in (k[..., :amp_dim], k[..., amp_dim:]))
+    k_sums = k_phase.sum(-1) if linear else None
     v = v.reshape(B * H, T, -1)
     dq_amp, dq_phase = torch.empty_like(q_amp), torch.empty_like(q_phase)
     dk_amp, dk_phase, dv = torch.zeros_like(k_amp), torch.zeros_like(k_phase), torch.zeros_like(v)
@@ -169,7 +202,7 @@ def _tapa_bwd(
         b_delta = delta[:, :, :, start:end].reshape(B * H, G * rows, 1)
 
         torch.bmm(qa, k_amp[:, :end].transpose(1, 2), out=amp)
-        torch.bmm(qp, k_phase[:, :end].transpose(1, 2), out=phase)
+        _phase_products(qp, k_phase, k_sums, end, phase)
         phase.view(B * H, G, rows, end).mul_(_block_phase_scale(table, table_len, start, rows))
         torch.cos(phase, out=cos)
         sin = phase.sin_()
@@ -186,9 +219,14 @@ def _tapa_bwd(
         d_phase.view(B * H, G, rows, end).mul_(_block_phase_scale(neg_table, table_len, start, rows))
 
         dq_amp[:, :, :, start:end] = torch.bmm(d_amp, k_amp[:, :end]).view(B, H, G, rows, -1)
-        dq_phase[:, :, :, start:end] = torch.bmm(d_phase, k_phase[:, :end]).view(B, H, G, rows, -1)
         dk_amp[:, :end].baddbmm_(d_amp.transpose(1, 2), qa)
-        dk_phase[:, :end].baddbmm_(d_phase.transpose(1, 2), qp)
+        if linear:
+            # ∂(Σ q_P − Σ k_P)/∂q_P = 1 and /∂k_P = −1 in every channel: row and column sums, broadcast.
+            dq_phase[:, :, :, start:end] = d_phase.sum(-1).view(B, H, G, rows, 1)
+            dk_phase[:, :end].sub_(d_phase.sum(1)[..., None])
+        else:
+            dq_phase[:, :, :, start:end] = torch.bmm(d_phase, k_phase[:, :end]).view(B, H, G, rows, -1)
+            dk_phase[:, :end].baddbmm_(d_phase.transpose(1, 2), qp)
     dq = torch.cat((dq_amp.mul_(amp_scale), dq_phase), dim=-1)
     dk = torch.cat((dk_amp, dk_phase), dim=-1).view(B, H, T, D)
     return dq, dk, dv.view(B, H, T, -1)
@@ -196,7 +234,7 @@ def _tapa_bwd(
 
 class TapaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, amp_dim, alpha, bounds, block):
+    def forward(ctx, q, k, v, amp_dim, alpha, bounds, block, phase):
         B, T, HQ, D = q.shape
         H = k.shape[2]
         G = HQ // H
@@ -208,13 +246,15 @@ class TapaFunction(torch.autograd.Function):
         o = torch.empty(B, H, G, T, v.shape[-1], dtype=dtype, device=q.device)
         lse = torch.empty(B, H, G, T, dtype=dtype, device=q.device)
         longest = max((eos - bos for bos, eos in bounds), default=0)
-        table = _reversed_phase_table(longest, block, alpha, D - amp_dim, dtype, q.device)
+        table = _reversed_phase_table(longest, block, alpha, phase_variance(phase, D - amp_dim), dtype, q.device)
+        linear = phase == "linear"
         for bos, eos in bounds:
             if eos > bos:
                 qs, ks = (slice(None),) * 3 + (slice(bos, eos),), (slice(None),) * 2 + (slice(bos, eos),)
-                _tapa_fwd(bq[qs], bk[ks], bv[ks], amp_dim, table, longest, o[qs], lse[qs], block)
+                _tapa_fwd(bq[qs], bk[ks], bv[ks], amp_dim, table, longest, o[qs], lse[qs], block, linear)
         ctx.save_for_backward(bq, bk, bv, o, lse)
         ctx.amp_dim, ctx.table, ctx.longest, ctx.bounds, ctx.block = amp_dim, table, longest, bounds, block
+        ctx.linear = linear
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         return o.permute(0, 3, 1, 2, 4).reshape(B, T, HQ, v.shape[-1]).to(v.dtype)
 
@@ -232,13 +272,13 @@ class TapaFunction(torch.autograd.Function):
                 qs, ks = (slice(None),) * 3 + (slice(bos, eos),), (slice(None),) * 2 + (slice(bos, eos),)
                 dq[qs], dk[ks], dv[ks] = _tapa_bwd(
                     bq[qs], bk[ks], bv[ks], ctx.amp_dim, ctx.table, ctx.longest, bdo[qs], lse[qs], delta[qs],
-                    ctx.block,
+                    ctx.block, ctx.linear,
                 )  # fmt: skip
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         dq = dq.permute(0, 3, 1, 2, 4).reshape(B, T, H * G, D).to(q_dtype)
         dk = dk.transpose(1, 2).to(k_dtype)
         dv = dv.transpose(1, 2).to(v_dtype)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def tapa_torch(
@@ -248,8 +288,10 @@ def tapa_torch(
     amp_dim: int,
     alpha: float,
     bounds: list[tuple[int, int]],
+    phase: str = "quadratic",
     block: int = BLOCK_T,
 ) -> torch.Tensor:
     """TAPA on trusted inputs: ``q [B,T,HQ,D]``, ``k [B,T,H,D]``, ``v [B,T,H,V]``; ``bounds`` are the
-    ``(bos, eos)`` of the independent sequences along ``T``. Returns ``o [B,T,HQ,V]`` in ``v.dtype``."""
-    return TapaFunction.apply(q, k, v, amp_dim, alpha, bounds, block)
+    ``(bos, eos)`` of the independent sequences along ``T``; ``phase`` one of :data:`PHASES`. Returns
+    ``o [B,T,HQ,V]`` in ``v.dtype``."""
+    return TapaFunction.apply(q, k, v, amp_dim, alpha, bounds, block, phase)

@@ -27,6 +27,7 @@ from attnkit.ops.common.triton.decode_merge import (
     split_plan,
 )
 from attnkit.ops.common.triton_utils import LOG2E, block_dim
+from attnkit.ops.tapa.torch_impl import phase_variance
 from attnkit.ops.tapa.triton.common import cos_cycles, phase_cycles
 
 
@@ -41,12 +42,13 @@ def tapa_decode_kernel(
     stride_ob, stride_oh, stride_od,
     G: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
     BG: tl.constexpr, BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, LINEAR: tl.constexpr,
 ):  # fmt: skip
     """``q [B, 1, HQ, DA+DP]``, ``k [B, L, H, DA+DP]``, ``v [B, L, H, V]`` (any strides), ``q_pos [B]``,
-    ``k_pos [B, L]`` int32/int64, ``cache_mask [B, L]`` bool. Grid ``(H, S, B)`` with ``S`` splits of
-    ``split_size`` slots. With ``SPLIT`` writes float32 partials ``o_part [B, HQ, S, V]`` (unnormalised),
-    ``m_part``, ``l_part [B, HQ, S]`` (base-2 max and sum); otherwise ``o [B, 1, HQ, V]`` directly."""
+        ``k_pos [B, L]`` int32/int64, ``cache_mask [B, L]`` bool. Grid ``(H, S, B)`` with ``S`` splits of
+        ``split_size`` slots. With ``SPLIT`` writes float32 partials ``o_part [B, HQ, S, V]`` (unnormalised),
+        ``m_part``, ``l_part [B, HQ, S]`` (base-2 max and sum); otherwise ``o [B, 1, HQ, V]`` directly. ``LINEAR``: the
+    linear phase ``Σ q_P − Σ k_P`` instead of ``q_P·k_P``."""
     # Heads vary fastest so the programs of one (batch, split) run together and share the positions and
     # mask they all read through L2.
     i_h, i_s, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -60,6 +62,8 @@ def tapa_decode_kernel(
     p_q = q + i_b64 * stride_qb + (i_h * G + o_g)[:, None] * stride_qh
     b_qa = tl.load(p_q + o_da[None, :] * stride_qd, mask=m_g[:, None] & m_da[None, :], other=0.0)
     b_qp = tl.load(p_q + (DA + o_dp)[None, :] * stride_qd, mask=m_g[:, None] & m_dp[None, :], other=0.0)
+    if LINEAR:
+        b_u = tl.sum(b_qp.to(tl.float32), 1)
     b_qa, b_qp = b_qa.to(k.dtype.element_ty), b_qp.to(k.dtype.element_ty)
     b_pos = tl.load(q_pos + i_b)
 
@@ -96,7 +100,10 @@ def tapa_decode_kernel(
         b_r = tl.where(b_d > 0, tl.exp2(alpha * tl.log2(tl.maximum(b_d, 1.0))), 0.0) * phase_scale
 
         b_amp = tl.dot(b_qa, tl.trans(b_ka), input_precision=PRECISION)
-        b_phase = tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)
+        if LINEAR:
+            b_phase = b_u[:, None] - tl.sum(b_kp.to(tl.float32), 1)[None, :]
+        else:
+            b_phase = tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)
         b_logit = b_amp * cos_cycles(phase_cycles(b_phase, b_r[None, :]), False) * amp_scale
         b_logit = tl.where(m_vis[None, :], b_logit, float("-inf"))
 
@@ -121,6 +128,7 @@ def tapa_decode_fn(
     amp_dim: int,
     alpha: float,
     split_size: int | None = None,
+    phase: str = "quadratic",
 ) -> torch.Tensor:
     """Launch the decode step on trusted inputs.
 
@@ -133,6 +141,7 @@ def tapa_decode_fn(
         alpha: exponent of the distance.
         split_size: slots per split, rounded up to a multiple of the tile; by default chosen from ``B·H``
             and the SM count (:func:`decode_split_size`). Tests force small splits to run the merge.
+        phase: ``"quadratic"`` or ``"linear"``, as in :func:`attnkit.ops.tapa.tapa_attention`.
 
     Returns:
         ``o [B, 1, HQ, V]`` in ``v_cache.dtype``.
@@ -146,12 +155,12 @@ def tapa_decode_fn(
     o_part, m_part, l_part = partials = split_partials(o, S)
     tapa_decode_kernel[(H, S, B)](
         q, k_cache, v_cache, q_position, k_positions, cache_mask, o, o_part, m_part, l_part,
-        L, split_size, float(alpha), DA**-0.5 * LOG2E, DP**-0.5,
+        L, split_size, float(alpha), DA**-0.5 * LOG2E, phase_variance(phase, DP) ** -0.5,
         q.stride(0), q.stride(2), q.stride(3),
         *k_cache.stride(), *v_cache.stride(), *k_positions.stride(), *cache_mask.stride(),
         o.stride(0), o.stride(2), o.stride(3),
         G=G, DA=DA, DP=DP, V=V, BG=block_dim(G), BDA=block_dim(DA), BDP=block_dim(DP), BV=block_dim(V), BN=BN,
-        SPLIT=S > 1, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        SPLIT=S > 1, PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32", LINEAR=phase == "linear",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if S > 1:
