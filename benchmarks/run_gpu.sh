@@ -129,28 +129,8 @@ for step in $steps; do
             # $OUT/tapa_series.json. The order that wins becomes common.SERIES_ORDER.
             timeout 240 python3 -m pytest -q -rf tests/ops/test_tapa_series.py tests/ops/test_tapa_phase.py \
                 > "$OUT/tapaseries.log" 2>&1
-            timeout 300 python3 - "$OUT" >> "$OUT/tapaseries.log" 2>&1 <<'PY'
-import functools, json, sys
-import torch, triton
-from attnkit.ops.tapa.triton.backward import tapa_bwd_fn
-from attnkit.ops.tapa.triton.forward import tapa_fwd_fn
-rows = []
-for D in (64, 128):
-    for T in (8192, 32768):
-        H, B = 1024 // D, 32768 // T
-        q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        o, lse = tapa_fwd_fn(q, k, v, D // 2, 0.1, None)
-        for order in (0, 3, 4, 6):
-            fwd = functools.partial(tapa_fwd_fn, q, k, v, D // 2, 0.1, None, series_order=order)
-            bwd = functools.partial(tapa_bwd_fn, q, k, v, o, lse, do, D // 2, 0.1, None, series_order=order)
-            ms = [triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for f in (fwd, bwd)]
-            rows.append(dict(D=D, T=T, order=order, fwd_ms=ms[0], bwd_ms=ms[1]))
-            base = next(r for r in rows if (r["D"], r["T"], r["order"]) == (D, T, 0))
-            print(f"D={D} T={T} order={order}: fwd {ms[0]:.3f} ms ({ms[0] / base['fwd_ms']:.3f}x exact), "
-                  f"bwd {ms[1]:.3f} ms ({ms[1] / base['bwd_ms']:.3f}x exact)")
-json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "rows": rows}, open(sys.argv[1] + "/tapa_series.json", "w"), indent=1)
-PY
+            timeout 300 python3 benchmarks/tapa_tune.py --series-orders 0 3 4 6 --seq-lens 8192 32768 --out "$OUT" \
+                >> "$OUT/tapaseries.log" 2>&1
             grep -E "passed|failed|FAILED|order=" "$OUT/tapaseries.log" | tail -20 ;;
         tapaacc)
             timeout 200 python3 benchmarks/tapa_accuracy.py --seq-lens 1024 16384 65536 --out "$OUT" > "$OUT/tapaacc.log" 2>&1 ;;

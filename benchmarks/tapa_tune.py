@@ -2,9 +2,13 @@
 the special-function unit, and dQ by recomputation or atomics — each timed against SDPA (flash) in one run.
 
     python benchmarks/tapa_tune.py [--seq-lens 2048 8192 32768] [--head-dims 64 128] [--out DIR]
+    python benchmarks/tapa_tune.py --series-orders 0 3 4 6 [--seq-lens ...] [--head-dims ...] [--out DIR]
 
 bf16, causal, 32768 tokens per batch, H·D = 1024 (SPEC §8). Prints a table per cell (fastest first) and
-writes ``tapa_tune.json``. The chosen configurations live in ``fwd_config`` / ``bwd_config``.
+writes ``tapa_tune.json``. The chosen configurations live in ``fwd_config`` / ``bwd_config``. With
+``--series-orders``, it times the distance power's series off the diagonal instead (order 0 is the exact path;
+the default launch configurations) and writes ``tapa_series.json``: the order that wins becomes
+``common.SERIES_ORDER``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,23 @@ def time_cell(D: int, T: int) -> dict:
     return cell
 
 
+def time_series(D: int, T: int, orders: list[int]) -> list[dict]:
+    """Forward and backward of the default configurations at each series order, with the exact path's ratio."""
+    H, B = 1024 // D, 32768 // T
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, lse = tapa_fwd_fn(q, k, v, D // 2, 0.1, None)
+    rows = []
+    for order in orders:
+        fwd = functools.partial(tapa_fwd_fn, q, k, v, D // 2, 0.1, None, series_order=order)
+        bwd = functools.partial(tapa_bwd_fn, q, k, v, o, lse, do, D // 2, 0.1, None, series_order=order)
+        rows.append(dict(D=D, T=T, order=order, fwd_ms=bench_or_nan(fwd, "fwd"), bwd_ms=bench_or_nan(bwd, "bwd")))
+    exact = next((r for r in rows if r["order"] == 0), rows[0])
+    for r in rows:
+        r["fwd_ratio"], r["bwd_ratio"] = r["fwd_ms"] / exact["fwd_ms"], r["bwd_ms"] / exact["bwd_ms"]
+    torch.cuda.empty_cache()
+    return rows
+
+
 def bench_or_nan(fn, label: str) -> float:
     """A variant that does not compile or fit (shared memory, registers) is a NaN row, not a crash."""
     try:
@@ -77,7 +98,17 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--series-orders", type=int, nargs="+", help="time these series orders (0: exact) instead")
     args = parser.parse_args()
+    if args.series_orders:
+        cells = itertools.product(args.head_dims, args.seq_lens)
+        rows = [r for D, T in cells for r in time_series(D, T, args.series_orders)]
+        env = environment(torch.device("cuda"))
+        write_json(str(Path(args.out) / "tapa_series.json"), {"environment": env, "rows": rows})
+        for r in rows:
+            print(f"D={r['D']} T={r['T']} order={r['order']}: fwd {r['fwd_ms']:.3f} ms ({r['fwd_ratio']:.3f}x exact), "
+                  f"bwd {r['bwd_ms']:.3f} ms ({r['bwd_ratio']:.3f}x exact)")  # fmt: skip
+        return
     rows = [time_cell(D, T) for D, T in itertools.product(args.head_dims, args.seq_lens)]
     # The benchmark's record of the machine: GPU, torch, triton, python, commit, dirty tree, source hash, date.
     env = environment(torch.device("cuda"))
