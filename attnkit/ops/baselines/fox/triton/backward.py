@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.baselines.fox.triton.common import launch_grid, program_block
 from attnkit.ops.baselines.fox.triton.forward import key_tile, precision, query_tile
 from attnkit.ops.common.triton.scan import segment_cumsum
+from attnkit.ops.common.triton_seq import launch_grid, program_block
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 
 
@@ -88,7 +88,7 @@ def fox_bwd_dkdv_kernel(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK, dV (``[B,T,H,·]`` contiguous, the inputs' dtypes) and ``dG [B,T,HQ]`` (float32, the gradient of the
-    cumulative gate) of one key block of one key/value head. Grid ``common.launch_grid`` over key blocks of ``BN``
+    cumulative gate) of one key block of one key/value head. Grid ``triton_seq.launch_grid`` over key blocks of ``BN``
     and the ``H`` heads; ``BN`` is a multiple of ``BM``."""
     i_b, i_h, bos, L, i_nb = program_block(cu_seqlens, offsets, N, T, H, LOG_N, IS_VARLEN)
     start_n = i_nb * BN

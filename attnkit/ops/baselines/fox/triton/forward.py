@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.baselines.fox.triton.common import launch_grid, program_block
 from attnkit.ops.common.triton.scan import segment_cumsum
+from attnkit.ops.common.triton_seq import launch_grid, program_block
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 
 
@@ -98,7 +98,7 @@ def fox_fwd_kernel(
 ):  # fmt: skip
     """``q [B,T,HQ,K]``, ``k [B,T,H,K]``, ``v [B,T,H,V]`` through their strides; ``gc [B,T,HQ]`` the gate's
     cumulative sums times ``log2(e)`` (float32), ``o [B,T,HQ,V]`` and ``lse [B,T,HQ]`` (float32, base 2)
-    contiguous. Grid: ``common.launch_grid`` over query blocks of ``BM`` and the ``HQ`` heads."""
+    contiguous. Grid: ``triton_seq.launch_grid`` over query blocks of ``BM`` and the ``HQ`` heads."""
     i_b, i_hq, bos, L, i_m = program_block(cu_seqlens, offsets, N, T, HQ, LOG_N, IS_VARLEN)
     start_m = i_m * BM
     if start_m >= L:
