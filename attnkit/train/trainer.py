@@ -25,6 +25,7 @@ from ..tasks import IGNORE_INDEX, get_task, make_generator
 from .checkpoint import (
     CHECKPOINT_FORMAT,
     SHARDED_FORMAT,
+    SNAPSHOT,
     CheckpointError,
     load_checkpoint,
     new_snapshot,
@@ -156,6 +157,13 @@ def build_model(config: TrainConfig, vocab_size: int, max_len: int, resume_from:
     return AttnKitForCausalLM(model_config)
 
 
+def _checkpoint_folder(out: str) -> str:
+    """The folder of ``out``'s checkpoint, where its shards and model config lie: the snapshot (or the copy of it
+    that a copy following the links made), or ``out`` itself in the layout before snapshots."""
+    snapshot = os.path.join(out, SNAPSHOT)
+    return os.path.realpath(snapshot if os.path.isdir(snapshot) else out)
+
+
 def uses_bf16(config: TrainConfig, device: torch.device) -> bool:
     """Whether the run computes in bfloat16: ``config.bf16`` on a GPU (autocast, and under FSDP2 the parameters
     its blocks gather too: :func:`shard_model`)."""
@@ -282,8 +290,7 @@ def train(config: TrainConfig) -> TrainResult:
     device, world, rank, local_batch = info.device, info.world_size, info.rank, info.local_batch
     ckpt = open_run_folder(config, info.is_main)
     ckpt_path = os.path.join(config.out, CHECKPOINT_NAME) if config.out else None
-    # the snapshot folder the checkpoint was read from (its shards and model config are beside it)
-    ckpt_folder = os.path.dirname(os.path.realpath(ckpt_path)) if ckpt is not None else None
+    ckpt_folder = _checkpoint_folder(config.out) if ckpt is not None else None
     if info.enabled:
         dist.barrier()  # the folder is in its final state before any rank writes to it
     task = get_task(config.task, seed=config.seed, **config.task_options)
