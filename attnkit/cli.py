@@ -115,7 +115,7 @@ def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None
     add("--grad-clip", type=float, help="gradient-norm clip (0: off)", default=d.grad_clip)
     add("--seed", type=int, help="seed of model, data and test sets", default=d.seed)
     add("--device", choices=["auto", "cpu", "cuda"], help="device", default=d.device)
-    add("--no-bf16", action="store_true", help="disable bf16 autocast on GPU")
+    add("--no-bf16", action="store_true", help="float32 on GPU: no bf16 autocast (nor FSDP2's bf16 parameters)")
     add("--distributed", choices=["ddp", "fsdp"], help="mode under torchrun", default=d.distributed)
     add("--compile", action="store_true", help="torch.compile the model for the training steps")
     add("--grad-checkpointing", action="store_true", help="recompute activations in the backward (less memory)")
@@ -189,7 +189,6 @@ def config_from_args(
     """
     from .train import TrainConfig
     from .train.distributed import resolve_device
-    from .train.hf_folder import saved_model_config
 
     given = vars(args)
     values = load_config_file(args.config) if args.config else {}
@@ -217,15 +216,26 @@ def config_from_args(
             else:
                 values.setdefault(key, value)
     if values.get("init_from"):
-        saved = saved_model_config(values["init_from"])
-        shape = {"hidden_size": saved.hidden_size, "num_layers": saved.num_hidden_layers, "num_heads": saved.num_heads}
-        for key, value in {**shape, "mixer": saved.mixer}.items():
+        for key, value in _init_from_shape(values).items():
             values.setdefault(key, value)
     return TrainConfig(**values)
 
 
+def _init_from_shape(values: dict) -> dict:
+    """The model shape (hidden size, layers, heads, mixer) of an ``init_from`` run: the saved model's, or for a
+    resume the run's own (its ``train_config.json``), so a resume does not need ``init_from`` to exist any more."""
+    from .train.hf_folder import read_run_config, saved_model_config
+
+    names = ("hidden_size", "num_layers", "num_heads", "mixer")
+    if values.get("resume"):
+        run = read_run_config(values["out"])
+        return {} if run is None else {k: run[k] for k in names if k in run}
+    saved = saved_model_config(values["init_from"])
+    return dict(zip(names, (saved.hidden_size, saved.num_hidden_layers, saved.num_heads, saved.mixer)))
+
+
 def _train(args: argparse.Namespace) -> int:
-    from .train import CheckpointError, NonFiniteLossError, RunFolderError, train
+    from .train import CheckpointError, LaunchError, NonFiniteLossError, RunFolderError, train
 
     try:
         config = config_from_args(args)
@@ -234,7 +244,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     try:
         result = train(config)
-    except RunFolderError as err:
+    except (RunFolderError, LaunchError) as err:  # a folder or a torchrun launch that does not fit the run
         print(f"attnkit train: {err}", file=sys.stderr)
         return 2
     except (CheckpointError, NonFiniteLossError) as err:
@@ -283,7 +293,7 @@ def _compare_table(rows: list[dict], metrics: list[dict[str, dict[str, float]]])
 def _compare(args: argparse.Namespace) -> int:
     from .experiments.output import print_results
     from .experiments.plots import plot_runs
-    from .train import CheckpointError, RunFolderError, open_run_folder, train
+    from .train import CheckpointError, LaunchError, RunFolderError, open_run_folder, train
 
     # Every run's settings and folder are checked before the first one trains.
     try:
@@ -301,6 +311,9 @@ def _compare(args: argparse.Namespace) -> int:
     for (mixer, lr), config in configs.items():
         try:
             result = train(config)
+        except LaunchError as err:
+            print(f"attnkit compare: {err}", file=sys.stderr)
+            return 2
         except CheckpointError as err:
             print(f"attnkit compare: {err}", file=sys.stderr)
             return 1

@@ -5,7 +5,10 @@
 #
 # For each mixer: one single-process run, then `torchrun --nproc_per_node N` with --distributed ddp and fsdp, all
 # with the same global batch (16 sequences of 4096 tokens of the default corpus, hidden 1024, 8 layers, 16 heads,
-# each mixer on its default backend), logging every step. benchmarks/multi_gpu_report.py then compares each
+# each mixer on its default backend), logging every step. Every run is bf16 (the trainer's default on GPU: no
+# --no-bf16): the single and DDP runs under bf16 autocast, the FSDP2 runs also with the trainer's
+# MixedPrecisionPolicy (bf16 parameters gathered for compute, float32 gradient reduction, float32 shards and
+# optimizer state). benchmarks/multi_gpu_report.py then compares each
 # distributed run's losses with the single run's (relative difference at every logged step) and its tokens/s,
 # and writes multi_gpu.json and multi_gpu.md into OUT. NVLink multicast stays off (the lent machines' rule).
 # DEVICE=cpu with a small MODEL_ARGS runs the same pipeline on gloo (the test does that).

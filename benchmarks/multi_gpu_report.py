@@ -3,7 +3,8 @@
 Reads ``OUT/<mixer>-{single,ddp,fsdp}/metrics.jsonl`` (the trainer's log, one ``train`` event a step) and writes
 ``OUT/multi_gpu.json`` and ``OUT/multi_gpu.md``: per mixer and mode, the largest relative loss difference from
 the single run over the logged steps (bar ≤ 1e-2), the median tokens/s after the first steps (compilation and
-autotuning) and its ratio to the single run's (bar ≥ 1.8 on two GPUs), with the machine, torch, NCCL and commit.
+autotuning) and its ratio to the single run's (bar ≥ 1.8 on two GPUs), each run's precision (from its
+``final.json``: FSDP2 runs in bf16 name their MixedPrecisionPolicy), with the machine, torch, NCCL and commit.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def train_events(run: Path) -> dict[int, dict]:
             if event.get("event") == "train":
                 events[event["step"]] = event
     return events
+
+
+def precision(run: Path) -> str | None:
+    """The arithmetic the trainer ran ``run`` in (``final.json``'s ``precision``), or None when it did not say."""
+    final = run / "final.json"
+    return json.loads(final.read_text()).get("precision") if final.exists() else None
 
 
 def compare(single: dict[int, dict], other: dict[int, dict]) -> dict:
@@ -66,19 +73,20 @@ def report(out: Path, world_size: int) -> dict:
         for mode in MODES:
             run = out / f"{mixer}-{mode}"
             if (run / "metrics.jsonl").exists():
-                rows.append({"mixer": mixer, "mode": mode, **compare(single, train_events(run))})
+                row = {"mixer": mixer, "mode": mode, **compare(single, train_events(run))}
+                rows.append({**row, "precision": precision(run), "precision_single": precision(single_dir)})
     result = {"world_size": world_size, "machine": machine(), "rows": rows}
     (out / "multi_gpu.json").write_text(json.dumps(result, indent=2))
     lines = [
         f"world size {world_size}; {result['machine']}",
         "",
-        "| mixer | mode | steps | max rel. loss diff (≤ 1e-2) | tokens/s | × one process (≥ 1.8) |",
-        "|---|---|---|---|---|---|",
+        "| mixer | mode | steps | max rel. loss diff (≤ 1e-2) | tokens/s | × one process (≥ 1.8) | precision |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['mixer']} | {r['mode']} | {r['steps']} | {r['max_rel_loss_diff']:.2e} (step {r['worst_step']}) "
-            f"| {r['tokens_per_s']:,.0f} | {r['speedup']:.2f} |"
+            f"| {r['tokens_per_s']:,.0f} | {r['speedup']:.2f} | {r['precision'] or '?'} |"
         )
     (out / "multi_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -5,10 +5,11 @@ that a SIGKILL interrupts leaves it to ``remove_stale_temporaries``, which a run
 the mode the umask gives (as ``open`` would), not ``mkstemp``'s 0600. Checkpoints hold only tensors, numbers,
 strings and containers of them, so they load with ``torch.load(weights_only=True)``.
 
-Snapshots: files that must change together (the checkpoint and the Hugging Face model beside it) are written
-into a fresh folder ``<folder>/snapshot-<step>-<id>``; one ``os.replace`` of the symbolic link
-``<folder>/snapshot`` then switches all of them at once, and ``<folder>/<name>`` is a link to
-``snapshot/<name>``. A reader of the folder sees the old snapshot or the new one, never a mix.
+Snapshots: files that must change together (the checkpoint and the Hugging Face model beside it, and under FSDP2
+the folders of every rank's shards) are written into a fresh folder ``<folder>/snapshot-<step>-<id>``; one
+``os.replace`` of the symbolic link ``<folder>/snapshot`` then switches all of them at once, and
+``<folder>/<name>`` is a link to ``snapshot/<name>`` for each file at the snapshot's top. A reader of the folder
+sees the old snapshot or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from typing import IO, Any
 import torch
 
 # Bumped when the layout of a checkpoint changes; a checkpoint without the key predates it and is format 1.
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 1  # the model and optimizer tensors in the file
+SHARDED_FORMAT = 2  # FSDP2: the tensors in the snapshot's shard folders (attnkit.train.sharded), "sharded" says so
+READ_FORMATS = (CHECKPOINT_FORMAT, SHARDED_FORMAT)
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's archive
 
 
@@ -100,27 +103,40 @@ def _link_snapshot_files(folder: str, only_missing: bool, names: Iterable[str]) 
             _replace_link(os.path.join(SNAPSHOT, name), path)
 
 
-def write_snapshot(folder: str, tag: str, write: Callable[[str], None]) -> None:
-    """Let ``write(path)`` fill a new, empty folder ``path``, then make it ``folder``'s snapshot atomically.
+def _top_files(folder: str) -> list[str]:
+    """The plain files at the top of ``folder``: the names the run folder links to."""
+    return sorted(name for name in os.listdir(folder) if os.path.isfile(os.path.join(folder, name)))
 
-    Every file ``write`` leaves in ``path`` gets the umask's mode and is fsynced; ``folder/<name>`` becomes (or
-    stays) a link to ``folder/snapshot/<name>``, and the snapshot it replaces is removed. ``tag`` (e.g. the step)
-    names the folder.
+
+def _finish_files(folder: str) -> None:
+    """Give every file below ``folder`` the umask's mode and fsync it; fsync every folder below it too."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _dirs, names in os.walk(folder, topdown=False):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fchmod(f.fileno(), 0o666 & ~umask)  # some writers (safetensors) create their files 0600
+                os.fsync(f.fileno())
+        _fsync_folder(root)
+
+
+@contextlib.contextmanager
+def new_snapshot(folder: str, tag: str) -> Iterator[str]:
+    """A new, empty folder to fill in the block; when the block ends without an error, it becomes ``folder``'s
+    snapshot atomically (when not, it is removed).
+
+    Every file left in it (subfolders' too) gets the umask's mode and is fsynced; ``folder/<name>`` becomes (or
+    stays) a link to ``folder/snapshot/<name>`` for each plain file at its top (subfolders are reached through
+    ``snapshot/``), and the snapshot it replaces is removed. ``tag`` (e.g. the step) names the folder.
     """
     os.makedirs(folder, exist_ok=True)
     name = f"{SNAPSHOT}-{tag}-{secrets.token_hex(4)}"
     tmp = os.path.join(folder, f"{name}.tmp")
     os.mkdir(tmp)  # 0o777 & ~umask
     try:
-        write(tmp)
-        files = sorted(os.listdir(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        for file in files:
-            with open(os.path.join(tmp, file), "rb") as f:
-                os.fchmod(f.fileno(), 0o666 & ~umask)  # some writers (safetensors) create their files 0600
-                os.fsync(f.fileno())
-        _fsync_folder(tmp)
+        yield tmp
+        _finish_files(tmp)
+        files = _top_files(tmp)
         os.rename(tmp, os.path.join(folder, name))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -139,6 +155,13 @@ def write_snapshot(folder: str, tag: str, write: Callable[[str], None]) -> None:
         shutil.rmtree(os.path.join(folder, old), ignore_errors=True)
 
 
+def write_snapshot(folder: str, tag: str, write: Callable[[str], None]) -> None:
+    """Let ``write(path)`` fill a new, empty folder ``path``, then make it ``folder``'s snapshot atomically
+    (:func:`new_snapshot`)."""
+    with new_snapshot(folder, tag) as path:
+        write(path)
+
+
 def remove_stale_snapshots(folder: str) -> list[str]:
     """Remove the snapshot folders that are not ``folder``'s current snapshot (interrupted writes, or an old one a
     kill left behind), and the temporary links of interrupted switches; relink the current snapshot's files.
@@ -155,12 +178,14 @@ def remove_stale_snapshots(folder: str) -> list[str]:
     for p in stale:
         shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
     if current is not None and os.path.isdir(os.path.join(folder, current)):
-        _link_snapshot_files(folder, only_missing=False, names=sorted(os.listdir(os.path.join(folder, current))))
+        _link_snapshot_files(folder, only_missing=False, names=_top_files(os.path.join(folder, current)))
     return stale
 
 
 def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """A checkpoint written by the trainer: ``{"format", "model", "optimizer", "scheduler", "step", "rng", "config"}``.
+    """A checkpoint written by the trainer: ``{"format", "model", "optimizer", "scheduler", "step", "rng", "config"}``;
+    a sharded one (format 2, FSDP2) has ``"sharded": {"world_size": N}`` instead of ``"model"``, its optimizer only
+    the ``param_groups``, and its tensors in the shard folders beside it (``attnkit.train.sharded``).
 
     Raises ``CheckpointError`` (one line: the file, then "truncated or corrupt", "not an attnkit checkpoint" or
     "saved by an incompatible version") when the file cannot be read or its fields are not what the trainer
@@ -189,20 +214,22 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu") -> dict
 
 
 def _check_fields(path: str, ckpt: Any) -> None:
-    keys = ("model", "optimizer", "scheduler", "step", "rng", "config")
+    version = ckpt.get("format", 1) if isinstance(ckpt, dict) else None
+    tensors = "sharded" if version == SHARDED_FORMAT else "model"
+    keys = (tensors, "optimizer", "scheduler", "step", "rng", "config")
     missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
     if missing:
         raise CheckpointError(f"{path}: not an attnkit checkpoint (no {', '.join(map(repr, missing))})")
-    version = ckpt.get("format", 1)
-    if version != CHECKPOINT_FORMAT:
+    if version not in READ_FORMATS:
         raise CheckpointError(
-            f"{path}: saved by an incompatible version (format {version!r}; this attnkit reads {CHECKPOINT_FORMAT})"
+            f"{path}: saved by an incompatible version (format {version!r}; this attnkit reads "
+            f"{' and '.join(map(str, READ_FORMATS))})"
         )
 
     def invalid(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: truncated or corrupt (invalid field: {what})")
 
-    for k in ("model", "optimizer", "scheduler", "config", "rng"):
+    for k in (tensors, "optimizer", "scheduler", "config", "rng"):
         if not isinstance(ckpt[k], dict):
             raise invalid(f"{k} is a {type(ckpt[k]).__name__}, expected a dict")
     step, steps = ckpt["step"], ckpt["config"].get("steps")
@@ -213,3 +240,9 @@ def _check_fields(path: str, ckpt: Any) -> None:
     rng = ckpt["rng"].get("torch")
     if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.dim() == 1):
         raise invalid("rng['torch'] is not a generator state (a 1-d uint8 tensor)")
+    if version == SHARDED_FORMAT:
+        world = ckpt["sharded"].get("world_size")
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise invalid(f"sharded world_size = {world!r}, expected an integer >= 1")
+        if not isinstance(ckpt["optimizer"].get("param_groups"), list):
+            raise invalid("optimizer has no param_groups list")

@@ -3,7 +3,8 @@
 ``write_hf_model(path, config, state, tokenizer)`` writes ``config.json``, ``model.safetensors``,
 ``generation_config.json`` and the tokenizer's files, so that ``AutoModelForCausalLM.from_pretrained(path)`` and
 ``AutoTokenizer.from_pretrained(path)`` load them (after ``import attnkit``). The state dict is the one the
-checkpoint holds (gathered in full under FSDP), so the two always agree.
+checkpoint holds, so the two always agree; under FSDP2 ``model.safetensors`` is consolidated from the checkpoint's
+shards instead (``attnkit.train.sharded``) and ``write_hf_config`` writes the rest.
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ def write_hf_model(path: str, config: Any, state: dict[str, torch.Tensor], token
     """Write ``state`` (``AttnKitForCausalLM.state_dict()`` keys) and ``config`` (its ``AttnKitConfig``) into
     the folder ``path`` as ``save_pretrained`` would; ``tokenizer`` (a ``PreTrainedTokenizerFast``) beside them."""
     from safetensors.torch import save_file
-    from transformers import GenerationConfig
 
-    config = copy.deepcopy(config)
-    config.architectures = ["AttnKitForCausalLM"]
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # the embedding's, tied again on load
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    write_hf_config(path, config, tokenizer)
+
+
+def write_hf_config(path: str, config: Any, tokenizer: Any | None = None) -> None:
+    """``config.json``, ``generation_config.json`` and ``tokenizer``'s files of the model whose weights are (or will
+    be) in ``path/model.safetensors``."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(config)
+    config.architectures = ["AttnKitForCausalLM"]
     config.save_pretrained(path)
     generation = GenerationConfig.from_model_config(config)
     if tokenizer is not None:

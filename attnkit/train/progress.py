@@ -107,14 +107,14 @@ class RunProgress:
         else:
             print(text, file=self.stream, flush=True)
 
-    def header(self, task: Any, model: torch.nn.Module, device: torch.device, autocast: bool) -> None:
-        """One line: task, T, parameter count, device, backend and dtype; then the steps' bar starts."""
+    def header(self, task: Any, model: torch.nn.Module, device: torch.device, precision: str) -> None:
+        """One line: task, T, parameter count, device, backend and ``precision`` (e.g. "float32"); then the steps'
+        bar starts."""
         params = sum(p.numel() for p in model.parameters())
         where = f"{device.type} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
-        dtype = "bfloat16 autocast" if autocast else "float32"
         self._print(
             f"[{self.label}] task {task.name}, T={task.seq_len}, {params:,} parameters, {where}, "
-            f"backend {_backend(model, device)}, {dtype}; steps {self.start_step}->{self.end_step} of "
+            f"backend {_backend(model, device)}, {precision}; steps {self.start_step}->{self.end_step} of "
             f"{self.config.steps}"
         )
         if self.bars:

@@ -9,8 +9,6 @@ which DDP's gradient averaging divides back out), so N ranks compute the same gr
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import inspect
 import json
 import math
 import os
@@ -26,249 +24,22 @@ import torch.nn.functional as F
 from ..tasks import IGNORE_INDEX, get_task, make_generator
 from .checkpoint import (
     CHECKPOINT_FORMAT,
+    SHARDED_FORMAT,
+    SNAPSHOT,
     CheckpointError,
     load_checkpoint,
+    new_snapshot,
     remove_stale_snapshots,
     remove_stale_temporaries,
-    write_snapshot,
     write_text_atomic,
 )
+from .config import TrainConfig, resume_mismatches
 from .distributed import setup_distributed
-from .hf_folder import RUN_CONFIG_NAME, load_saved_model, saved_model_config, write_hf_model
+from .hf_folder import RUN_CONFIG_NAME, load_saved_model, saved_model_config, write_hf_config, write_hf_model
 from .progress import RunProgress, format_profile
+from .sharded import load_sharded, save_sharded
 
 CHECKPOINT_NAME = "checkpoint.pt"
-
-
-@dataclass
-class TrainConfig:
-    """Every knob of a run, with its default. ``attnkit train --help`` lists the same names."""
-
-    task: str = "flipflop"
-    task_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"seq_len": 128}
-    mixer: str | list[str] = "path"  # one name, or one per layer
-    hidden_size: int = 64
-    num_layers: int = 1
-    num_heads: int = 2
-    model_options: dict[str, Any] = field(default_factory=dict)  # extra AttnKitConfig keywords
-    steps: int = 1000
-    batch_size: int = 32  # global batch, split over ranks
-    grad_accum: int = 1  # micro-batches per optimizer step; the global batch stays batch_size
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_steps: int | None = None  # linear warmup; None: min(100, steps // 10)
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    grad_clip: float = 1.0  # 0: no clipping
-    seed: int = 0
-    device: str = "auto"  # "auto", "cpu" or "cuda"
-    bf16: bool = True  # bf16 autocast, on GPU only
-    distributed: str = "ddp"  # "ddp" or "fsdp" when launched by torchrun
-    init_from: str | None = None  # start from this saved attnkit model folder (a run folder, a from_llama save)
-    compile: bool = False  # torch.compile the model for the training steps
-    grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, same gradients)
-    eval_every: int = 0  # 0: evaluate at the end only
-    eval_batch_size: int = 64
-    log_every: int = 50
-    checkpoint_every: int = 0  # 0: checkpoint at the end only
-    out: str | None = None  # run folder: metrics.jsonl, final.json, checkpoint.pt and the Hugging Face model
-    resume: bool = False  # continue from <out>/checkpoint.pt (an error when there is none)
-    overwrite: bool = False  # move an earlier run in <out> aside to <out>.old-<time> and start afresh
-    stop_at: int = 0  # stop after this step (the schedule still spans `steps`); 0: run to `steps`
-    profile: bool = False  # time forward+backward against the rest of the step
-    quiet: bool = False  # no progress lines on stderr
-    tensorboard: bool = False  # also log to <out>/tensorboard (pip install 'attnkit[tensorboard]')
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps is None and isinstance(self.steps, int) and not isinstance(self.steps, bool):
-            self.warmup_steps = min(100, self.steps // 10)
-        _validate(self)
-
-
-# Every TrainConfig field is in exactly one of these (a test holds them to the dataclass). A resume may change
-# only RESUMABLE_FIELDS: how the run is watched, where and how fast it runs. RUN_FIELDS define the run: a
-# resume that changes one of them would silently train something else, so it is refused.
-RUN_FIELDS = frozenset(
-    {
-        "task",
-        "task_options",
-        "mixer",
-        "hidden_size",
-        "num_layers",
-        "num_heads",
-        "model_options",
-        "steps",
-        "batch_size",  # global, so the world size may change
-        "lr",
-        "weight_decay",
-        "warmup_steps",
-        "min_lr_ratio",
-        "grad_clip",
-        "seed",
-        "bf16",  # the precision of the run's arithmetic
-        "init_from",
-    }
-)
-RESUMABLE_FIELDS = frozenset(
-    {
-        "device",
-        "distributed",
-        "eval_every",
-        "eval_batch_size",
-        "log_every",
-        "checkpoint_every",
-        "out",
-        "resume",
-        "overwrite",
-        "stop_at",
-        "profile",
-        "quiet",
-        "grad_accum",  # the global batch, and so the gradient, stays the same
-        "compile",
-        "grad_checkpointing",  # recomputes the same activations
-        "tensorboard",
-    }
-)
-
-
-def resume_mismatches(saved: dict[str, Any], config: TrainConfig) -> list[str]:
-    """``"name: saved X, new Y"`` for every field of ``RUN_FIELDS`` where ``config`` differs from ``saved``.
-
-    A field that ``saved`` lacks (one added after the run started) counts as its default, the behaviour before it.
-    """
-    new = asdict(config)
-    default = {f.name: f.default for f in fields(TrainConfig)}
-    return [
-        f"{name}: saved {saved.get(name, default[name])!r}, new {new[name]!r}"
-        for name in sorted(RUN_FIELDS)
-        if saved.get(name, default[name]) != new[name]
-    ]
-
-
-def _int(name: str, value: Any, low: int, high: int | None = None, note: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: expected an integer {bound}{note}, got {value!r}")
-
-
-def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False, note: str = "") -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > high or value < low or (low_open and value == low):
-        bound = f"> {low}" if low_open else f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise ValueError(f"{name}: expected a finite number {bound}{note}, got {value!r}")
-
-
-def _choice(name: str, value: Any, choices: Any) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}: expected one of {sorted(choices)}, got {value!r}")
-
-
-# AttnKitConfig keywords that TrainConfig sets itself, and the field that does.
-_MODEL_FIELDS = {"vocab_size": "task", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers"}
-_MODEL_FIELDS.update(num_heads="num_heads", mixer="mixer")
-
-
-def _validate(c: TrainConfig) -> None:
-    """Raise ``ValueError`` naming the first field that is out of range, of the wrong type, or unknown to its
-    task or model; nothing is built but the model's config."""
-    from ..models.configuration import MIXERS, AttnKitConfig
-    from ..tasks import TASKS
-
-    _choice("task", c.task, TASKS)
-    if not isinstance(c.task_options, dict) or not all(isinstance(k, str) for k in c.task_options):
-        raise ValueError(f"task_options: expected a dict of keyword arguments, got {c.task_options!r}")
-    known = set(inspect.signature(TASKS[c.task]).parameters) - {"seed"}
-    unknown = sorted(set(c.task_options) - known)
-    if unknown:
-        note = " (the seed is the field seed)" if "seed" in unknown else ""
-        raise ValueError(f"task_options: {c.task!r} has no option {unknown[0]!r}{note}; known: {sorted(known)}")
-    _int("num_layers", c.num_layers, 1)
-    if isinstance(c.mixer, str):
-        _choice("mixer", c.mixer, MIXERS)
-    elif isinstance(c.mixer, (list, tuple)) and len(c.mixer) == c.num_layers:
-        for name in c.mixer:
-            _choice("mixer", name, MIXERS)
-    else:
-        raise ValueError(f"mixer: expected a mixer name or {c.num_layers} of them (one per layer), got {c.mixer!r}")
-    _int("hidden_size", c.hidden_size, 1)
-    _int("num_heads", c.num_heads, 1)
-    if not isinstance(c.model_options, dict) or not all(isinstance(k, str) for k in c.model_options):
-        raise ValueError(f"model_options: expected a dict of AttnKitConfig keywords, got {c.model_options!r}")
-    known = set(inspect.signature(AttnKitConfig).parameters) - {"kwargs"} - set(_MODEL_FIELDS)
-    for key in c.model_options:
-        if key in _MODEL_FIELDS:
-            raise ValueError(f"model_options: {key!r} is set by the field {_MODEL_FIELDS[key]}")
-        if key not in known:
-            raise ValueError(f"model_options: unknown AttnKitConfig keyword {key!r}; known: {sorted(known)}")
-    if c.init_from is not None:
-        _check_init_from(c)
-    else:
-        try:  # the model config's own checks; the vocabulary is the task's, unknown here
-            AttnKitConfig(
-                vocab_size=2**31 - 1,
-                hidden_size=c.hidden_size,
-                num_hidden_layers=c.num_layers,
-                num_heads=c.num_heads,
-                mixer=c.mixer,
-                **c.model_options,
-            )
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"model_options: {err}") from None
-    _int("steps", c.steps, 1)
-    _int("batch_size", c.batch_size, 1)
-    _int("grad_accum", c.grad_accum, 1)
-    if c.batch_size % c.grad_accum:
-        raise ValueError(f"grad_accum: {c.grad_accum} micro-batches do not divide batch_size={c.batch_size}")
-    _number("lr", c.lr, 0.0, low_open=True)
-    _number("weight_decay", c.weight_decay, 0.0)
-    _int("warmup_steps", c.warmup_steps, 0)
-    _number("min_lr_ratio", c.min_lr_ratio, 0.0, 1.0)
-    _number("grad_clip", c.grad_clip, 0.0, note=" (0: no clipping)")
-    _int("seed", c.seed, 0, 2**32 - 1)
-    _choice("device", c.device, ("auto", "cpu", "cuda"))
-    if c.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for, but torch sees no CUDA GPU; use 'cpu' or 'auto'")
-    _choice("distributed", c.distributed, ("ddp", "fsdp"))
-    _int("eval_every", c.eval_every, 0, note=" (0: at the end only)")
-    _int("eval_batch_size", c.eval_batch_size, 1)
-    _int("log_every", c.log_every, 1)
-    _int("checkpoint_every", c.checkpoint_every, 0, note=" (0: at the end only)")
-    _int("stop_at", c.stop_at, 0, c.steps, note=" (0: run to steps)")
-    for name in ("bf16", "resume", "overwrite", "profile", "quiet", "compile", "grad_checkpointing", "tensorboard"):
-        if not isinstance(getattr(c, name), bool):
-            raise ValueError(f"{name}: expected True or False, got {getattr(c, name)!r}")
-    if c.out is not None and (not isinstance(c.out, str) or not c.out):
-        raise ValueError(f"out: expected a folder path or None, got {c.out!r}")
-    if c.grad_checkpointing:
-        from ..models import AttnKitForCausalLM
-
-        if not AttnKitForCausalLM.supports_gradient_checkpointing:
-            raise ValueError("grad_checkpointing: this version of the attnkit model does not support it")
-    if c.tensorboard and c.out is None:
-        raise ValueError("tensorboard: needs a run folder (out) to write its event files into")
-    if c.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("tensorboard: the tensorboard package is missing: pip install 'attnkit[tensorboard]'")
-    if (c.resume or c.overwrite) and c.out is None:
-        raise ValueError(f"{'resume' if c.resume else 'overwrite'}: needs a run folder (out)")
-    if c.resume and c.overwrite:
-        raise ValueError("resume, overwrite: pass one of them, not both")
-
-
-def _check_init_from(c: TrainConfig) -> None:
-    """``init_from`` names a saved attnkit model whose shape is the one ``c`` asks for."""
-    if not isinstance(c.init_from, str) or not c.init_from:
-        raise ValueError(f"init_from: expected a saved model folder or None, got {c.init_from!r}")
-    if not os.path.isdir(c.init_from):
-        raise ValueError(f"init_from: {c.init_from} is not a folder (a save_pretrained or run folder)")
-    saved = saved_model_config(c.init_from)
-    for name, key in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"), ("num_heads", "num_heads")):
-        if getattr(c, name) != getattr(saved, key):
-            raise ValueError(f"{name}: {getattr(c, name)!r}, but the model at init_from has {getattr(saved, key)!r}")
-    if saved.layer_mixers != ([c.mixer] * c.num_layers if isinstance(c.mixer, str) else list(c.mixer)):
-        raise ValueError(f"mixer: {c.mixer!r}, but the model at init_from has {saved.mixer!r}")
-    try:
-        saved_model_config(c.init_from, **c.model_options)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"model_options: {err}") from None
 
 
 @dataclass
@@ -281,6 +52,7 @@ class TrainResult:
     profile: dict[str, float] | None
     model: torch.nn.Module | None = field(default=None, repr=False)
     validation_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # the validation split's, at the end
+    precision: str = "float32"  # the arithmetic: "float32", "bfloat16 autocast", and under FSDP2 its parameters
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
@@ -354,10 +126,17 @@ def batch_generator(seed: int, step: int) -> torch.Generator:
     return make_generator(seed * 1_000_003 + step)
 
 
-def build_model(config: TrainConfig, vocab_size: int, max_len: int) -> torch.nn.Module:
-    """The model ``config`` asks for: fresh (seeded by ``config.seed``) or loaded from ``config.init_from``."""
+def build_model(config: TrainConfig, vocab_size: int, max_len: int, resume_from: str | None = None) -> torch.nn.Module:
+    """The model ``config`` asks for: fresh (seeded by ``config.seed``) or loaded from ``config.init_from``.
+
+    ``resume_from`` (a resume: the folder of its checkpoint) builds the model of an ``init_from`` run from the
+    model config saved beside the checkpoint, whose weights replace these: a resume never reads ``init_from``,
+    which may be gone by then."""
     from ..models import AttnKitConfig, AttnKitForCausalLM
 
+    if config.init_from is not None and resume_from is not None:
+        torch.manual_seed(config.seed)
+        return AttnKitForCausalLM(saved_model_config(resume_from))
     if config.init_from is not None:
         model = load_saved_model(config.init_from, **config.model_options)
         if model.config.vocab_size < vocab_size:
@@ -378,15 +157,47 @@ def build_model(config: TrainConfig, vocab_size: int, max_len: int) -> torch.nn.
     return AttnKitForCausalLM(model_config)
 
 
-def _model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> tuple[dict, dict]:
-    if not fsdp:
-        return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def _checkpoint_folder(out: str) -> str:
+    """The folder of ``out``'s checkpoint, where its shards and model config lie: the snapshot (or the copy of it
+    that a copy following the links made), or ``out`` itself in the layout before snapshots."""
+    snapshot = os.path.join(out, SNAPSHOT)
+    return os.path.realpath(snapshot if os.path.isdir(snapshot) else out)
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def uses_bf16(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the run computes in bfloat16: ``config.bf16`` on a GPU (autocast, and under FSDP2 the parameters
+    its blocks gather too: :func:`shard_model`)."""
+    return config.bf16 and device.type == "cuda"
+
+
+def shard_model(model: torch.nn.Module, bf16: bool) -> None:
+    """FSDP2: every block of ``model``, then the rest, sharded over the ranks (``fully_shard``). With ``bf16`` the
+    blocks compute with bfloat16 copies of the parameters they gather and reduce their gradients in float32 (a
+    ``MixedPrecisionPolicy``); the sharded parameters, the optimizer state and the checkpoints stay float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def _nonfinite_parameter(model: torch.nn.Module, fsdp: bool) -> str | None:
+    """The name of the first parameter of ``model`` holding a NaN or inf, or None. Under FSDP2 every rank checks
+    its own shards and the ranks agree (collective); nothing is gathered."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.named_parameters())
+    local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for _, p in params]
+    bad = torch.stack([~torch.isfinite(t).all() for t in local]).to(torch.int32)
+    if fsdp:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    first = int(bad.argmax())
+    return params[first][0] if bad[first] else None
 
 
 def _load_model_state(model, optimizer, ckpt: dict, fsdp: bool) -> None:
+    """A checkpoint holding the full state (format 1) into ``model`` and ``optimizer``, sharded or not."""
     if not fsdp:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -465,30 +276,32 @@ def train(config: TrainConfig) -> TrainResult:
     Writes ``<out>/metrics.jsonl`` (one JSON object per log or eval event), ``<out>/final.json`` and, at every
     checkpoint and at the end, ``<out>/checkpoint.pt`` with the Hugging Face model beside it (``config.json``,
     ``model.safetensors``, ``generation_config.json``, the task's tokenizer and ``train_config.json``), all
-    switched in at once (see ``checkpoint.write_snapshot``), so ``AutoModelForCausalLM.from_pretrained(out)``
-    loads the run. Raises ``NonFiniteLossError`` naming the step when the loss or the gradient norm turns
-    NaN/inf; the checkpoint on disk then is the last good one.
+    switched in at once (see ``checkpoint.new_snapshot``), so ``AutoModelForCausalLM.from_pretrained(out)``
+    loads the run. Under FSDP2 every rank writes its shards of the model and optimizer into the snapshot
+    (``sharded``) and ``model.safetensors`` is consolidated from them; ``checkpoint.pt`` then holds the rest and
+    the world size. A resume loads either kind at any world size (the shards are resharded) and never reads
+    ``init_from``. Raises ``NonFiniteLossError`` naming the step when the loss or the gradient norm turns NaN/inf;
+    the checkpoint on disk then is the last good one. ``LaunchError`` (before anything is built) when torchrun's
+    ranks do not split the batch.
     """
     # --- set-up: processes, device, task, model, optimizer -------------------------------------------------
     owns_group = not dist.is_initialized()
-    info = setup_distributed(config.device, config.batch_size)
+    info = setup_distributed(config.device, config.batch_size, config.grad_accum)
     device, world, rank, local_batch = info.device, info.world_size, info.rank, info.local_batch
     ckpt = open_run_folder(config, info.is_main)
     ckpt_path = os.path.join(config.out, CHECKPOINT_NAME) if config.out else None
+    ckpt_folder = _checkpoint_folder(config.out) if ckpt is not None else None
     if info.enabled:
         dist.barrier()  # the folder is in its final state before any rank writes to it
     task = get_task(config.task, seed=config.seed, **config.task_options)
-    raw_model = build_model(config, task.vocab_size, task.seq_len).to(device)
+    raw_model = build_model(config, task.vocab_size, task.seq_len, ckpt_folder).to(device)
     if config.grad_checkpointing:
         raw_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fsdp = info.enabled and config.distributed == "fsdp"
+    bf16 = uses_bf16(config, device)
     model: torch.nn.Module = raw_model
     if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in raw_model.model.layers:
-            fully_shard(block)
-        fully_shard(raw_model)
+        shard_model(raw_model, bf16)
     elif info.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -502,7 +315,7 @@ def train(config: TrainConfig) -> TrainResult:
         betas=(0.9, 0.95),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and device.type == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
 
     out = config.out
     if out and info.is_main:
@@ -510,7 +323,10 @@ def train(config: TrainConfig) -> TrainResult:
     start_step = 0
     if ckpt is not None:
         try:
-            _load_model_state(raw_model, optimizer, ckpt, fsdp)
+            if ckpt.get("format") == SHARDED_FORMAT:  # at any world size: DCP reshards
+                load_sharded(raw_model, optimizer, ckpt_folder, ckpt["optimizer"]["param_groups"])
+            else:
+                _load_model_state(raw_model, optimizer, ckpt, fsdp)
             scheduler.load_state_dict(ckpt["scheduler"])
             torch.set_rng_state(ckpt["rng"]["torch"])
             if device.type == "cuda" and "cuda" in ckpt["rng"]:
@@ -570,30 +386,42 @@ def train(config: TrainConfig) -> TrainResult:
 
     def save(step: int) -> None:
         nonlocal last_good
-        # Never replace a good checkpoint with a bad state.
-        for name, p in raw_model.named_parameters():
-            if not torch.isfinite(p.detach().full_tensor() if hasattr(p, "full_tensor") else p).all():
-                raise NonFiniteLossError(
-                    f"step {step}: parameter {name} is not finite; kept the last good checkpoint "
-                    f"({'step ' + str(last_good) if last_good is not None else 'none written'}) at {ckpt_path}"
-                )
-        model_state, optim_state = _model_state(raw_model, optimizer, fsdp)
-        if info.is_main:
-            rng = {"torch": torch.get_rng_state()}
-            if device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state()
-            state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict()}
-            state.update(format=CHECKPOINT_FORMAT, step=step, rng=rng, config=asdict(config))
+        bad = _nonfinite_parameter(raw_model, fsdp)
+        if bad is not None:  # never replace a good checkpoint with a bad state
+            raise NonFiniteLossError(
+                f"step {step}: parameter {bad} is not finite; kept the last good checkpoint "
+                f"({'step ' + str(last_good) if last_good is not None else 'none written'}) at {ckpt_path}"
+            )
+        rng = {"torch": torch.get_rng_state()}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        state = {"scheduler": scheduler.state_dict(), "step": step, "rng": rng, "config": asdict(config)}
 
-            def write(folder: str) -> None:
-                with open(os.path.join(folder, CHECKPOINT_NAME), "wb") as f:
-                    torch.save(state, f)
+        def write_rest(folder: str) -> None:
+            with open(os.path.join(folder, CHECKPOINT_NAME), "wb") as f:
+                torch.save(state, f)
+            with open(os.path.join(folder, RUN_CONFIG_NAME), "w") as f:
+                json.dump(asdict(config), f, indent=2)
+
+        # The checkpoint and the Hugging Face model beside it change together, in one rename (new_snapshot).
+        if fsdp:  # every rank writes its shards into the snapshot folder rank 0 makes
+            with new_snapshot(out, f"{step:08d}") if info.is_main else contextlib.nullcontext() as folder:
+                shared = [folder]
+                dist.broadcast_object_list(shared, src=0)
+                groups = save_sharded(raw_model, optimizer, shared[0])  # model.safetensors included
+                if info.is_main:
+                    state.update(
+                        format=SHARDED_FORMAT, sharded={"world_size": world}, optimizer={"param_groups": groups}
+                    )
+                    write_rest(folder)
+                    write_hf_config(folder, raw_model.config, tokenizer)
+            dist.barrier()  # the new snapshot is in place when every rank goes on
+        elif info.is_main:
+            model_state = raw_model.state_dict()
+            state.update(format=CHECKPOINT_FORMAT, model=model_state, optimizer=optimizer.state_dict())
+            with new_snapshot(out, f"{step:08d}") as folder:
+                write_rest(folder)
                 write_hf_model(folder, raw_model.config, model_state, tokenizer)
-                with open(os.path.join(folder, RUN_CONFIG_NAME), "w") as f:
-                    json.dump(asdict(config), f, indent=2)
-
-            # the checkpoint and the Hugging Face model beside it change together, in one rename
-            write_snapshot(out, f"{step:08d}", write)
         last_good = step
 
     def sync() -> None:
@@ -603,7 +431,11 @@ def train(config: TrainConfig) -> TrainResult:
     # --- the loop ----------------------------------------------------------------------------------------------
     end = min(config.stop_at, config.steps) if config.stop_at else config.steps
     progress = RunProgress(config, start_step, end, enabled=info.is_main and not config.quiet)
-    progress.header(task, raw_model, device, autocast=config.bf16 and device.type == "cuda")
+    precision = "float32"
+    if bf16:
+        fsdp_note = ", FSDP2 bfloat16 parameters with float32 gradient reduction" if fsdp else ""
+        precision = "bfloat16 autocast" + fsdp_note
+    progress.header(task, raw_model, device, precision)
     timings = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "log_checkpoint": 0.0, "eval": 0.0}
     tokens_since, t_log = 0, time.perf_counter()
     t_start = time.perf_counter()
@@ -699,7 +531,9 @@ def train(config: TrainConfig) -> TrainResult:
         profile["data_log_checkpoint"] = (timings["data"] + timings["log_checkpoint"]) / max(step_time, 1e-9)
         if info.is_main:
             print(format_profile(profile, timings, steps_run), file=sys.stderr, flush=True)
-    result = TrainResult(done, loss_value, metrics, wall, tokens_per_s, profile, raw_model, validation_metrics)
+    result = TrainResult(
+        done, loss_value, metrics, wall, tokens_per_s, profile, raw_model, validation_metrics, precision
+    )
     if out and info.is_main:
         write_text_atomic(
             json.dumps({"config": asdict(config), **result.to_json()}, indent=2), os.path.join(out, "final.json")

@@ -23,6 +23,7 @@ def test_report_compares_with_the_single_run(tmp_path):
     write_run(tmp_path / "vla-single", [2.0] * steps, [1000.0] * steps)
     write_run(tmp_path / "vla-ddp", [2.0] * 6 + [2.01, 2.0], [10.0] * 5 + [1900.0] * 3)
     write_run(tmp_path / "vla-fsdp", [2.0] * steps, [1700.0] * steps)
+    (tmp_path / "vla-fsdp" / "final.json").write_text(json.dumps({"precision": "bfloat16 autocast, FSDP2 bf16"}))
     result = report.report(tmp_path, world_size=2)
     rows = {r["mode"]: r for r in result["rows"]}
     assert rows["ddp"]["max_rel_loss_diff"] == pytest.approx(0.005) and rows["ddp"]["worst_step"] == 7
@@ -30,6 +31,7 @@ def test_report_compares_with_the_single_run(tmp_path):
     assert rows["fsdp"]["max_rel_loss_diff"] == 0 and rows["fsdp"]["speedup"] == pytest.approx(1.7)
     assert json.loads((tmp_path / "multi_gpu.json").read_text())["world_size"] == 2
     assert "| vla | ddp | 8 |" in (tmp_path / "multi_gpu.md").read_text()
+    assert rows["fsdp"]["precision"] == "bfloat16 autocast, FSDP2 bf16" and rows["ddp"]["precision"] is None
 
 
 def test_report_needs_a_single_run(tmp_path, capsys):

@@ -226,7 +226,19 @@ BAD_CHECKPOINTS = {
     "step-float": (lambda good: _edited(good, step=1.5), "step = 1.5"),
     "step-past-end": (lambda good: _edited(good, step=99), "past the run's 3 steps"),
     "rng": (lambda good: _edited(good, rng={}), "rng"),
+    # a sharded (FSDP2) checkpoint: its world size recorded, its tensors in shard folders beside it
+    "sharded-world": (lambda good: _sharded(good, world_size=0), "sharded world_size = 0"),
+    "sharded-no-shards": (lambda good: _sharded(good, world_size=2), "shard folder sharded/ is missing"),
 }
+
+
+def _sharded(path, world_size: int):
+    ckpt = torch.load(path, weights_only=True)
+    ckpt.pop("model")
+    ckpt.update(
+        format=2, sharded={"world_size": world_size}, optimizer={"param_groups": ckpt["optimizer"]["param_groups"]}
+    )
+    return ckpt
 
 
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
@@ -247,6 +259,24 @@ def test_an_unreadable_checkpoint_gets_one_line_and_exit_1(tmp_path, capsys, goo
     assert len(err.splitlines()) == 1 and str(path) in err and expected in err, err
     assert "Traceback" not in err
     assert path.read_bytes() == before
+
+
+def test_train_under_torchrun_with_a_batch_the_ranks_do_not_divide(tmp_path):
+    """rank 0 of two as torchrun starts it (its variables set): the check comes before the process group is joined,
+    so this rank alone ends with exit 2 and one line, and nothing is written."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    out = tmp_path / "run"
+    argv = ["train", "--mixer", "rope", "--out", str(out), *TINY, "--batch-size", "3"]
+    done = subprocess.run(
+        [sys.executable, "-m", "attnkit", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 2, done.stderr
+    err = [line for line in done.stderr.splitlines() if line.strip()]
+    assert err == [
+        "attnkit train: batch_size: the global batch of 3 does not split evenly over 2 ranks; "
+        "choose a multiple of 2 or another number of ranks"
+    ]
+    assert not out.exists()
 
 
 def test_resume_with_a_changed_setting_gets_one_line_and_exit_2(tmp_path, capsys, good_run):

@@ -26,7 +26,7 @@ class Stream(io.StringIO):
 
 def _run(stream, enabled=True, start=0, end=10):
     progress = RunProgress(CONFIG, start, end, enabled=enabled, stream=stream)
-    progress.header(TASK, torch.nn.Linear(3, 4), torch.device("cpu"), autocast=False)
+    progress.header(TASK, torch.nn.Linear(3, 4), torch.device("cpu"), "float32")
     for done in range(start + 1, end + 1):
         progress.step(done, 0.5, 1e-3)
         if done % 5 == 0:
@@ -70,7 +70,7 @@ def test_the_eta_leaves_out_evaluations(monkeypatch):
     monkeypatch.setattr(progress_module.time, "perf_counter", lambda: clock.now)
     stream = Stream(tty=False)
     progress = RunProgress(CONFIG, 2, 10, stream=stream)
-    progress.header(TASK, torch.nn.Linear(3, 4), torch.device("cpu"), autocast=False)
+    progress.header(TASK, torch.nn.Linear(3, 4), torch.device("cpu"), "float32")
     with progress.evaluation(batches=1):
         clock.now = 100.0  # an evaluation of 100 s
     clock.now = 130.0  # 30 s of training for steps 3 and 4: 6 steps left take 90 s

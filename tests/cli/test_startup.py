@@ -52,13 +52,14 @@ def test_help_imports_no_torch_model_task_or_kernel_module():
     assert _heavy(modules) == []
 
 
-@pytest.mark.parametrize("command", ["demo", "table", "compare"])
-def test_command_help_imports_no_model_or_kernel_module(command):
+@pytest.mark.parametrize("command", ["demo", "table", "compare", "train"])
+def test_command_help_imports_no_torch_model_or_kernel_module(command):
+    """train's and compare's flags are TrainConfig's, read off attnkit.train.config, which imports no torch."""
     code, modules, stdout = _modules_after([command, "--help"])
     assert code == 0 and "--json" in stdout
-    # compare's defaults come from TrainConfig, whose module needs torch and the tasks
-    allowed = ("torch", "attnkit.tasks") if command == "compare" else ()
-    assert _heavy(modules, [n for n in HEAVY if n not in allowed]) == []
+    assert _heavy(modules) == []
+    if command in ("train", "compare"):
+        assert "--batch-size" in stdout and "attnkit.train.config" in modules and "attnkit.train.trainer" not in modules
 
 
 def test_import_attnkit_is_light_and_registers_with_transformers_on_its_import():

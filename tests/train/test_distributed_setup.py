@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from attnkit.train import TrainConfig, train
+from attnkit.cli import main
+from attnkit.train import LaunchError, TrainConfig, train
 from attnkit.train.distributed import local_batch_size, setup_distributed
 
 
@@ -78,3 +79,17 @@ def test_train_refuses_before_the_run_folder_or_the_model(monkeypatch, no_proces
     with pytest.raises(ValueError, match="^batch_size: the global batch of 8 does not split evenly over 3 ranks"):
         train(config)
     assert no_process_group == [] and not (tmp_path / "run").exists()
+
+
+def test_a_rank_batch_that_grad_accum_does_not_divide_is_refused(monkeypatch, no_process_group, tmp_path, capsys):
+    """8 rows over 4 ranks leave 2 a rank: 4 micro-batches do not divide them (the config alone cannot know)."""
+    assert local_batch_size(8, 2, grad_accum=4) == 4
+    with pytest.raises(LaunchError, match="^grad_accum: 4 micro-batches do not divide a rank's batch of 2"):
+        local_batch_size(8, 4, grad_accum=4)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--device", "cpu", "--batch-size", "8", "--grad-accum", "4", "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attnkit train: grad_accum: 4 micro-batches do not divide"), err
+    assert no_process_group == [] and not out.exists()

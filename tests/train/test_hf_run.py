@@ -4,6 +4,7 @@ conventions (gradient accumulation, compile, TensorBoard) keep the training it d
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import attnkit  # noqa: F401  (registers the attnkit model type)
+import attnkit.train.config as train_config
 import attnkit.train.trainer as trainer
 from attnkit.cli import main
 from attnkit.models import from_llama
@@ -52,6 +54,34 @@ def test_a_run_folder_is_a_hugging_face_model(tmp_path, capsys):
     assert load_checkpoint(str(tmp_path / "next" / "checkpoint.pt"))["config"]["init_from"] == run
     first = build_model(tiny(tmp_path, "unused", init_from=run), vocab_size=5, max_len=16)
     assert all(torch.equal(first.state_dict()[k], v) for k, v in loaded.state_dict().items())
+
+
+def _train_losses(folder) -> list[tuple[int, float]]:
+    events = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    return [(e["step"], e["loss"]) for e in events if e["event"] == "train"]
+
+
+def test_a_resume_never_reads_init_from(tmp_path, capsys):
+    """A run started from a saved model resumes from its own folder after that model is gone: the same losses and
+    weights as the uninterrupted run, through train() and through the command line (which reads the model's shape
+    from the run folder then)."""
+    train(tiny(tmp_path, "base", steps=2))
+    init = str(tmp_path / "base")
+    straight = train(tiny(tmp_path, "straight", init_from=init))
+    train(tiny(tmp_path, "run", init_from=init, stop_at=3))
+    cli = ["train", "--init-from", init, "--out", str(tmp_path / "cli"), *TINY_CLI]
+    assert main([*cli, "--stop-at", "1"]) == 0
+    os.rename(init, init + ".gone")
+
+    resumed = train(tiny(tmp_path, "run", init_from=init, resume=True))
+    assert _train_losses(tmp_path / "run") == _train_losses(tmp_path / "straight")
+    a, b = params(straight.model), params(resumed.model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main([*cli, "--resume"]) == 0, capsys.readouterr().err
+    assert [step for step, _ in _train_losses(tmp_path / "cli")] == [1, 2]
+    assert load_checkpoint(str(tmp_path / "cli" / "checkpoint.pt"))["config"]["init_from"] == init
+    with pytest.raises(ValueError, match="init_from: .* is not a folder"):  # a fresh run still needs it
+        tiny(tmp_path, "fresh", init_from=init)
 
 
 def test_checkpoint_every_step_keeps_one_snapshot(tmp_path):
@@ -166,8 +196,8 @@ def test_tensorboard_event_files(tmp_path, monkeypatch):
     assert {"train/loss", "train/lr", "eval/test/sparse/read_error", "eval/validation/validation/read_error"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
 
-    real = trainer.importlib.util.find_spec
-    monkeypatch.setattr(trainer.importlib.util, "find_spec", lambda n: None if n == "tensorboard" else real(n))
+    real = train_config.importlib.util.find_spec
+    monkeypatch.setattr(train_config.importlib.util, "find_spec", lambda n: None if n == "tensorboard" else real(n))
     with pytest.raises(ValueError, match=r"tensorboard: .*pip install 'attnkit\[tensorboard\]'"):
         tiny(tmp_path, "other", tensorboard=True)
 

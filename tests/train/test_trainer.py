@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import attnkit.train.trainer as trainer
 from attnkit.train import NonFiniteLossError, RunFolderError, TrainConfig, load_checkpoint, lr_at, train
 from attnkit.train.checkpoint import write_text_atomic
-from attnkit.train.trainer import RESUMABLE_FIELDS, RUN_FIELDS
+from attnkit.train.config import RESUMABLE_FIELDS, RUN_FIELDS
 from tests.helpers import leave_process_group
 
 
