@@ -72,11 +72,12 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90a, bf16, theta 0.5")
     for D in args.head_dims:
         dims = (D // 2, D // 2, D)
-        base = dict(HQ=8, H=8, DA=D // 2, DP=D // 2, V=D, BDA=D // 2, BDP=D // 2, BV=D, IS_VARLEN=False)
-        base.update(PRECISION="tf32", TRIG_ASM=False, ALPHA_ZERO=False)
+        base = dict(HQ=8, H=8, DA=D // 2, DP=D // 2, V=D, BDA=D // 2, BDP=D // 2, BV=D, IS_VARLEN=False, LOG_N=1)
+        base.update(PRECISION="tf32", TRIG_ASM=False, ALPHA_ZERO=False, LINEAR=False, SERIES=0)
+        seq = {"cu_seqlens": "*i32", "offsets": "*i32", "N": "i32", "T": "i32", "NT": "i32", "series_gap": "i32"}
         BM, BN, warps, stages = fwd_config(dims)
-        sig = dict.fromkeys(["q", "k", "v", "o"], "*bf16") | {"lse": "*fp32", "cu_seqlens": "*i32"}
-        sig |= {"T": "i32", "NT": "i32", "scale_log2": "fp32", "alpha": "fp32", "log2_scale": "fp32"}
+        sig = dict.fromkeys(["q", "k", "v", "o"], "*bf16") | {"lse": "*fp32"} | seq
+        sig |= {"scale_log2": "fp32", "alpha": "fp32", "log2_scale": "fp32"}
         report = compile_report(tapa_fwd_kernel, sig, base | dict(BM=BM, BN=BN), warps, stages)
         per_logit = [round(n / (BM * BN / (32 * warps)), 1) for n in report["loops"]]
         print(f"D={D} forward  {BM}x{BN} {warps}w: {report} -> instructions per logit {per_logit}")
@@ -84,7 +85,7 @@ def main() -> None:
         cfg = bwd_config(dims)
         BM, BN, warps, stages = cfg["dkdv"]
         sig = dict.fromkeys(["q", "k", "v", "do"], "*bf16") | {"lse": "*fp32", "delta": "*fp32", "dq": "*fp32"}
-        sig |= dict.fromkeys(["dk", "dv"], "*bf16") | {"cu_seqlens": "*i32", "T": "i32", "NT": "i32"}
+        sig |= dict.fromkeys(["dk", "dv"], "*bf16") | seq
         sig |= dict.fromkeys(["scale_log2", "scale_amp", "alpha", "log2_scale"], "fp32")
         consts = base | dict(BM=BM, BN=BN, ATOMIC_DQ=cfg["atomic_dq"])
         report = compile_report(tapa_bwd_dkdv_kernel, sig, consts, warps, stages)

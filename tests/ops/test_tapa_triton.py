@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from attnkit.ops.common.validation import data_checked
 from attnkit.ops.tapa import tapa_attention
 from attnkit.ops.tapa.parallel import tapa_bwd_op, tapa_fwd_op
 from attnkit.ops.tapa.triton.backward import tapa_bwd_fn
@@ -85,6 +86,28 @@ def test_varlen_matches_torch_backend(offsets):
     cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
     kwargs = dict(alpha=0.5, cu_seqlens=cu_seqlens)
     check(outputs(q, k, v, do, "triton", **kwargs), outputs(q, k, v, do, "torch", **kwargs), torch.float32)
+
+
+def test_packed_sequences_read_nothing_on_the_host(monkeypatch):
+    """The kernels find their sequence on the device (``triton_seq.launch_grid``): a packed forward and backward
+    never read ``cu_seqlens`` back (a synchronisation on CUDA; it was one per launch), nor does the op when its
+    caller checked them and ``T`` bounds the distances for ``alpha``."""
+    q, k, v, do = make(1, 60, 4, 2, 32, 16, torch.float32)
+    cu = torch.tensor([0, 7, 7, 60], dtype=torch.int32, device=DEVICE)
+    expected = outputs(q, k, v, do, "torch", alpha=0.5, cu_seqlens=cu)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read of a device tensor")
+
+    for name in ("item", "tolist", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    o, lse = tapa_fwd_fn(q, k, v, 16, 0.5, cu)
+    grads = tapa_bwd_fn(q, k, v, o, lse, do, 16, 0.5, cu)
+    with data_checked():  # as a layer calls the op, having checked cu_seqlens itself
+        public = outputs(q, k, v, do, "triton", alpha=0.5, cu_seqlens=cu)
+    monkeypatch.undo()
+    check((o, *grads), expected, torch.float32)
+    check(public, expected, torch.float32)
 
 
 # (BM, BN, num_warps, num_stages) of the GPU: several key blocks per query block cross the diagonal, and the

@@ -16,6 +16,28 @@ __all__ = ["tapa_attention", "tapa_decode_step"]
 MAX_HEAD_DIM = 256
 
 
+def _checked_alpha(
+    alpha: object, T: int, cu_seqlens: torch.Tensor | None, bounds: list[tuple[int, int]] | None
+) -> float:
+    """``alpha`` checked against the longest sequence's largest distance (:func:`check_alpha`). ``T`` bounds it, so
+    packed offsets are read from the device only when that bound fails the check and ``bounds`` are not known. A
+    longest sequence of at most two tokens has distances 0 and 1 only, whose powers (0 and 1) do not depend on
+    alpha: 1 computes the same function and keeps the kernels' padding rows finite (64^alpha overflows float32 from
+    alpha = 22 on); with the bound ``T`` instead, ``(T − 1)^alpha <= 2^16`` keeps them finite too."""
+    if bounds is not None and cu_seqlens is not None:
+        longest = max(eos - bos for bos, eos in bounds)
+    else:
+        longest = T
+    try:
+        checked = check_alpha(alpha, longest - 1)
+    except ValueError:
+        if cu_seqlens is None or bounds is not None:
+            raise
+        longest = max(eos - bos for bos, eos in segment_bounds(cu_seqlens, T))
+        checked = check_alpha(alpha, longest - 1)
+    return 1.0 if longest <= 2 else checked
+
+
 def tapa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,18 +88,14 @@ def tapa_attention(
     B, T, _, D = q.shape
     theta = check_theta(theta, D)
     phase = check_phase(phase)
-    amp_dim, phase_dim = tapa_split(theta, D)
+    amp_dim, _ = tapa_split(theta, D)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    bounds = segment_bounds(cu_seqlens, T)
-    longest = T if cu_seqlens is None else max(eos - bos for bos, eos in bounds)
-    alpha = check_alpha(alpha, longest - 1)
-    if longest <= 2:
-        # Distances 0 and 1 only, whose powers (0 and 1) do not depend on alpha: 1 computes the same function and
-        # keeps the kernels' padding rows finite (64^alpha overflows float32 from alpha = 22 on).
-        alpha = 1.0
     dims = dict(head_dims=(D, v.shape[-1]), max_head_dim=MAX_HEAD_DIM)
     use = resolve_backend(backend, "tapa_attention", q.device, has_triton=True, dtype=q.dtype, **dims)
+    # The PyTorch backend walks the sequences on the host; the kernels find them on the device.
+    bounds = None if use == "triton" else segment_bounds(cu_seqlens, T)
+    alpha = _checked_alpha(alpha, T, cu_seqlens, bounds)
     if B == 0 or T == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
         return v.new_zeros(B, T, q.shape[2], v.shape[-1]) + (q.sum() + k.sum() + v.sum()).to(v.dtype)
     if use == "triton":

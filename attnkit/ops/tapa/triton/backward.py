@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
+from attnkit.ops.common.triton_seq import launch_grid, program_block
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 from attnkit.ops.tapa.triton.common import (
     NEVER,
@@ -136,22 +136,21 @@ def _dkdv_block(
 
 @triton.jit
 def tapa_bwd_dkdv_kernel(
-    q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale, series_gap,
+    q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, offsets, N, T, NT, scale_log2, scale_amp, alpha, log2_scale,
+    series_gap,
     HQ: tl.constexpr, H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
-    BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr,
     ALPHA_ZERO: tl.constexpr, LINEAR: tl.constexpr, SERIES: tl.constexpr,
 ):  # fmt: skip
     """dK, dV (and with ``ATOMIC_DQ`` dQ, float32) of one key block of one key/value head.
 
-    Grid ``(key blocks of the longest sequence, N * H)``; ``BN`` is a multiple of ``BM``.
+    Grid ``triton_seq.launch_grid`` over key blocks of ``BN`` and the ``H`` heads; ``BN`` is a multiple of ``BM``.
     """
-    i_nb = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
+    i_b, i_h, bos, L, i_nb = program_block(cu_seqlens, offsets, N, T, H, LOG_N, IS_VARLEN)
+    bos += i_b * T
     G = HQ // H
     D = DA + DP
-    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     start_n = i_nb * BN
     if start_n >= L:
         return
@@ -258,19 +257,17 @@ def _dq_block(
 
 @triton.jit
 def tapa_bwd_dq_kernel(
-    q, k, v, do, lse, delta, dq, cu_seqlens, T, NT, scale_log2, scale_amp, alpha, log2_scale, series_gap,
+    q, k, v, do, lse, delta, dq, cu_seqlens, offsets, N, T, NT, scale_log2, scale_amp, alpha, log2_scale, series_gap,
     HQ: tl.constexpr, H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
-    BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOG_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr, ALPHA_ZERO: tl.constexpr,
     LINEAR: tl.constexpr, SERIES: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query block of one query head; grid ``(query blocks of the longest sequence, N * HQ)``."""
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    """dQ of one query block of one query head; grid ``triton_seq.launch_grid`` over query blocks of ``BM``."""
+    i_b, i_hq, bos, L, i_m = program_block(cu_seqlens, offsets, N, T, HQ, LOG_N, IS_VARLEN)
+    bos += i_b * T
     i_h = i_hq // (HQ // H)
     D = DA + DP
-    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     start_m = i_m * BM
     if start_m >= L:
         return
@@ -361,7 +358,6 @@ def tapa_bwd_fn(
     B, T, HQ, D = q.shape
     H, V = k.shape[2], v.shape[-1]
     DA, DP = amp_dim, D - amp_dim
-    N, longest = seq_layout(cu_seqlens, B, T)
     dims = (block_dim(DA), block_dim(DP), block_dim(V))
     config = config or bwd_config(dims)
     series_order = SERIES_ORDER if series_order is None else series_order
@@ -394,11 +390,12 @@ def tapa_bwd_fn(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     BM, BN, num_warps, num_stages = config["dkdv"]
-    if longest > 0:
-        tapa_bwd_dkdv_kernel[(triton.cdiv(longest, BN), N * H)](
-            q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, T, B * T, *scales, gap_dkdv,
-            BM=BM, BN=BN, IS_VARLEN=is_varlen, ATOMIC_DQ=atomic_dq, SERIES=series_order if gap_dkdv < NEVER else 0,
-            num_warps=num_warps, num_stages=num_stages, **common,
+    grid, offsets, N, log_n = launch_grid(cu_seqlens, B, T, H, BN)
+    if grid[0] * grid[1] > 0:
+        tapa_bwd_dkdv_kernel[grid](
+            q, k, v, do, lse, delta, dq, dk, dv, cu_seqlens, offsets, N, T, B * T, *scales, gap_dkdv,
+            BM=BM, BN=BN, LOG_N=log_n, IS_VARLEN=is_varlen, ATOMIC_DQ=atomic_dq,
+            SERIES=series_order if gap_dkdv < NEVER else 0, num_warps=num_warps, num_stages=num_stages, **common,
         )  # fmt: skip
     if atomic_dq:
         # The atomics added the unscaled products: the channel groups' factors are applied here, once.
@@ -406,10 +403,11 @@ def tapa_bwd_fn(
         dq[..., DA:] *= -TWO_PI * scales[1]
         return dq.to(q.dtype), dk, dv
     BM, BN, num_warps, num_stages = config["dq"]
-    if longest > 0:
-        tapa_bwd_dq_kernel[(triton.cdiv(longest, BM), N * HQ)](
-            q, k, v, do, lse, delta, dq, cu_seqlens, T, B * T, *scales, gap_dq,
-            BM=BM, BN=BN, IS_VARLEN=is_varlen, SERIES=series_order if gap_dq < NEVER else 0,
+    grid, offsets, N, log_n = launch_grid(cu_seqlens, B, T, HQ, BM)
+    if grid[0] * grid[1] > 0:
+        tapa_bwd_dq_kernel[grid](
+            q, k, v, do, lse, delta, dq, cu_seqlens, offsets, N, T, B * T, *scales, gap_dq,
+            BM=BM, BN=BN, LOG_N=log_n, IS_VARLEN=is_varlen, SERIES=series_order if gap_dq < NEVER else 0,
             num_warps=num_warps, num_stages=num_stages, **common,
         )  # fmt: skip
     return dq, dk, dv

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds, seq_layout
+from attnkit.ops.common.triton_seq import launch_grid, program_block
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 from attnkit.ops.tapa.triton.common import (
     NEVER,
@@ -74,22 +74,20 @@ def _fwd_block(
 
 @triton.jit
 def tapa_fwd_kernel(
-    q, k, v, o, lse, cu_seqlens, T, NT, scale_log2, alpha, log2_scale, series_gap,
+    q, k, v, o, lse, cu_seqlens, offsets, N, T, NT, scale_log2, alpha, log2_scale, series_gap,
     HQ: tl.constexpr, H: tl.constexpr, DA: tl.constexpr, DP: tl.constexpr, V: tl.constexpr,
     BDA: tl.constexpr, BDP: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr, ALPHA_ZERO: tl.constexpr,
-    LINEAR: tl.constexpr, SERIES: tl.constexpr,
+    LOG_N: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, TRIG_ASM: tl.constexpr,
+    ALPHA_ZERO: tl.constexpr, LINEAR: tl.constexpr, SERIES: tl.constexpr,
 ):  # fmt: skip
     """``q [*, HQ, DA+DP]``, ``k [*, H, DA+DP]``, ``v [*, H, V]``, ``o [*, HQ, V]`` with ``*`` the ``NT`` packed
-    tokens; ``lse [HQ, NT]`` float32 in base 2. Grid: ``(query blocks of the longest sequence, N * HQ)``.
+    tokens; ``lse [HQ, NT]`` float32 in base 2. Grid: ``triton_seq.launch_grid`` over query blocks of ``BM``.
     ``LINEAR``: the linear phase ``Σ q_P − Σ k_P`` instead of ``q_P·k_P``. ``SERIES > 0``: the key blocks at
     ``m − n >= series_gap`` take the distance factor from the series of that order."""
-    # The last query blocks see the most keys: launch them first so the tail of the grid is short work.
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n, i_hq = i_nh // HQ, i_nh % HQ
+    # The last query blocks see the most keys: the launch runs them first so the tail of the grid is short work.
+    i_b, i_hq, bos, L, i_m = program_block(cu_seqlens, offsets, N, T, HQ, LOG_N, IS_VARLEN)
     i_h = i_hq // (HQ // H)
-    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    bos += i_b * T
     start_m = i_m * BM
     if start_m >= L:
         return
@@ -179,7 +177,6 @@ def tapa_fwd_fn(
     B, T, HQ, D = q.shape
     H, V = k.shape[2], v.shape[-1]
     DA, DP = amp_dim, D - amp_dim
-    N, longest = seq_layout(cu_seqlens, B, T)
     dims = (block_dim(DA), block_dim(DP), block_dim(V))
     BM, BN, num_warps, num_stages = config or fwd_config(dims)
     series_order = SERIES_ORDER if series_order is None else series_order
@@ -187,11 +184,11 @@ def tapa_fwd_fn(
     alpha, log2_scale, alpha_zero = power_args(alpha, DP, phase)
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
     lse = torch.empty(HQ, B * T, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(longest, BM), N * HQ)
-    if grid[0] > 0:
+    grid, offsets, N, log_n = launch_grid(cu_seqlens, B, T, HQ, BM)
+    if grid[0] * grid[1] > 0:
         tapa_fwd_kernel[grid](
-            q, k, v, o, lse, cu_seqlens, T, B * T, DA**-0.5 * LOG2E, alpha, log2_scale, gap,
-            HQ=HQ, H=H, DA=DA, DP=DP, V=V, BDA=dims[0], BDP=dims[1], BV=dims[2], BM=BM, BN=BN,
+            q, k, v, o, lse, cu_seqlens, offsets, N, T, B * T, DA**-0.5 * LOG2E, alpha, log2_scale, gap,
+            HQ=HQ, H=H, DA=DA, DP=DP, V=V, BDA=dims[0], BDP=dims[1], BV=dims[2], BM=BM, BN=BN, LOG_N=log_n,
             IS_VARLEN=cu_seqlens is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             TRIG_ASM=trig_asm and not interpreting(), ALPHA_ZERO=alpha_zero, LINEAR=phase == "linear",
             SERIES=series_order if gap < NEVER else 0, num_warps=num_warps, num_stages=num_stages,
