@@ -73,6 +73,17 @@ def test_matches_torch_backend(case):
     check(grads_of(vla("triton", lam0=lam0), inputs, state), grads_of(vla("torch", lam0=lam0), inputs, state), 1e-4)
 
 
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_unnormalized_write_matches_torch_backend(with_state):
+    """``normalize_write=False`` through the kernels (the gates' forward stores ``a``, the backward skips the
+    projection) against the PyTorch backend: outputs, final states, every gradient."""
+    B, T, H, K, V = 2, 45, 2, 16, 16
+    inputs = [x.float().to(DEVICE) for x in make_inputs(B, T, H, K, V)]
+    state = [s.float().to(DEVICE) for s in make_state(B, H, K, V, 0.1)] if with_state else None
+    kwargs = dict(normalize_write=False)
+    check(grads_of(vla("triton", **kwargs), inputs, state), grads_of(vla("torch", **kwargs), inputs, state), 1e-4)
+
+
 @pytest.mark.parametrize("offsets", [[0, 5, 37, 60], [0, 0, 20, 20, 60]], ids=["ragged", "empty"])
 def test_varlen_matches_torch_backend(offsets):
     inputs = [x.float().to(DEVICE) for x in make_inputs(1, offsets[-1], 2, 16, 16)]

@@ -31,13 +31,14 @@ def vla_attention(
     lam0: float = 0.1,
     eps: float = 1e-4,
     normalize_output: bool = True,
+    normalize_write: bool = True,
     initial_state: VLAState | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, VLAState | None]:
-    """Variational linear attention: a delta-rule memory written along ``α̂_t ∝ A_t k̂_t``, where
-    ``A_t = (lam0·I + Σ_{s<=t} u_s u_sᵀ)⁻¹``.
+    """Variational linear attention: a delta-rule memory written along ``α̂_t = a_t / ‖a_t‖``, ``a_t = A_t k̂_t``,
+    where ``A_t = (lam0·I + Σ_{s<=t} u_s u_sᵀ)⁻¹``.
 
     Args:
         q, k: ``[B, T, H, K]``, already feature-mapped (layers use ``elu + 1``); k is unit-normalised inside.
@@ -46,6 +47,9 @@ def vla_attention(
         lam0: ridge of the penalty at the start of every sequence, ``> 0``.
         eps: floor of the normaliser ``n_tᵀ q_t``, ``> 0``.
         normalize_output: divide ``S_t q_t`` by ``max(n_tᵀ q_t, eps)`` with ``n_t = Σ_{s<=t} k_s``.
+        normalize_write: write along the unit ``α̂_t`` (the paper's VLA); false is the paper's ablation that
+            writes along ``a_t = A_t k̂_t`` itself, ``S_t = S_{t-1} + (v_t − S_{t-1} k̂_t) a_tᵀ``, whose state then
+            grows (like ``d_h / lam0``, by the paper): ``‖a_t‖ ≤ ‖A_t‖ ≤ 1 / lam0``.
         initial_state: ``(S [N, H, V, K], A [N, H, K, K], n [N, H, K])`` in float32 or float64, ``A``
             symmetric positive definite; ``None`` starts from ``(0, I / lam0, 0)``.
         output_final_state: return the state after the last token of every sequence.
@@ -84,7 +88,7 @@ def vla_attention(
         )
 
     def dense(q, k, v, u, state):
-        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, **kernels)
+        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, normalize_write=normalize_write, **kernels)
 
     if cu_seqlens is None:
         o, state = dense(q, k, v, u, initial_state)

@@ -27,17 +27,18 @@ def _precision() -> str:
 
 @torch.library.custom_op("attnkit::vla_gates_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def vla_gates_fwd_op(
-    k_hat: torch.Tensor, u: torch.Tensor, lam: torch.Tensor
+    k_hat: torch.Tensor, u: torch.Tensor, lam: torch.Tensor, normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``k_hat, u [B, H, NC·C, K]`` float32, ``lam [B, H, NC, K, K]`` (each chunk's penalty ``Λ_c``) ->
-    ``(alpha, A0, R, ‖a‖)``: the write directions and what the backward reuses."""
+    ``(alpha, A0, R, ‖a‖)``: the write directions (unit, or ``a = A k̂`` itself without ``normalize``) and what
+    the backward reuses."""
     chunk = k_hat.shape[2] // lam.shape[2]
     k_hat, u, lam = (x.contiguous() for x in (k_hat, u, lam))
-    return vla_gates_fwd_fn(k_hat, u, lam, chunk, _precision())
+    return vla_gates_fwd_fn(k_hat, u, lam, chunk, _precision(), normalize=normalize)
 
 
 @vla_gates_fwd_op.register_fake
-def _(k_hat, u, lam):
+def _(k_hat, u, lam, normalize=True):
     B, H, T, K = k_hat.shape
     f32 = dict(dtype=torch.float32)
     return (
@@ -56,33 +57,35 @@ def vla_gates_bwd_op(
     r: torch.Tensor,
     anorm: torch.Tensor,
     dalpha: torch.Tensor,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dk_hat, du, dlam)``: ``du`` holds the paths within each chunk; ``dlam`` carries the rest."""
     chunk = u.shape[2] // a0.shape[2]
     u, dalpha = u.contiguous(), dalpha.contiguous()
-    return vla_gates_bwd_fn(u, alpha, a0, r, anorm, dalpha, chunk, _precision())
+    return vla_gates_bwd_fn(u, alpha, a0, r, anorm, dalpha, chunk, _precision(), normalize=normalize)
 
 
 @vla_gates_bwd_op.register_fake
-def _(u, alpha, a0, r, anorm, dalpha):
+def _(u, alpha, a0, r, anorm, dalpha, normalize=True):
     return alpha.new_empty(alpha.shape), alpha.new_empty(alpha.shape), a0.new_empty(a0.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    _, u, _ = inputs
+    _, u, _, *rest = inputs
+    ctx.normalize = bool(rest[0]) if rest else True
     alpha, a0, r, anorm = output
     ctx.mark_non_differentiable(a0, r, anorm)
     ctx.set_materialize_grads(False)  # no zero fills for the saved tensors' gradients
     ctx.save_for_backward(u, alpha, a0, r, anorm)
-    ctx.dtypes = tuple(x.dtype for x in inputs)
+    ctx.dtypes = tuple(x.dtype for x in inputs[:3])
 
 
 def _backward(ctx, dalpha, *_):
     if dalpha is None:
-        return None, None, None
+        return None, None, None, None
     u, alpha, a0, r, anorm = ctx.saved_tensors
-    grads = vla_gates_bwd_op(u, alpha, a0, r, anorm, dalpha)
-    return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+    grads = vla_gates_bwd_op(u, alpha, a0, r, anorm, dalpha, ctx.normalize)
+    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None)
 
 
 vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -90,7 +93,12 @@ vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 @autocast_off
 def vla_gates_triton(
-    k_hat: torch.Tensor, u: torch.Tensor, lam0: float, A_init: torch.Tensor | None, chunk_size: int
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    lam0: float,
+    A_init: torch.Tensor | None,
+    chunk_size: int,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attnkit.ops.vla.torch_impl.vla_chunk_gates` through the kernels (same arguments and results).
 
@@ -108,7 +116,7 @@ def vla_gates_triton(
         lam_init = torch.eye(K, dtype=u.dtype, device=u.device) * lam0
     else:
         lam_init = torch.linalg.inv(0.5 * (A_init + A_init.transpose(-1, -2)).double()).to(u.dtype)
-    alpha, *_ = vla_gates_fwd_op(k_hat, u, lam_init.unsqueeze(-3) + (through - gram))
+    alpha, *_ = vla_gates_fwd_op(k_hat, u, lam_init.unsqueeze(-3) + (through - gram), normalize_write)
     lam_end = (lam_init + through[:, :, -1]).double()
     A_end = torch.linalg.inv(0.5 * (lam_end + lam_end.transpose(-1, -2))).to(u.dtype)
     return alpha, A_end
@@ -204,13 +212,14 @@ def vla_decode_op(
     n: torch.Tensor,
     eps: float,
     normalize_output: bool,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoding step on validated inputs (see :func:`attnkit.ops.vla.vla_decode_step`); float32 states.
     Inference only: no autograd formula is registered (the PyTorch step has one)."""
-    return vla_decode_fn(q, k, v, u, S, A, n, eps, normalize_output)
+    return vla_decode_fn(q, k, v, u, S, A, n, eps, normalize_output, normalize_write)
 
 
 @vla_decode_op.register_fake
-def _(q, k, v, u, S, A, n, eps, normalize_output):
+def _(q, k, v, u, S, A, n, eps, normalize_output, normalize_write=True):
     B, _, H, _ = k.shape
     return v.new_empty(B, 1, H, v.shape[-1]), S.new_empty(S.shape), A.new_empty(A.shape), n.new_empty(n.shape)

@@ -21,9 +21,15 @@ CHUNK_SIZE = 64
 
 @autocast_off
 def vla_chunk_gates(
-    k_hat: torch.Tensor, u: torch.Tensor, lam0: float, A_init: torch.Tensor | None, chunk_size: int
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    lam0: float,
+    A_init: torch.Tensor | None,
+    chunk_size: int,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The write directions ``α̂_t = A_t k̂_t / ‖A_t k̂_t‖`` of a whole sequence, chunk-parallel.
+    """The write directions ``α̂_t = A_t k̂_t / ‖A_t k̂_t‖`` of a whole sequence, chunk-parallel (``a_t = A_t k̂_t``
+    unnormalised when ``normalize_write`` is false).
 
     Args:
         k_hat, u: ``[B, H, NC * C, K]``, padded to whole chunks (padding rows of ``u`` must be zero and
@@ -64,7 +70,7 @@ def vla_chunk_gates(
     L = torch.linalg.cholesky(eye_c + M @ U.transpose(-1, -2))
     R = torch.linalg.solve_triangular(L, M, upper=False)
     a = KH @ A0 - (KH @ R.transpose(-1, -2)).tril() @ R
-    alpha = a / a.norm(dim=-1, keepdim=True)
+    alpha = a / a.norm(dim=-1, keepdim=True) if normalize_write else a
     return alpha.reshape(B, H, TP, K), A_all[:, :, NC]
 
 
@@ -81,6 +87,7 @@ def vla_chunk(
     delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] = vla_chunk_gates,
     normalize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Dense VLA (inputs trusted, see ``vla_attention``).
 
@@ -89,8 +96,8 @@ def vla_chunk(
         initial_state: ``(S [B, H, V, K], A [B, H, K, K], n [B, H, K])`` or ``None``.
         delta_rule: ``(q, k̂, v, α̂, S0) -> (o, S_T)`` on ``[B, H, T, ·]`` tensors; the PyTorch
             :func:`chunk_generalized_delta_rule` by default, the Triton kernels for ``backend="triton"``.
-        gates: ``(k̂, u, lam0, A_init, chunk_size) -> (α̂, A_T)`` as :func:`vla_chunk_gates` (the default), or
-            the Triton kernels' ``vla_gates_triton``.
+        gates: ``(k̂, u, lam0, A_init, chunk_size, normalize_write) -> (α̂, A_T)`` as :func:`vla_chunk_gates`
+            (the default), or the Triton kernels' ``vla_gates_triton``.
         normalize: ``(o [B, H, T, V], q, k, n0, eps) -> (o [B, T, H, V] normalised, n_T)`` in place of the
             PyTorch normaliser (the Triton kernels' ``vla_normalize_triton``).
 
@@ -125,7 +132,7 @@ def vla_chunk(
         # u = 0 leaves A unchanged; any unit k̂ keeps α̂ finite, and the padded α̂ rows are zeroed below.
         k_hat = torch.cat([k_hat, k_hat.new_full((B, H, pad, K), K**-0.5)], 2)
         u = F.pad(u, (0, 0, 0, pad))
-    alpha, A_end = gates(k_hat, u, lam0, A_init, C)
+    alpha, A_end = gates(k_hat, u, lam0, A_init, C, normalize_write)
     if pad:
         alpha = alpha[:, :, :T]
         k_hat = k_hat[:, :, :T]

@@ -65,11 +65,12 @@ def chunk_inverse(lam, i_c, i_bh, NC, K: tl.constexpr, BK: tl.constexpr):
 def vla_gates_fwd_kernel(
     k_hat, u, lam, alpha, a0_out, r_out, anorm_out, T, NC,
     K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, GROUP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
     """``k_hat, u [BH, T, K]``, ``lam [BH, NC, K, K]`` float32 -> ``alpha [BH, T, K]`` and, for the backward,
     ``a0_out [BH, NC, K, K]`` (``A0``), ``r_out [BH, T, K]`` (``R``), ``anorm_out [BH, T]`` (``‖a_t‖``), all
-    float32. Grid ``(⌈NC / GROUP⌉, BH)``.
+    float32. Grid ``(⌈NC / GROUP⌉, BH)``. ``NORMALIZE`` false: ``alpha`` is ``a`` itself (``‖a‖`` stored all the
+    same).
 
     A program takes ``GROUP`` consecutive chunks and sweeps only the first one's penalty. It then walks its
     tokens in blocks of ``SB`` rows carrying the current inverse ``A`` (``A ← A − R_bᵀ R_b`` after each block, one
@@ -105,7 +106,9 @@ def vla_gates_fwd_kernel(
             b_a = tl.dot(b_kh, b_a0, input_precision=PRECISION) - tl.dot(b_kr, b_r, input_precision=PRECISION)
             b_norm = tl.sqrt(tl.sum(b_a * b_a, 1))
             b_norm = tl.where(b_norm > 0, b_norm, 1.0)  # rows past T (zero k̂)
-            tl.store(alpha + p_k, b_a / b_norm[:, None], mask=m_k)
+            if NORMALIZE:
+                b_a = b_a / b_norm[:, None]
+            tl.store(alpha + p_k, b_a, mask=m_k)
             o_tok = i_b * SB + o_s
             tl.store(anorm_out + i_bh.to(tl.int64) * T + o_tok, b_norm, mask=o_tok < T)
             # A after the block: A − Σ_t r_t r_tᵀ (rows past T are zero)
@@ -115,11 +118,11 @@ def vla_gates_fwd_kernel(
 @triton.jit
 def vla_gates_bwd_kernel(
     u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T, NC,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
     """``u [BH, T, K]``, the forward's ``alpha``, ``a0``, ``r``, ``anorm`` and ``dalpha [BH, T, K]`` ->
     ``dk_hat``, ``du [BH, T, K]`` (the within-chunk share) and ``dlam [BH, NC, K, K]``, float32. Grid
-    ``(NC, BH)``."""
+    ``(NC, BH)``. ``NORMALIZE`` as the forward's: without it ``da = dalpha`` and ``a = alpha``."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BT)
@@ -134,8 +137,12 @@ def vla_gates_bwd_kernel(
     p_kk = (i_bh.to(tl.int64) * NC + i_c) * K * K + o_k[:, None] * K + o_k[None, :]
     b_a0 = tl.load(a0 + p_kk, mask=m_kk, other=0.0)
 
-    b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
-    b_a = b_al * b_norm[:, None]
+    if NORMALIZE:
+        b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
+        b_a = b_al * b_norm[:, None]
+    else:
+        b_da = b_dal
+        b_a = b_al
     rows = o_t[:, None]
     cols = o_t[None, :]
     b_dr = tl.where(rows >= cols, tl.dot(b_da, tl.trans(b_r), input_precision=PRECISION), 0.0)
@@ -170,10 +177,12 @@ def vla_gates_fwd_fn(
     chunk_size: int,
     precision: str,
     config: dict[str, int] | None = None,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``k_hat, u [B, H, T, K]`` contiguous, ``lam [B, H, NC, K, K]`` float32 contiguous (``NC = ⌈T / C⌉``) ->
     ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, H, T, K]``, ``A0 [B, H, NC, K, K]``, ``‖a‖ [B, H, T]``, float32.
-    ``config``: warps, stages and ``GROUP`` instead of :func:`launch_config` (the benchmarks' sweep)."""
+    ``config``: warps, stages and ``GROUP`` instead of :func:`launch_config` (the benchmarks' sweep);
+    ``normalize``: ``alpha = a / ‖a‖`` (else ``a``)."""
     B, H, T, K = k_hat.shape
     NC = lam.shape[2]
     f32 = dict(dtype=torch.float32, device=k_hat.device)
@@ -181,8 +190,9 @@ def vla_gates_fwd_fn(
     a0, anorm = torch.empty(B, H, NC, K, K, **f32), torch.empty(B, H, T, **f32)
     config = config or launch_config(K, NC * B * H)
     vla_gates_fwd_kernel[(triton.cdiv(NC, config["GROUP"]), B * H)](
-        k_hat, u, lam, alpha, a0, r, anorm, T, NC, K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **config
-    )
+        k_hat, u, lam, alpha, a0, r, anorm, T, NC, K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision,
+        NORMALIZE=normalize, **config,
+    )  # fmt: skip
     return alpha, a0, r, anorm
 
 
@@ -196,8 +206,10 @@ def vla_gates_bwd_fn(
     chunk_size: int,
     precision: str,
     config: dict[str, int] | None = None,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dk_hat, du_within, dlam)`` float32 from the forward's saved tensors and ``dalpha`` (all contiguous)."""
+    """``(dk_hat, du_within, dlam)`` float32 from the forward's saved tensors and ``dalpha`` (all contiguous);
+    ``normalize`` as the forward's."""
     B, H, T, K = u.shape
     NC = a0.shape[2]
     dk_hat, du = torch.empty_like(alpha), torch.empty_like(alpha)
@@ -205,6 +217,6 @@ def vla_gates_bwd_fn(
     config = {n: x for n, x in (config or launch_config(K)).items() if n not in ("GROUP", "SB")}
     vla_gates_bwd_kernel[(NC, B * H)](
         u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T, NC, K=K, BK=block_dim(K), BT=chunk_size,
-        PRECISION=precision, **config,
+        PRECISION=precision, NORMALIZE=normalize, **config,
     )  # fmt: skip
     return dk_hat, du, dlam
