@@ -175,6 +175,32 @@ def test_operator_count(shapes):
     assert len(set(totals)) == 1, totals
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="counted on the CPU, under the interpreter")
+def test_operator_count_with_state():
+    """With an initial state and the final state's gradients too (``A_init`` is inverted in float64, in PyTorch, and
+    validated), the count is still at most 30 and the same, dense or packed."""
+    from tests.helpers import count_aten_ops
+
+    totals = []
+    for B, T, offsets in [(2, 40, None), (3, 170, None), (1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])]:
+        leaves = [x.float().requires_grad_() for x in make_inputs(B, T, 2, 16, 16)]
+        cu = None if offsets is None else torch.tensor(offsets)
+        N = B if offsets is None else len(offsets) - 1
+        state = [s.float().requires_grad_() for s in make_state(N, 2, 16, 16, 0.1)]
+        do = torch.randn(B, T, 2, 16)
+
+        def step(leaves=leaves, cu=cu, state=state, do=do):
+            o, final = vla_attention(
+                *leaves, cu_seqlens=cu, initial_state=state, output_final_state=True, backend="triton"
+            )
+            torch.autograd.backward([o, *final], [do, *(torch.ones_like(f) for f in final)])
+
+        counts = count_aten_ops(step)
+        totals.append(sum(counts.values()))
+        assert totals[-1] <= 30, counts
+    assert len(set(totals)) == 1, totals
+
+
 def test_packed_delta_rule_kernels_match_each_sequence():
     """The delta-rule kernels on packed sequences (``cu_seqlens``; empty ones, partial chunks, two value blocks)
     against ``chunk_generalized_delta_rule`` on each sequence alone: outputs, final states, every gradient."""
@@ -380,6 +406,26 @@ def test_normalize_kernels_match_torch():
     o, n_end, den, starts = vla_normalize_fwd_op(r, q, k, n0, eps)
     for dn_end in (torch.randn_like(n_end), None):
         torch.library.opcheck(vla_normalize_bwd_op, (r, q, k, den, starts, torch.randn_like(o), dn_end, eps))
+
+
+def test_unit_keys_kernels_match_torch():
+    """``k̂ = k / ‖k‖`` and its backward in kernels against autograd through PyTorch's normalisation, with rows
+    past a whole program (37 rows of 24 channels) and opcheck of both operators."""
+    from attnkit.ops.vla.parallel import vla_unit_keys_bwd_op, vla_unit_keys_op
+
+    k = torch.rand(1, 37, 1, 24, device=DEVICE) + 0.1
+
+    def triton_fn(k, st):
+        return vla_unit_keys_op(k)[0], ()
+
+    def torch_fn(k, st):
+        return k / k.norm(dim=-1, keepdim=True), ()
+
+    for name, x, y in zip(["k_hat", "dk"], grads_of(triton_fn, [k], None), grads_of(torch_fn, [k], None)):
+        assert_close(name, x, y, 1e-6)
+    torch.library.opcheck(vla_unit_keys_op, (k,))
+    k_hat, norm = vla_unit_keys_op(k)
+    torch.library.opcheck(vla_unit_keys_bwd_op, (k_hat, norm, torch.randn_like(k_hat), torch.float16))
 
 
 def test_gate_ops_opcheck():

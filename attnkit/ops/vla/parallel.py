@@ -1,7 +1,8 @@
-"""VLA's Triton kernels as PyTorch operators: ``attnkit::vla_gates_fwd`` / ``_bwd`` (the write directions
-``α̂``), ``attnkit::vla_normalize_fwd`` / ``_bwd`` (the output's normaliser), each with an autograd registration,
-and ``attnkit::vla_decode``. The ``S`` update is the shared generalised
-delta rule, ``attnkit/ops/common/delta_parallel.py``."""
+"""VLA's Triton kernels as PyTorch operators, each with an autograd registration: ``attnkit::vla_unit_keys``
+(``k̂``), ``attnkit::vla_write_fwd`` / ``_bwd`` (the write directions ``α̂`` with the chunks' penalties;
+``attnkit::vla_gates_fwd`` / ``_bwd`` are its per-chunk kernels alone), ``attnkit::vla_normalize_fwd`` / ``_bwd``
+(the output's normaliser); and ``attnkit::vla_decode``. The ``S`` update is the shared generalised delta rule,
+``attnkit/ops/common/delta_parallel.py``; :func:`vla_triton` chains them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from attnkit.ops.common.triton_utils import interpreting
 from attnkit.ops.common.utils import autocast_off, compute_dtype
 from attnkit.ops.vla.triton.decode import vla_decode_fn
 from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn, vla_write_bwd_fn, vla_write_fwd_fn
+from attnkit.ops.vla.triton.keys import unit_rows_bwd_fn, unit_rows_fwd_fn
 from attnkit.ops.vla.triton.normalize import normalize_bwd_fn, normalize_fwd_fn
 
 
@@ -90,6 +92,49 @@ def _backward(ctx, dalpha, *_):
 
 
 vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("attnkit::vla_unit_keys", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_unit_keys_op(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k [..., K]`` -> ``(k / ‖k‖, ‖k‖)`` in float32, row by row in one kernel."""
+    return unit_rows_fwd_fn(k.contiguous())
+
+
+@vla_unit_keys_op.register_fake
+def _(k):
+    return k.new_empty(k.shape, dtype=torch.float32), k.new_empty(k.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnkit::vla_unit_keys_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_unit_keys_bwd_op(
+    k_hat: torch.Tensor, norm: torch.Tensor, dk_hat: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``dk = (dk̂ − k̂ (k̂·dk̂)) / ‖k‖`` in ``dtype`` (``k``'s)."""
+    return unit_rows_bwd_fn(k_hat, norm, dk_hat.contiguous(), dtype)
+
+
+@vla_unit_keys_bwd_op.register_fake
+def _(k_hat, norm, dk_hat, dtype):
+    return k_hat.new_empty(k_hat.shape, dtype=dtype)
+
+
+def _setup_keys(ctx, inputs, output):
+    (k,) = inputs
+    k_hat, norm = output
+    ctx.mark_non_differentiable(norm)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(k_hat, norm)
+    ctx.dtype = k.dtype
+
+
+def _keys_backward(ctx, dk_hat, _):
+    if dk_hat is None:
+        return None
+    k_hat, norm = ctx.saved_tensors
+    return vla_unit_keys_bwd_op(k_hat, norm, dk_hat, ctx.dtype)
+
+
+vla_unit_keys_op.register_autograd(_keys_backward, setup_context=_setup_keys)
 
 
 @torch.library.custom_op("attnkit::vla_write_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -345,7 +390,7 @@ def vla_triton(
         S0, A_init, n0 = None, None, k.new_zeros(N, H, K)
     else:
         S0, A_init, n0 = (s.to(dtype) for s in initial_state)
-    k_hat = k / k.norm(dim=-1, keepdim=True)
+    k_hat = vla_unit_keys_op(k)[0]
     alpha, A_end = vla_gates_triton(k_hat, u, lam0, A_init, gates_chunk_size(), normalize_write, cu_seqlens)
     # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
     o, S_end = delta_rule_triton(q, k_hat, v, alpha, S0, out_dtype.itemsize == 2, cu_seqlens)

@@ -155,12 +155,13 @@ def vla_gates_fwd_kernel(
     o_k = tl.arange(0, BK)
     o_s = tl.arange(0, SB)
     rows = o_s[:, None]
-    b_a0 = tl.zeros([BK, BK], dtype=tl.float32)
+    b_a0 = chunk_inverse(lam, i_g * GROUP, i_bh, NC, K, BK)[0]
     for j in range(0, GROUP):
         i_p = i_g * GROUP + j
         row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
-        if (j == 0) | (i_c == 0):
-            b_a0 = chunk_inverse(lam, tl.minimum(i_p, NC - 1), i_bh, NC, K, BK)[0]
+        if IS_VARLEN:  # a dense row starts only at a group's start
+            if (j > 0) & (i_c == 0):
+                b_a0 = chunk_inverse(lam, tl.minimum(i_p, NC - 1), i_bh, NC, K, BK)[0]
         p_kk = (i_bh.to(tl.int64) * NC + i_p) * K * K + o_k[:, None] * K + o_k[None, :]
         m_kk = (o_k < K)[:, None] & (o_k < K)[None, :] & (o_k * 0 + i_p < NC)[None, :]
         tl.store(a0_out + p_kk, b_a0, mask=m_kk)
