@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.ops.common.delta_parallel import delta_rule_triton
+from attnkit.ops.common import delta_parallel
 from attnkit.ops.common.triton_utils import interpreting
 from attnkit.ops.common.utils import autocast_off, compute_dtype
 from attnkit.ops.vla.triton.decode import vla_decode_fn
@@ -393,7 +393,7 @@ def vla_triton(
     k_hat = vla_unit_keys_op(k)[0]
     alpha, A_end = vla_gates_triton(k_hat, u, lam0, A_init, gates_chunk_size(), normalize_write, cu_seqlens)
     # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
-    o, S_end = delta_rule_triton(q, k_hat, v, alpha, S0, out_dtype.itemsize == 2, cu_seqlens)
+    o, S_end = delta_parallel.delta_rule_triton(q, k_hat, v, alpha, S0, out_dtype.itemsize == 2, cu_seqlens)
     out, n_end = vla_normalize_triton(o, q, k, n0, eps, cu_seqlens)
     if not normalize_output:
         out = o.transpose(1, 2)  # the normaliser's kernels then give n_T alone
