@@ -20,7 +20,8 @@ class VLAAttention(TokenMixer):
     ``q`` and ``k`` go through ``elu + 1``; the penalty directions ``u`` come from their own projection,
     unit-normalised per head and divided by ``sqrt(K)`` (so ``Σ u uᵀ`` grows like ``t / K`` in trace);
     the heads' outputs are concatenated and LayerNorm-ed before the output projection, because the
-    normalised read ``S q / nᵀq`` has no fixed scale.
+    normalised read ``S q / nᵀq`` has no fixed scale. ``normalize_write=False`` is the paper's ablation that
+    writes along the unnormalised ``A_t k̂_t`` (``mixer_kwargs={"vla": {"normalize_write": False}}`` in a model).
 
     Cache: ``S [N, H, V, K]``, ``A [N, H, K, K]``, ``n [N, H, K]`` in float32 (the ops' state).
     """
@@ -35,12 +36,16 @@ class VLAAttention(TokenMixer):
         head_dim: int | None = None,
         lam0: float = 0.1,
         eps: float = 1e-4,
+        normalize_write: bool = True,
         layer_idx: int | None = None,
         backend: str = "auto",
     ) -> None:
         super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, layer_idx, backend, same_heads=True)
         self.lam0 = check_scalar("lam0", lam0, low=0.0)
         self.eps = check_scalar("eps", eps, low=0.0)
+        if not isinstance(normalize_write, bool):
+            raise ValueError(f"normalize_write: expected a bool, got {normalize_write!r}")
+        self.normalize_write = normalize_write
         width = self.num_heads * self.head_dim
         self.q_proj = nn.Linear(self.hidden_size, width, bias=False)
         self.k_proj = nn.Linear(self.hidden_size, width, bias=False)
@@ -67,6 +72,7 @@ class VLAAttention(TokenMixer):
             *self._qkvu(x),
             lam0=self.lam0,
             eps=self.eps,
+            normalize_write=self.normalize_write,
             output_final_state=True,
             cu_seqlens=cu_seqlens,
             backend=self.backend,
@@ -75,6 +81,10 @@ class VLAAttention(TokenMixer):
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
         o, (S, A, n) = vla_decode_step(
-            *self._qkvu(x), (state["S"], state["A"], state["n"]), lam0=self.lam0, eps=self.eps
+            *self._qkvu(x),
+            (state["S"], state["A"], state["n"]),
+            lam0=self.lam0,
+            eps=self.eps,
+            normalize_write=self.normalize_write,
         )
         return self._out(o), {**state, "S": S, "A": A, "n": n}

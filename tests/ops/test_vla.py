@@ -35,11 +35,13 @@ def leaf_copy(xs, dtype):
     return tuple(x.detach().to(dtype).requires_grad_() for x in xs)
 
 
-def check_against_naive(B, T, H, K, V, dtype, lam0=0.1, with_state=False, normalize_output=True, chunk_size=None):
+def check_against_naive(
+    B, T, H, K, V, dtype, lam0=0.1, with_state=False, normalize_output=True, chunk_size=None, normalize_write=True
+):
     """Output, final state and gradients of every input in ``dtype`` vs the float64 loop, same inputs."""
     inputs = make_inputs(B, T, H, K, V)
     state = make_state(B, H, K, V, lam0) if with_state else ()
-    kwargs = dict(lam0=lam0, eps=1e-4, normalize_output=normalize_output)
+    kwargs = dict(lam0=lam0, eps=1e-4, normalize_output=normalize_output, normalize_write=normalize_write)
 
     ref_in, ref_state = leaf_copy(inputs, torch.float64), leaf_copy(state, torch.float64)
     o_ref, final_ref = vla_naive(*ref_in, **kwargs, initial_state=ref_state or None, output_final_state=True)
@@ -89,6 +91,48 @@ def test_chunk_sizes(chunk_size):
 
 def test_unnormalized_output():
     check_against_naive(2, 70, 2, 16, 8, torch.float64, normalize_output=False, with_state=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("normalize_output", [True, False], ids=["norm", "nonorm"])
+def test_unnormalized_write_matches_naive(dtype, normalize_output):
+    """The no-normalisation ablation (``normalize_write=False``: the memory writes along ``a_t = A_t k̂_t``) against
+    the loop, across chunks and with an initial state, every gradient included."""
+    kwargs = dict(normalize_output=normalize_output, normalize_write=False)
+    check_against_naive(2, 70, 2, 16, 8, dtype, with_state=True, **kwargs)
+    check_against_naive(1, 63, 2, 8, 12, dtype, normalize_write=False, chunk_size=16)
+
+
+def test_unnormalized_write_directions():
+    """Without the normalisation the write direction is ``A_t k̂_t`` itself: parallel to the unit one, of norm up to
+    ``1 / lam0``, and the state it writes is not the normalised state."""
+    lam0 = 0.1
+    q, k, v, u = make_inputs(1, 40, 2, 16, 8)
+    _, unit, _ = vla_gates_naive(k, u, lam0)
+    _, raw, _ = vla_gates_naive(k, u, lam0, normalize_write=False)
+    norms = raw.norm(dim=-1)
+    assert_close("direction", raw / norms[..., None], unit, 1e-12)
+    assert (norms <= 1 / lam0 + 1e-9).all() and norms.min() > 1.5, norms.min()
+    S_unit = vla_attention(q, k, v, u, lam0=lam0, output_final_state=True)[1][0]
+    S_raw = vla_attention(q, k, v, u, lam0=lam0, normalize_write=False, output_final_state=True)[1][0]
+    assert (S_raw - S_unit).norm() > 0.1 * S_unit.norm()
+
+
+def test_normalize_write_reaches_the_layer_from_the_model_config():
+    """``mixer_kwargs={"vla": {"normalize_write": False}}``: the config accepts it and every layer runs the ablation;
+    the model then differs from the default one with the same weights."""
+    from attnkit.models import AttnKitConfig, AttnKitForCausalLM
+
+    sizes = dict(vocab_size=29, hidden_size=32, num_hidden_layers=2, num_heads=2, intermediate_size=48, mixer="vla")
+    torch.manual_seed(0)
+    ablation = AttnKitForCausalLM(AttnKitConfig(**sizes, mixer_kwargs={"vla": {"normalize_write": False}}))
+    default = AttnKitForCausalLM(AttnKitConfig(**sizes))
+    default.load_state_dict(ablation.state_dict())
+    assert all(not block.attn.normalize_write for block in ablation.model.layers)
+    assert all(block.attn.normalize_write for block in default.model.layers)
+    ids = torch.randint(0, 29, (2, 12))
+    with torch.no_grad():
+        assert not torch.allclose(ablation(ids).logits, default(ids).logits)
 
 
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])

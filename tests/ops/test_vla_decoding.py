@@ -48,6 +48,20 @@ def test_steps_match_chunked(B, T, H, K, V, dtype, with_state, normalize_output)
     assert torch.equal(final[1], final[1].mT), "A: the step must keep it exactly symmetric"
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_unnormalized_write_steps_match_chunked(dtype):
+    """``normalize_write=False`` means the same recurrence in the step as in the chunked op."""
+    inputs = tuple(x.to(dtype) for x in make_inputs(2, 70, 2, 16, 8))
+    state = tuple(x.to(dtype) for x in make_state(2, 2, 16, 8, 0.3))
+    kwargs = dict(lam0=0.3, eps=1e-4, normalize_write=False)
+    o_ref, final_ref = vla_attention(*inputs, **kwargs, initial_state=state, output_final_state=True)
+    o, final = run_steps(*inputs, state, **kwargs)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    assert_close("o", o, o_ref, tol)
+    for name, x, x_ref in zip(("S", "A", "n"), final, final_ref, strict=True):
+        assert_close(name, x, x_ref, tol)
+
+
 def test_continues_a_prefill():
     """Prefill with ``vla_attention``, then steps: equal to one pass over everything."""
     B, T, P, H, K, V = 2, 80, 67, 2, 16, 8

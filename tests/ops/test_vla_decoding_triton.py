@@ -24,13 +24,14 @@ def steps(backend, inputs, state, **kwargs):
     return torch.cat(outputs, 1), state
 
 
+@pytest.mark.parametrize("normalize_write", [True, False], ids=["unit-write", "raw-write"])
 @pytest.mark.parametrize("normalize_output", [True, False], ids=["norm", "nonorm"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["empty", "state"])
 @pytest.mark.parametrize("B, T, H, K, V", [(2, 5, 2, 16, 8), (1, 4, 3, 12, 20)], ids=str)
-def test_matches_torch_step(B, T, H, K, V, with_state, normalize_output):
+def test_matches_torch_step(B, T, H, K, V, with_state, normalize_output, normalize_write):
     inputs = [x.float().to(DEVICE) for x in make_inputs(B, T, H, K, V)]
     state = tuple(x.float().to(DEVICE) for x in make_state(B, H, K, V, 0.3)) if with_state else None
-    kwargs = dict(lam0=0.3, eps=1e-4, normalize_output=normalize_output)
+    kwargs = dict(lam0=0.3, eps=1e-4, normalize_output=normalize_output, normalize_write=normalize_write)
     o, (S, A, n) = steps("triton", inputs, state, **kwargs)
     o_ref, (S_ref, A_ref, n_ref) = steps("torch", inputs, state, **kwargs)
     for name, x, y in zip("oSAn", (o, S, A, n), (o_ref, S_ref, A_ref, n_ref)):

@@ -73,6 +73,17 @@ def test_matches_torch_backend(case):
     check(grads_of(vla("triton", lam0=lam0), inputs, state), grads_of(vla("torch", lam0=lam0), inputs, state), 1e-4)
 
 
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_unnormalized_write_matches_torch_backend(with_state):
+    """``normalize_write=False`` through the kernels (the gates' forward stores ``a``, the backward skips the
+    projection) against the PyTorch backend: outputs, final states, every gradient."""
+    B, T, H, K, V = 2, 45, 2, 16, 16
+    inputs = [x.float().to(DEVICE) for x in make_inputs(B, T, H, K, V)]
+    state = [s.float().to(DEVICE) for s in make_state(B, H, K, V, 0.1)] if with_state else None
+    kwargs = dict(normalize_write=False)
+    check(grads_of(vla("triton", **kwargs), inputs, state), grads_of(vla("torch", **kwargs), inputs, state), 1e-4)
+
+
 @pytest.mark.parametrize("offsets", [[0, 5, 37, 60], [0, 0, 20, 20, 60]], ids=["ragged", "empty"])
 def test_varlen_matches_torch_backend(offsets):
     inputs = [x.float().to(DEVICE) for x in make_inputs(1, offsets[-1], 2, 16, 16)]
@@ -80,6 +91,166 @@ def test_varlen_matches_torch_backend(offsets):
     actual = grads_of(vla("triton", cu_seqlens=cu), inputs, None)
     expected = grads_of(vla("torch", cu_seqlens=cu), inputs, None)
     check(actual, expected, 1e-4)
+
+
+VARLEN_CASES = {  # offsets, with_state, normalize_output, normalize_write
+    "odd-lengths-state": ([0, 1, 34, 35, 70], True, True, True),
+    "empty-first-middle-last-state": ([0, 0, 33, 33, 61, 61], True, True, True),
+    "one-sequence-state-nonorm": ([0, 45], True, False, True),
+    "ragged-raw-write": ([0, 3, 40, 59], False, True, False),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
+def test_packed_sequences_in_one_launch_match_torch_backend(case):
+    """Packed sequences through the single-launch kernels (every sequence its own recurrence, its own row of
+    ``initial_state`` and of the final state; empty sequences pass their state through) against the PyTorch
+    backend, which runs each sequence separately: outputs, final states and every gradient."""
+    offsets, with_state, normalize_output, normalize_write = case
+    H, K, V = 2, 16, 24
+    inputs = [x.float().to(DEVICE) for x in make_inputs(1, offsets[-1], H, K, V)]
+    state = [s.float().to(DEVICE) for s in make_state(len(offsets) - 1, H, K, V, 0.1)] if with_state else None
+    kwargs = dict(cu_seqlens=torch.tensor(offsets, device=DEVICE), normalize_output=normalize_output)
+    kwargs["normalize_write"] = normalize_write
+    check(grads_of(vla("triton", **kwargs), inputs, state), grads_of(vla("torch", **kwargs), inputs, state), 1e-4)
+
+
+def test_packed_sequences_launch_each_kernel_once(monkeypatch):
+    """Two packed sequences run the gates, the delta rule and the normaliser once each, forward and backward, and
+    nothing reads the device back (no ``.item()`` or ``.tolist()``)."""
+    import attnkit.ops.vla.parallel as parallel
+
+    calls = []
+    for name in ("vla_write_fwd_fn", "vla_write_bwd_fn", "normalize_fwd_fn", "normalize_bwd_fn"):
+        real = getattr(parallel, name)
+        monkeypatch.setattr(parallel, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    import attnkit.ops.common.delta_parallel as delta_parallel
+
+    for name in ("delta_fwd_fn", "delta_bwd_fn"):
+        real = getattr(delta_parallel, name)
+        monkeypatch.setattr(
+            delta_parallel, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw)
+        )
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("read the device")
+
+    inputs = [x.float().to(DEVICE).requires_grad_() for x in make_inputs(1, 50, 2, 16, 16)]
+    cu = torch.tensor([0, 20, 50], device=DEVICE)
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist"):
+            m.setattr(torch.Tensor, name, no_sync)
+        o, _ = parallel.vla_triton(*inputs, 0.1, 1e-4, True, True, None, cu)
+        o.sum().backward()
+    assert sorted(calls) == sorted(
+        ["vla_write_fwd_fn", "vla_write_bwd_fn", "normalize_fwd_fn", "normalize_bwd_fn", "delta_fwd_fn", "delta_bwd_fn"]
+    )
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="counted on the CPU, under the interpreter")
+@pytest.mark.parametrize(
+    "shapes",
+    [[(2, 40, None), (1, 100, None), (3, 170, None)], [(1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])]],
+    ids=["dense", "varlen"],
+)
+def test_operator_count(shapes):
+    """One forward+backward dispatches at most 30 PyTorch operators outside the Triton kernels (leaf ATen operators
+    that do work, :func:`tests.helpers.count_aten_ops`), and the same number whatever the batch, the length or the
+    packed sequences, with no read of the device (``_local_scalar_dense``): nothing loops over sequences or chunks
+    in Python."""
+    from tests.helpers import count_aten_ops
+
+    totals = []
+    for B, T, offsets in shapes:
+        leaves = [x.float().requires_grad_() for x in make_inputs(B, T, 2, 16, 16)]
+        cu = None if offsets is None else torch.tensor(offsets)
+        do = torch.randn(B, T, 2, 16)
+
+        def step(leaves=leaves, cu=cu, do=do):
+            vla_attention(*leaves, cu_seqlens=cu, backend="triton")[0].backward(do)
+
+        counts = count_aten_ops(step)
+        totals.append(sum(counts.values()))
+        assert totals[-1] <= 30 and "_local_scalar_dense" not in counts, counts
+    assert len(set(totals)) == 1, totals
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="counted on the CPU, under the interpreter")
+def test_operator_count_with_state():
+    """With an initial state and the final state's gradients too (``A_init`` is inverted in float64, in PyTorch, and
+    validated), the count is still at most 30 and the same, dense or packed."""
+    from tests.helpers import count_aten_ops
+
+    totals = []
+    for B, T, offsets in [(2, 40, None), (3, 170, None), (1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])]:
+        leaves = [x.float().requires_grad_() for x in make_inputs(B, T, 2, 16, 16)]
+        cu = None if offsets is None else torch.tensor(offsets)
+        N = B if offsets is None else len(offsets) - 1
+        state = [s.float().requires_grad_() for s in make_state(N, 2, 16, 16, 0.1)]
+        do = torch.randn(B, T, 2, 16)
+
+        def step(leaves=leaves, cu=cu, state=state, do=do):
+            o, final = vla_attention(
+                *leaves, cu_seqlens=cu, initial_state=state, output_final_state=True, backend="triton"
+            )
+            torch.autograd.backward([o, *final], [do, *(torch.ones_like(f) for f in final)])
+
+        counts = count_aten_ops(step)
+        totals.append(sum(counts.values()))
+        assert totals[-1] <= 30, counts
+    assert len(set(totals)) == 1, totals
+
+
+def test_packed_delta_rule_kernels_match_each_sequence():
+    """The delta-rule kernels on packed sequences (``cu_seqlens``; empty ones, partial chunks, two value blocks)
+    against ``chunk_generalized_delta_rule`` on each sequence alone: outputs, final states, every gradient."""
+    offsets = [0, 0, 7, 40, 40, 75]
+    H, K, V = 2, 16, 80
+    q, k, v, a = delta_inputs(1, H, offsets[-1], K, V, deltanet=True)
+    S0 = torch.randn(len(offsets) - 1, H, V, K, device=DEVICE)
+    cu = torch.tensor(offsets, device=DEVICE)
+
+    def packed(q, k, v, a, st):
+        o, S = delta_rule_triton(q, k, v, a, st[0], False, cu)
+        return o, (S,)
+
+    def per_sequence(q, k, v, a, st):
+        outs, states = [], []
+        for i, (bos, eos) in enumerate(zip(offsets[:-1], offsets[1:])):
+            xs = [x[:, :, bos:eos] for x in (q, k, v, a)]
+            o, S = chunk_generalized_delta_rule(*xs, st[0][i : i + 1], 16) if eos > bos else (xs[2], st[0][i : i + 1])
+            outs.append(o)
+            states.append(S)
+        return torch.cat(outs, 2), (torch.cat(states, 0),)
+
+    actual, expected = grads_of(packed, [q, k, v, a], [S0]), grads_of(per_sequence, [q, k, v, a], [S0])
+    for name, x, y in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], actual, expected):
+        assert_close(name, x, y, 1e-4)
+
+
+def test_deltanet_packed_sequences_in_one_launch():
+    """DeltaNet's kernels take packed sequences in one launch too: empty sequences (first and between), partial
+    chunks and an initial state per sequence, against its PyTorch path (which runs each sequence alone)."""
+    from attnkit.ops import delta_rule
+
+    T, H, K, V = 45, 2, 16, 16
+    q, k, v = torch.randn(1, T, H, K), F.normalize(torch.randn(1, T, H, K), dim=-1), torch.randn(1, T, H, V)
+    beta = 0.5 + 1.49 * torch.rand(1, T, H)
+    cu = torch.tensor([0, 0, 20, 20, T], device=DEVICE)
+
+    def fn(backend):
+        def run(q, k, v, beta, state):
+            kwargs = dict(initial_state=state[0], output_final_state=True, cu_seqlens=cu, backend=backend)
+            o, S = delta_rule(q, k, v, beta, **kwargs)
+            return o, (S,)
+
+        return run
+
+    inputs = [x.to(DEVICE) for x in (q, k, v, beta)]
+    S0 = [torch.randn(4, H, V, K, device=DEVICE)]
+    actual, expected = grads_of(fn("triton"), inputs, S0), grads_of(fn("torch"), inputs, S0)
+    for name, x, y in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dS0"], actual, expected):
+        assert_close(name, x, y, 1e-4)
 
 
 def test_gradients_through_the_final_state_alone():
@@ -235,6 +406,26 @@ def test_normalize_kernels_match_torch():
     o, n_end, den, starts = vla_normalize_fwd_op(r, q, k, n0, eps)
     for dn_end in (torch.randn_like(n_end), None):
         torch.library.opcheck(vla_normalize_bwd_op, (r, q, k, den, starts, torch.randn_like(o), dn_end, eps))
+
+
+def test_unit_keys_kernels_match_torch():
+    """``k̂ = k / ‖k‖`` and its backward in kernels against autograd through PyTorch's normalisation, with rows
+    past a whole program (37 rows of 24 channels) and opcheck of both operators."""
+    from attnkit.ops.vla.parallel import vla_unit_keys_bwd_op, vla_unit_keys_op
+
+    k = torch.rand(1, 37, 1, 24, device=DEVICE) + 0.1
+
+    def triton_fn(k, st):
+        return vla_unit_keys_op(k)[0], ()
+
+    def torch_fn(k, st):
+        return k / k.norm(dim=-1, keepdim=True), ()
+
+    for name, x, y in zip(["k_hat", "dk"], grads_of(triton_fn, [k], None), grads_of(torch_fn, [k], None)):
+        assert_close(name, x, y, 1e-6)
+    torch.library.opcheck(vla_unit_keys_op, (k,))
+    k_hat, norm = vla_unit_keys_op(k)
+    torch.library.opcheck(vla_unit_keys_bwd_op, (k_hat, norm, torch.randn_like(k_hat), torch.float16))
 
 
 def test_gate_ops_opcheck():

@@ -30,10 +30,12 @@ def delta_rule_chunk(
     initial_state: tuple[torch.Tensor] | None,
     chunk_size: int = CHUNK_SIZE,
     use_triton: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
     """Dense DeltaNet (inputs trusted, see ``delta_rule``): ``q, k [B, T, H, K]``, ``v [B, T, H, V]``,
-    ``beta [B, T, H]``, ``initial_state = (S [B, H, V, K],)`` or ``None``. Returns ``o [B, T, H, V]`` in
-    ``v.dtype`` and ``(S,)`` in float32 (float64 for float64 inputs)."""
+    ``beta [B, T, H]``, ``initial_state = (S [N, H, V, K],)`` or ``None``. Returns ``o [B, T, H, V]`` in
+    ``v.dtype`` and ``(S,)`` in float32 (float64 for float64 inputs). ``cu_seqlens`` (kernels only, ``T > 0``):
+    packed sequences in one launch per kernel."""
     dtype = compute_dtype(q, k, v, beta, *(initial_state or ()))
     out_dtype = v.dtype
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
@@ -43,7 +45,7 @@ def delta_rule_chunk(
         # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
         from attnkit.ops.common.delta_parallel import delta_rule_triton
 
-        o, S = delta_rule_triton(q * scale, k, v, beta * k, S0, single_pass=out_dtype.itemsize == 2)
+        o, S = delta_rule_triton(q * scale, k, v, beta * k, S0, out_dtype.itemsize == 2, cu_seqlens)
     else:
         o, S = chunk_generalized_delta_rule(q * scale, k, v, beta * k, S0, chunk_size)
     return o.transpose(1, 2).to(out_dtype), (S,)
@@ -93,11 +95,11 @@ def delta_rule(
     )
     use_triton = backend == "triton"
 
-    def dense(q, k, v, beta, state):
-        return delta_rule_chunk(q, k, v, beta, scale, state, use_triton=use_triton)
+    def dense(q, k, v, beta, state, cu_seqlens=None):
+        return delta_rule_chunk(q, k, v, beta, scale, state, use_triton=use_triton, cu_seqlens=cu_seqlens)
 
-    if cu_seqlens is None:
-        o, (S,) = dense(q, k, v, beta, initial_state)
+    if cu_seqlens is None or (use_triton and T > 0):  # the kernels take packed sequences in one launch
+        o, (S,) = dense(q, k, v, beta, initial_state, cu_seqlens)
     else:
         o, (S,) = run_segments(dense, (q, k, v, beta), cu_seqlens, initial_state)
     return o, (S if output_final_state else None)

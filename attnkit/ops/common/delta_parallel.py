@@ -38,23 +38,26 @@ def delta_rule_fwd_op(
     a: torch.Tensor,
     initial_state: torch.Tensor | None,
     single_pass: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, S_T, w, hs, u_new, tm)``: the output, the final state, and what the backward reuses."""
+    """``(o, S_T, w, hs, u_new, tm)``: the output, the final state, and what the backward reuses. ``cu_seqlens``:
+    packed sequences, all in one launch per kernel (``initial_state`` and ``S_T`` then one per sequence)."""
     q, k, v, a = (x.contiguous() for x in (q, k, v, a))
     state = None if initial_state is None else initial_state.contiguous()
-    o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), _precision(k.dtype, single_pass))
+    o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), _precision(k.dtype, single_pass), cu_seqlens)
     return o, ht, saved["w"], saved["hs"], saved["u_new"], saved["tm"]
 
 
 @delta_rule_fwd_op.register_fake
-def _(q, k, v, a, initial_state, single_pass=False):
+def _(q, k, v, a, initial_state, single_pass=False, cu_seqlens=None):
     B, H, T, K = k.shape
     V = v.shape[-1]
-    NC = -(-T // _chunk_size())
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    NC = -(-T // _chunk_size()) + (0 if cu_seqlens is None else N)
     f32 = dict(dtype=torch.float32)
     return (
         v.new_empty(B, H, T, V),
-        k.new_empty(B, H, V, K, **f32),
+        k.new_empty(N, H, V, K, **f32),
         k.new_empty(B, H, T, K, **f32),
         k.new_empty(B, H, NC, K, V, **f32),
         k.new_empty(B, H, T, V, **f32),
@@ -75,31 +78,35 @@ def delta_rule_bwd_op(
     do: torch.Tensor,
     dht: torch.Tensor | None,
     single_pass: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, da, dS_0)``."""
     saved = {"w": w, "hs": hs, "u_new": u_new, "tm": tm}
     q, k, v, a, do = (x.contiguous() for x in (q, k, v, a, do))
     dht = None if dht is None else dht.contiguous()
-    return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), _precision(k.dtype, single_pass))
+    precision = _precision(k.dtype, single_pass)
+    return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), precision, cu_seqlens)
 
 
 @delta_rule_bwd_op.register_fake
-def _(q, k, v, a, w, hs, u_new, tm, do, dht, single_pass=False):
+def _(q, k, v, a, w, hs, u_new, tm, do, dht, single_pass=False, cu_seqlens=None):
     B, H, _, K = k.shape
     V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     # The kernels write contiguous gradients whatever the inputs' strides.
     return (
         q.new_empty(q.shape),
         k.new_empty(k.shape),
         v.new_empty(v.shape),
         a.new_empty(a.shape),
-        k.new_empty(B, H, V, K, dtype=torch.float32),
+        k.new_empty(N, H, V, K, dtype=torch.float32),
     )
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, a, initial_state, *rest = inputs
     ctx.single_pass = bool(rest and rest[0])
+    ctx.cu_seqlens = rest[1] if len(rest) > 1 else None
     _, _, w, hs, u_new, tm = output
     ctx.mark_non_differentiable(w, hs, u_new, tm)
     # Unused outputs get None, not zero tensors (hs, w, u_new, tm would be four T-long float32 fills a step).
@@ -110,11 +117,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, dht, *_):
     if do is None and dht is None:
-        return (None,) * 6
+        return (None,) * 7
     q, k, v, a, w, hs, u_new, tm = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do  # the output has v's shape and dtype
-    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, tm, do, dht, ctx.single_pass)
-    return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype), None
+    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, tm, do, dht, ctx.single_pass, ctx.cu_seqlens)
+    return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype), None, None
 
 
 delta_rule_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -127,10 +134,12 @@ def delta_rule_triton(
     a: torch.Tensor,
     initial_state: torch.Tensor | None,
     single_pass: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attnkit.ops.common.delta.chunk_generalized_delta_rule` through the kernels: ``q, k, a [B,H,T,K]``,
-    ``v [B,H,T,V]``, ``initial_state [B,H,V,K]`` or None -> ``(o [B,H,T,V], S_T [B,H,V,K])``, ``S_T`` in the
+    ``v [B,H,T,V]``, ``initial_state [N,H,V,K]`` or None -> ``(o [B,H,T,V], S_T [N,H,V,K])``, ``S_T`` in the
     dtype of the inputs (float32 inside). ``single_pass``: one TF32 pass per dot for float32 tensors that carry
-    16-bit information (see ``_precision``)."""
-    o, ht, *_ = delta_rule_fwd_op(q, k, v, a, initial_state, single_pass)
+    16-bit information (see ``_precision``). ``cu_seqlens [N + 1]``: packed sequences (``B == 1``), each its own
+    recurrence from its row of ``initial_state``, in one launch per kernel (no host sync)."""
+    o, ht, *_ = delta_rule_fwd_op(q, k, v, a, initial_state, single_pass, cu_seqlens)
     return o, ht.to(k.dtype)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from attnkit.ops.common.delta import TRITON_MAX_HEAD_DIM
@@ -31,13 +29,14 @@ def vla_attention(
     lam0: float = 0.1,
     eps: float = 1e-4,
     normalize_output: bool = True,
+    normalize_write: bool = True,
     initial_state: VLAState | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, VLAState | None]:
-    """Variational linear attention: a delta-rule memory written along ``α̂_t ∝ A_t k̂_t``, where
-    ``A_t = (lam0·I + Σ_{s<=t} u_s u_sᵀ)⁻¹``.
+    """Variational linear attention: a delta-rule memory written along ``α̂_t = a_t / ‖a_t‖``, ``a_t = A_t k̂_t``,
+    where ``A_t = (lam0·I + Σ_{s<=t} u_s u_sᵀ)⁻¹``.
 
     Args:
         q, k: ``[B, T, H, K]``, already feature-mapped (layers use ``elu + 1``); k is unit-normalised inside.
@@ -46,14 +45,18 @@ def vla_attention(
         lam0: ridge of the penalty at the start of every sequence, ``> 0``.
         eps: floor of the normaliser ``n_tᵀ q_t``, ``> 0``.
         normalize_output: divide ``S_t q_t`` by ``max(n_tᵀ q_t, eps)`` with ``n_t = Σ_{s<=t} k_s``.
+        normalize_write: write along the unit ``α̂_t`` (the paper's VLA); false is the paper's ablation that
+            writes along ``a_t = A_t k̂_t`` itself, ``S_t = S_{t-1} + (v_t − S_{t-1} k̂_t) a_tᵀ``, whose state then
+            grows (like ``d_h / lam0``, by the paper): ``‖a_t‖ ≤ ‖A_t‖ ≤ 1 / lam0``.
         initial_state: ``(S [N, H, V, K], A [N, H, K, K], n [N, H, K])`` in float32 or float64, ``A``
             symmetric positive definite; ``None`` starts from ``(0, I / lam0, 0)``.
         output_final_state: return the state after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``); each restarts.
         backend: ``"auto"`` (Triton for CUDA tensors of float16 / bfloat16 / float32 and head dims up to 128,
             PyTorch otherwise), ``"torch"`` or ``"triton"``: fused kernels for the gates ``α̂`` (per chunk:
-            the inverse penalty, the Sherman–Morrison vectors; forward and backward) and for the ``S`` update
-            (the generalised delta rule); the chunks' Gram prefix sums stay in PyTorch.
+            the inverse penalty, the Sherman–Morrison vectors, the chunks' Gram prefix sums; forward and
+            backward), for the ``S`` update (the generalised delta rule) and for the normaliser; packed sequences
+            run in the same launches (no host sync).
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)`` in float32 (float64 for float64
@@ -70,21 +73,18 @@ def vla_attention(
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K), (N, H, K, K), (N, H, K)), q.device)
         if torch.linalg.cholesky_ex(initial_state[1] + initial_state[1].mT).info.any():
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
-    kernels = {}
     dims = dict(head_dims=(K, V), max_head_dim=TRITON_MAX_HEAD_DIM)
-    if resolve_backend(backend, "vla_attention", q.device, has_triton=True, dtype=q.dtype, **dims) == "triton":
+    use_triton = resolve_backend(backend, "vla_attention", q.device, has_triton=True, dtype=q.dtype, **dims) == "triton"
+    if use_triton and T > 0:
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
-        from attnkit.ops.common.delta_parallel import delta_rule_triton
-        from attnkit.ops.vla.parallel import gates_chunk_size, vla_gates_triton, vla_normalize_triton
+        from attnkit.ops.vla.parallel import vla_triton
 
-        # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
-        delta_rule = partial(delta_rule_triton, single_pass=q.dtype.itemsize == 2)
-        kernels = dict(
-            delta_rule=delta_rule, gates=vla_gates_triton, normalize=vla_normalize_triton, chunk_size=gates_chunk_size()
-        )
+        args = (lam0, eps, normalize_output, normalize_write, initial_state, cu_seqlens)
+        o, state = vla_triton(q, k, v, u, *args)
+        return o, (state if output_final_state else None)
 
     def dense(q, k, v, u, state):
-        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, **kernels)
+        return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, normalize_write=normalize_write)
 
     if cu_seqlens is None:
         o, state = dense(q, k, v, u, initial_state)

@@ -31,6 +31,7 @@ def vla_decode_step(
     lam0: float = 0.1,
     eps: float = 1e-4,
     normalize_output: bool = True,
+    normalize_write: bool = True,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, VLAState]:
     """One token of VLA for a dense batch: equal to ``vla_attention`` on that token with
@@ -44,6 +45,8 @@ def vla_decode_step(
         lam0: ridge of the empty state, ``> 0`` (only used when ``state`` is None).
         eps: floor of the normaliser, ``> 0``.
         normalize_output: divide ``S_t q_t`` by ``max(n_tᵀ q_t, eps)``.
+        normalize_write: write along ``α̂_t = a_t / ‖a_t‖`` (true) or ``a_t = A_t k̂_t`` (the ablation), as
+            ``vla_attention``'s option of that name.
         backend: ``"auto"`` (the kernel for CUDA tensors of float16 / bfloat16 / float32, head dims up to 128,
             when no gradient is needed; PyTorch otherwise), ``"torch"`` or ``"triton"`` (one fused kernel;
             float32 states; no gradient).
@@ -75,7 +78,7 @@ def vla_decode_step(
         from attnkit.ops.vla.parallel import vla_decode_op
 
         # The kernel reads the inputs in their own dtypes and computes in float32.
-        o, S, A, n = vla_decode_op(q, k, v, u, S, A, n, eps, normalize_output)
+        o, S, A, n = vla_decode_op(q, k, v, u, S, A, n, eps, normalize_output, normalize_write)
         return o, (S, A, n)
 
     q, k, v, u = (x.squeeze(1).to(dtype) for x in (q, k, v, u))  # [B, H, K] / [B, H, V]
@@ -91,7 +94,7 @@ def vla_decode_step(
     zs = z * c.rsqrt()
     A = torch.addcmul(A, zs[..., :, None], zs[..., None, :], value=-1)
     a = torch.addcmul(Ak, z, XAX[..., 1, :1] / c, value=-1)
-    alpha = a / a.norm(dim=-1, keepdim=True)
+    alpha = a / a.norm(dim=-1, keepdim=True) if normalize_write else a
 
     Sk, Sq = (S @ torch.stack([k_hat, q], -1)).unbind(-1)
     delta = v - Sk

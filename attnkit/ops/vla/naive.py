@@ -8,15 +8,22 @@ from attnkit.ops.common.utils import compute_dtype
 
 
 def vla_gates_naive(
-    k: torch.Tensor, u: torch.Tensor, lam0: float = 0.1, A_init: torch.Tensor | None = None
+    k: torch.Tensor,
+    u: torch.Tensor,
+    lam0: float = 0.1,
+    A_init: torch.Tensor | None = None,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sherman–Morrison recursion for the gates.
 
     Args:
         k, u: ``[B, T, H, K]``; A_init: ``[B, H, K, K]`` or ``None`` for ``I / lam0``.
+        normalize_write: write along ``α̂_t = a_t / ‖a_t‖`` (the paper's VLA) or, when false, along
+            ``a_t = A_t k̂_t`` itself (the no-normalisation ablation).
 
     Returns:
-        ``k̂ [B, T, H, K]``, ``α̂ [B, T, H, K]`` and the final ``A [B, H, K, K]``, in the compute dtype.
+        ``k̂ [B, T, H, K]``, the write directions ``[B, T, H, K]`` and the final ``A [B, H, K, K]``, in the
+        compute dtype.
     """
     dtype = compute_dtype(k, u, A_init)
     B, T, H, K = k.shape
@@ -33,7 +40,7 @@ def vla_gates_naive(
         A = A - z[..., :, None] * z[..., None, :] / (1 + (u[:, t] * z).sum(-1))[..., None, None]
         a = (A @ k_hat[..., None]).squeeze(-1)
         k_hats.append(k_hat)
-        alphas.append(a / a.norm(dim=-1, keepdim=True))
+        alphas.append(a / a.norm(dim=-1, keepdim=True) if normalize_write else a)
     empty = k.new_zeros(B, 0, H, K)
     k_hat = torch.stack(k_hats, 1) if T else empty
     alpha = torch.stack(alphas, 1) if T else empty
@@ -50,6 +57,7 @@ def vla_naive(
     normalize_output: bool = True,
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False,
+    normalize_write: bool = True,
 ):
     """VLA by its recurrence. ``q, k, u [B, T, H, K]``, ``v [B, T, H, V]``,
     ``initial_state = (S [B, H, V, K], A [B, H, K, K], n [B, H, K])``. Returns ``(o [B, T, H, V], state)``
@@ -62,7 +70,7 @@ def vla_naive(
         S, A_init, n = q.new_zeros(B, H, V, K), None, q.new_zeros(B, H, K)
     else:
         S, A_init, n = (s.to(dtype) for s in initial_state)
-    k_hat, alpha, A = vla_gates_naive(k, u, lam0, A_init)
+    k_hat, alpha, A = vla_gates_naive(k, u, lam0, A_init, normalize_write)
     outputs = []
     for t in range(T):
         Sk = (S @ k_hat[:, t, :, :, None]).squeeze(-1)

@@ -1,16 +1,19 @@
-"""VLA's Triton kernels as PyTorch operators: ``attnkit::vla_gates_fwd`` / ``_bwd`` (the write directions
-``α̂``), ``attnkit::vla_normalize_fwd`` / ``_bwd`` (the output's normaliser), each with an autograd registration,
-and ``attnkit::vla_decode``. The ``S`` update is the shared generalised
-delta rule, ``attnkit/ops/common/delta_parallel.py``."""
+"""VLA's Triton kernels as PyTorch operators, each with an autograd registration: ``attnkit::vla_unit_keys``
+(``k̂``), ``attnkit::vla_write_fwd`` / ``_bwd`` (the write directions ``α̂`` with the chunks' penalties;
+``attnkit::vla_gates_fwd`` / ``_bwd`` are its per-chunk kernels alone), ``attnkit::vla_normalize_fwd`` / ``_bwd``
+(the output's normaliser); and ``attnkit::vla_decode``. The ``S`` update is the shared generalised delta rule,
+``attnkit/ops/common/delta_parallel.py``; :func:`vla_triton` chains them."""
 
 from __future__ import annotations
 
 import torch
 
+from attnkit.ops.common import delta_parallel
 from attnkit.ops.common.triton_utils import interpreting
-from attnkit.ops.common.utils import autocast_off
+from attnkit.ops.common.utils import autocast_off, compute_dtype
 from attnkit.ops.vla.triton.decode import vla_decode_fn
-from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
+from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn, vla_write_bwd_fn, vla_write_fwd_fn
+from attnkit.ops.vla.triton.keys import unit_rows_bwd_fn, unit_rows_fwd_fn
 from attnkit.ops.vla.triton.normalize import normalize_bwd_fn, normalize_fwd_fn
 
 
@@ -27,17 +30,18 @@ def _precision() -> str:
 
 @torch.library.custom_op("attnkit::vla_gates_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def vla_gates_fwd_op(
-    k_hat: torch.Tensor, u: torch.Tensor, lam: torch.Tensor
+    k_hat: torch.Tensor, u: torch.Tensor, lam: torch.Tensor, normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``k_hat, u [B, H, NC·C, K]`` float32, ``lam [B, H, NC, K, K]`` (each chunk's penalty ``Λ_c``) ->
-    ``(alpha, A0, R, ‖a‖)``: the write directions and what the backward reuses."""
+    ``(alpha, A0, R, ‖a‖)``: the write directions (unit, or ``a = A k̂`` itself without ``normalize``) and what
+    the backward reuses."""
     chunk = k_hat.shape[2] // lam.shape[2]
     k_hat, u, lam = (x.contiguous() for x in (k_hat, u, lam))
-    return vla_gates_fwd_fn(k_hat, u, lam, chunk, _precision())
+    return vla_gates_fwd_fn(k_hat, u, lam, chunk, _precision(), normalize=normalize)
 
 
 @vla_gates_fwd_op.register_fake
-def _(k_hat, u, lam):
+def _(k_hat, u, lam, normalize=True):
     B, H, T, K = k_hat.shape
     f32 = dict(dtype=torch.float32)
     return (
@@ -56,83 +60,216 @@ def vla_gates_bwd_op(
     r: torch.Tensor,
     anorm: torch.Tensor,
     dalpha: torch.Tensor,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dk_hat, du, dlam)``: ``du`` holds the paths within each chunk; ``dlam`` carries the rest."""
     chunk = u.shape[2] // a0.shape[2]
     u, dalpha = u.contiguous(), dalpha.contiguous()
-    return vla_gates_bwd_fn(u, alpha, a0, r, anorm, dalpha, chunk, _precision())
+    return vla_gates_bwd_fn(u, alpha, a0, r, anorm, dalpha, chunk, _precision(), normalize=normalize)
 
 
 @vla_gates_bwd_op.register_fake
-def _(u, alpha, a0, r, anorm, dalpha):
+def _(u, alpha, a0, r, anorm, dalpha, normalize=True):
     return alpha.new_empty(alpha.shape), alpha.new_empty(alpha.shape), a0.new_empty(a0.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    _, u, _ = inputs
+    _, u, _, *rest = inputs
+    ctx.normalize = bool(rest[0]) if rest else True
     alpha, a0, r, anorm = output
     ctx.mark_non_differentiable(a0, r, anorm)
     ctx.set_materialize_grads(False)  # no zero fills for the saved tensors' gradients
     ctx.save_for_backward(u, alpha, a0, r, anorm)
-    ctx.dtypes = tuple(x.dtype for x in inputs)
+    ctx.dtypes = tuple(x.dtype for x in inputs[:3])
 
 
 def _backward(ctx, dalpha, *_):
     if dalpha is None:
-        return None, None, None
+        return None, None, None, None
     u, alpha, a0, r, anorm = ctx.saved_tensors
-    grads = vla_gates_bwd_op(u, alpha, a0, r, anorm, dalpha)
-    return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+    grads = vla_gates_bwd_op(u, alpha, a0, r, anorm, dalpha, ctx.normalize)
+    return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None)
 
 
 vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("attnkit::vla_unit_keys", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_unit_keys_op(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k [..., K]`` -> ``(k / ‖k‖, ‖k‖)`` in float32, row by row in one kernel."""
+    return unit_rows_fwd_fn(k.contiguous())
+
+
+@vla_unit_keys_op.register_fake
+def _(k):
+    return k.new_empty(k.shape, dtype=torch.float32), k.new_empty(k.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnkit::vla_unit_keys_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_unit_keys_bwd_op(
+    k_hat: torch.Tensor, norm: torch.Tensor, dk_hat: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``dk = (dk̂ − k̂ (k̂·dk̂)) / ‖k‖`` in ``dtype`` (``k``'s)."""
+    return unit_rows_bwd_fn(k_hat, norm, dk_hat.contiguous(), dtype)
+
+
+@vla_unit_keys_bwd_op.register_fake
+def _(k_hat, norm, dk_hat, dtype):
+    return k_hat.new_empty(k_hat.shape, dtype=dtype)
+
+
+def _setup_keys(ctx, inputs, output):
+    (k,) = inputs
+    k_hat, norm = output
+    ctx.mark_non_differentiable(norm)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(k_hat, norm)
+    ctx.dtype = k.dtype
+
+
+def _keys_backward(ctx, dk_hat, _):
+    if dk_hat is None:
+        return None
+    k_hat, norm = ctx.saved_tensors
+    return vla_unit_keys_bwd_op(k_hat, norm, dk_hat, ctx.dtype)
+
+
+vla_unit_keys_op.register_autograd(_keys_backward, setup_context=_setup_keys)
+
+
+@torch.library.custom_op("attnkit::vla_write_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_write_fwd_op(
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    lam_init: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    lam0: float,
+    chunk_size: int,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate stage in kernels alone: ``k_hat, u [B, H, T, K]`` float32, ``lam_init [N, H, K, K]`` (``A_init⁻¹``)
+    or None (``lam0·I``) -> ``(alpha, A_end, A0, R, ‖a‖)``; packed sequences in the same launches."""
+    k_hat, u = k_hat.contiguous(), u.contiguous()
+    lam_init = None if lam_init is None else lam_init.contiguous()
+    return vla_write_fwd_fn(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, _precision(), normalize)
+
+
+@vla_write_fwd_op.register_fake
+def _(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize):
+    B, H, T, K = k_hat.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    NC = -(-T // chunk_size) + (0 if cu_seqlens is None else N)
+    return (
+        k_hat.new_empty(B, H, T, K),
+        k_hat.new_empty(N, H, K, K),
+        k_hat.new_empty(B, H, NC, K, K),
+        k_hat.new_empty(B, H, T, K),
+        k_hat.new_empty(B, H, T),
+    )
+
+
+@torch.library.custom_op("attnkit::vla_write_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def vla_write_bwd_op(
+    u: torch.Tensor,
+    alpha: torch.Tensor,
+    a0: torch.Tensor,
+    r: torch.Tensor,
+    anorm: torch.Tensor,
+    a_end: torch.Tensor,
+    dalpha: torch.Tensor,
+    da_end: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dk_hat, du, dlam_init)``: every path, within and across chunks."""
+    u, dalpha = u.contiguous(), dalpha.contiguous()
+    da_end = None if da_end is None else da_end.contiguous()
+    return vla_write_bwd_fn(
+        u, alpha, a0, r, anorm, a_end, dalpha, da_end, cu_seqlens, chunk_size, _precision(), normalize
+    )
+
+
+@vla_write_bwd_op.register_fake
+def _(u, alpha, a0, r, anorm, a_end, dalpha, da_end, cu_seqlens, chunk_size, normalize):
+    return u.new_empty(u.shape), u.new_empty(u.shape), a_end.new_empty(a_end.shape)
+
+
+def _setup_write(ctx, inputs, output):
+    _, u, lam_init, cu_seqlens, _, chunk_size, normalize = inputs
+    ctx.has_init = lam_init is not None
+    alpha, a_end, a0, r, anorm = output
+    ctx.mark_non_differentiable(a0, r, anorm)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(u, alpha, a0, r, anorm, a_end)
+    ctx.cu_seqlens, ctx.chunk_size, ctx.normalize = cu_seqlens, chunk_size, normalize
+
+
+def _write_backward(ctx, dalpha, da_end, *_):
+    if dalpha is None and da_end is None:
+        return (None,) * 7
+    u, alpha, a0, r, anorm, a_end = ctx.saved_tensors
+    dalpha = torch.zeros_like(alpha) if dalpha is None else dalpha
+    dk_hat, du, dlam_init = vla_write_bwd_op(
+        u, alpha, a0, r, anorm, a_end, dalpha, da_end, ctx.cu_seqlens, ctx.chunk_size, ctx.normalize
+    )
+    return dk_hat, du, dlam_init if ctx.has_init else None, None, None, None, None
+
+
+vla_write_fwd_op.register_autograd(_write_backward, setup_context=_setup_write)
+
+
 @autocast_off
 def vla_gates_triton(
-    k_hat: torch.Tensor, u: torch.Tensor, lam0: float, A_init: torch.Tensor | None, chunk_size: int
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    lam0: float,
+    A_init: torch.Tensor | None,
+    chunk_size: int,
+    normalize_write: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attnkit.ops.vla.torch_impl.vla_chunk_gates` through the kernels (same arguments and results).
+    """:func:`attnkit.ops.vla.torch_impl.vla_chunk_gates` through the kernels (same arguments and results; ``T``
+    need not fill whole chunks), ``cu_seqlens``: packed sequences (``B == 1``, ``A_init`` and the final ``A`` one
+    per sequence), all in the same launches.
 
-    The penalty at every chunk's start, ``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU``, is a cumulative sum of
-    Gram matrices computed here, in PyTorch, so that autograd takes ``dΛ_c`` from the backward kernel back to the
-    earlier chunks' ``u`` and to ``A_init``; ``A_init⁻¹`` and the final ``A`` are inverted in float64 (one
-    ``K×K`` matrix per sequence and head). Autocast does not apply: the Gram sums are the penalties inverted.
+    The penalty at every chunk's start, ``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU``, and the final
+    ``A = Λ_end⁻¹`` come from one kernel walking each sequence's chunks; the backward's kernel walks them back,
+    carrying ``dΛ`` to the earlier chunks' ``u`` and to ``A_init``. ``A_init⁻¹`` is inverted in float64, in
+    PyTorch (one ``K×K`` matrix per sequence and head). Autocast does not apply: the Gram sums are the penalties
+    inverted.
     """
-    B, H, TP, K = k_hat.shape
-    NC = TP // chunk_size
-    U = u.reshape(B, H, NC, chunk_size, K)
-    gram = U.transpose(-1, -2) @ U
-    through = gram.cumsum(2)  # the Gram sums up to each chunk's end; up to its start is `through - gram`
-    if A_init is None:
-        lam_init = torch.eye(K, dtype=u.dtype, device=u.device) * lam0
-    else:
-        lam_init = torch.linalg.inv(0.5 * (A_init + A_init.transpose(-1, -2)).double()).to(u.dtype)
-    alpha, *_ = vla_gates_fwd_op(k_hat, u, lam_init.unsqueeze(-3) + (through - gram))
-    lam_end = (lam_init + through[:, :, -1]).double()
-    A_end = torch.linalg.inv(0.5 * (lam_end + lam_end.transpose(-1, -2))).to(u.dtype)
-    return alpha, A_end
+    lam_init = None
+    if A_init is not None:
+        lam_init = torch.linalg.inv_ex(0.5 * (A_init + A_init.transpose(-1, -2)).double())[0].to(u.dtype)
+    alpha, A_end, *_ = vla_write_fwd_op(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize_write)
+    return alpha, A_end.to(u.dtype)
 
 
 @torch.library.custom_op("attnkit::vla_normalize_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def vla_normalize_fwd_op(
-    r: torch.Tensor, q: torch.Tensor, k: torch.Tensor, n0: torch.Tensor, eps: float
+    r: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    n0: torch.Tensor,
+    eps: float,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``r [B, H, T, V]`` (``S_t q_t``), ``q, k [B, H, T, K]``, ``n0 [B, H, K]`` -> ``(o [B, T, H, V], n_T, den,
+    """``r [B, H, T, V]`` (``S_t q_t``), ``q, k [B, H, T, K]``, ``n0 [N, H, K]`` -> ``(o [B, T, H, V], n_T, den,
     starts)``: the normalised output in ``r.dtype`` and ``n`` after the last token (float32), then what the
-    backward reuses."""
+    backward reuses. ``cu_seqlens``: packed sequences in the same launches."""
     r, q, k = (x.contiguous() for x in (r, q, k))
-    return normalize_fwd_fn(r, q, k, n0, eps, gates_chunk_size())
+    return normalize_fwd_fn(r, q, k, n0, eps, gates_chunk_size(), cu_seqlens)
 
 
 @vla_normalize_fwd_op.register_fake
-def _(r, q, k, n0, eps):
+def _(r, q, k, n0, eps, cu_seqlens=None):
     B, H, T, K = k.shape
-    NC = -(-T // gates_chunk_size())
+    NC = -(-T // gates_chunk_size()) + (0 if cu_seqlens is None else cu_seqlens.shape[0] - 1)
     f32 = dict(dtype=torch.float32)
     return (
         r.new_empty(B, T, H, r.shape[-1]),
-        k.new_empty(B, H, K, **f32),
+        k.new_empty(n0.shape, **f32),
         k.new_empty(B, H, T, **f32),
         k.new_empty(B, H, NC, K, **f32),
     )
@@ -148,21 +285,24 @@ def vla_normalize_bwd_op(
     do: torch.Tensor,
     dn_end: torch.Tensor | None,
     eps: float,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dr, dq, dk, dn0)``."""
     r, q, k, do = (x.contiguous() for x in (r, q, k, do))
-    return normalize_bwd_fn(r, q, k, den, starts, do, dn_end, eps, gates_chunk_size())
+    return normalize_bwd_fn(r, q, k, den, starts, do, dn_end, eps, gates_chunk_size(), cu_seqlens)
 
 
 @vla_normalize_bwd_op.register_fake
-def _(r, q, k, den, starts, do, dn_end, eps):
+def _(r, q, k, den, starts, do, dn_end, eps, cu_seqlens=None):
     B, H, _, K = k.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     f32 = dict(dtype=torch.float32)
-    return r.new_empty(r.shape), q.new_empty(q.shape), k.new_empty(k.shape, **f32), k.new_empty(B, H, K, **f32)
+    return r.new_empty(r.shape), q.new_empty(q.shape), k.new_empty(k.shape, **f32), k.new_empty(N, H, K, **f32)
 
 
 def _setup_normalize(ctx, inputs, output):
-    r, q, k, n0, eps = inputs
+    r, q, k, n0, eps, *rest = inputs
+    ctx.cu_seqlens = rest[0] if rest else None
     _, _, den, starts = output
     ctx.mark_non_differentiable(den, starts)
     ctx.set_materialize_grads(False)
@@ -172,24 +312,30 @@ def _setup_normalize(ctx, inputs, output):
 
 def _normalize_backward(ctx, do, dn_end, *_):
     if do is None and dn_end is None:
-        return (None,) * 5
+        return (None,) * 6
     r, q, k, den, starts = ctx.saved_tensors
     if do is None:
         B, H, T, V = r.shape
         do = r.new_zeros(B, T, H, V)
-    dr, dq, dk, dn0 = vla_normalize_bwd_op(r, q, k, den, starts, do, dn_end, ctx.eps)
-    return dr, dq, dk.to(ctx.dtypes[0]), dn0.to(ctx.dtypes[1]), None
+    dr, dq, dk, dn0 = vla_normalize_bwd_op(r, q, k, den, starts, do, dn_end, ctx.eps, ctx.cu_seqlens)
+    return dr, dq, dk.to(ctx.dtypes[0]), dn0.to(ctx.dtypes[1]), None, None
 
 
 vla_normalize_fwd_op.register_autograd(_normalize_backward, setup_context=_setup_normalize)
 
 
 def vla_normalize_triton(
-    o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, n0: torch.Tensor, eps: float
+    o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    n0: torch.Tensor,
+    eps: float,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``o [B, H, T, V]`` (``S_t q_t``) divided by ``max(q_t·n_t, eps)``, ``n_t = n0 + Σ_{s≤t} k_s``: returns the
-    result as ``[B, T, H, V]`` in ``o.dtype`` and ``n_T`` in ``n0``'s dtype."""
-    out, n_end, *_ = vla_normalize_fwd_op(o, q, k, n0, eps)
+    result as ``[B, T, H, V]`` in ``o.dtype`` and ``n_T`` in ``n0``'s dtype; ``cu_seqlens``: packed sequences
+    (``n0`` one per sequence)."""
+    out, n_end, *_ = vla_normalize_fwd_op(o, q, k, n0, eps, cu_seqlens)
     return out, n_end.to(n0.dtype)
 
 
@@ -204,13 +350,51 @@ def vla_decode_op(
     n: torch.Tensor,
     eps: float,
     normalize_output: bool,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoding step on validated inputs (see :func:`attnkit.ops.vla.vla_decode_step`); float32 states.
     Inference only: no autograd formula is registered (the PyTorch step has one)."""
-    return vla_decode_fn(q, k, v, u, S, A, n, eps, normalize_output)
+    return vla_decode_fn(q, k, v, u, S, A, n, eps, normalize_output, normalize_write)
 
 
 @vla_decode_op.register_fake
-def _(q, k, v, u, S, A, n, eps, normalize_output):
+def _(q, k, v, u, S, A, n, eps, normalize_output, normalize_write=True):
     B, _, H, _ = k.shape
     return v.new_empty(B, 1, H, v.shape[-1]), S.new_empty(S.shape), A.new_empty(A.shape), n.new_empty(n.shape)
+
+
+def vla_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    u: torch.Tensor,
+    lam0: float,
+    eps: float,
+    normalize_output: bool,
+    normalize_write: bool,
+    initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """VLA through the kernels (inputs trusted, ``T > 0``; see ``vla_attention``): the gates, the ``S`` update and
+    the normaliser, each one launch per kernel for a whole batch or all packed sequences (``cu_seqlens``, no host
+    sync). Returns ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)``, one per sequence."""
+    dtype = compute_dtype(q, k, v, u, *(initial_state or ()))
+    B, T, H, K = k.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    out_dtype = v.dtype
+    # The kernels' contiguous [B, H, T, ·] layout, one copy per input: q and v in their own dtype (the kernels
+    # read them as given, float32 inside), k and u widened on the way; every later step is then contiguous.
+    q, v = (x.transpose(1, 2).contiguous() for x in (q, v))
+    k, u = (x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for x in (k, u))
+    if initial_state is None:
+        S0, A_init, n0 = None, None, k.new_zeros(N, H, K)
+    else:
+        S0, A_init, n0 = (s.to(dtype) for s in initial_state)
+    k_hat = vla_unit_keys_op(k)[0]
+    alpha, A_end = vla_gates_triton(k_hat, u, lam0, A_init, gates_chunk_size(), normalize_write, cu_seqlens)
+    # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
+    o, S_end = delta_parallel.delta_rule_triton(q, k_hat, v, alpha, S0, out_dtype.itemsize == 2, cu_seqlens)
+    out, n_end = vla_normalize_triton(o, q, k, n0, eps, cu_seqlens)
+    if not normalize_output:
+        out = o.transpose(1, 2)  # the normaliser's kernels then give n_T alone
+    return out.to(out_dtype), (S_end, A_end, n_end)

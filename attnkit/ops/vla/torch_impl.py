@@ -21,9 +21,15 @@ CHUNK_SIZE = 64
 
 @autocast_off
 def vla_chunk_gates(
-    k_hat: torch.Tensor, u: torch.Tensor, lam0: float, A_init: torch.Tensor | None, chunk_size: int
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    lam0: float,
+    A_init: torch.Tensor | None,
+    chunk_size: int,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The write directions ``α̂_t = A_t k̂_t / ‖A_t k̂_t‖`` of a whole sequence, chunk-parallel.
+    """The write directions ``α̂_t = A_t k̂_t / ‖A_t k̂_t‖`` of a whole sequence, chunk-parallel (``a_t = A_t k̂_t``
+    unnormalised when ``normalize_write`` is false).
 
     Args:
         k_hat, u: ``[B, H, NC * C, K]``, padded to whole chunks (padding rows of ``u`` must be zero and
@@ -64,7 +70,7 @@ def vla_chunk_gates(
     L = torch.linalg.cholesky(eye_c + M @ U.transpose(-1, -2))
     R = torch.linalg.solve_triangular(L, M, upper=False)
     a = KH @ A0 - (KH @ R.transpose(-1, -2)).tril() @ R
-    alpha = a / a.norm(dim=-1, keepdim=True)
+    alpha = a / a.norm(dim=-1, keepdim=True) if normalize_write else a
     return alpha.reshape(B, H, TP, K), A_all[:, :, NC]
 
 
@@ -78,21 +84,16 @@ def vla_chunk(
     normalize_output: bool,
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     chunk_size: int = CHUNK_SIZE,
-    delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     gates: Callable[..., tuple[torch.Tensor, torch.Tensor]] = vla_chunk_gates,
-    normalize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Dense VLA (inputs trusted, see ``vla_attention``).
 
     Args:
         q, k, u: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
         initial_state: ``(S [B, H, V, K], A [B, H, K, K], n [B, H, K])`` or ``None``.
-        delta_rule: ``(q, k̂, v, α̂, S0) -> (o, S_T)`` on ``[B, H, T, ·]`` tensors; the PyTorch
-            :func:`chunk_generalized_delta_rule` by default, the Triton kernels for ``backend="triton"``.
-        gates: ``(k̂, u, lam0, A_init, chunk_size) -> (α̂, A_T)`` as :func:`vla_chunk_gates` (the default), or
-            the Triton kernels' ``vla_gates_triton``.
-        normalize: ``(o [B, H, T, V], q, k, n0, eps) -> (o [B, T, H, V] normalised, n_T)`` in place of the
-            PyTorch normaliser (the Triton kernels' ``vla_normalize_triton``).
+        gates: ``(k̂, u, lam0, A_init, chunk_size) -> (α̂, A_T)`` as :func:`vla_chunk_gates` (the default; called
+            with ``normalize_write=False`` as well for the ablation), on ``k̂`` padded to whole chunks.
 
     Returns:
         ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)`` in float32 (float64 for float64 inputs).
@@ -100,20 +101,16 @@ def vla_chunk(
     dtype = compute_dtype(q, k, v, u, *(initial_state or ()))
     B, T, H, K = k.shape
     V, out_dtype = v.shape[-1], v.dtype
-    if delta_rule is None:
-        q, k, v, u = (x.to(dtype).transpose(1, 2) for x in (q, k, v, u))
-    else:
-        # The kernels' contiguous [B, H, T, ·] layout, one copy per input: q and v in their own dtype (the kernels
-        # read them as given, float32 inside), k and u widened on the way; every later step is then contiguous.
-        q, v = (x.transpose(1, 2).contiguous() for x in (q, v))
-        k, u = (x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for x in (k, u))
+    q, k, v, u = (x.to(dtype).transpose(1, 2) for x in (q, k, v, u))
     if initial_state is None:
         S0, A_init, n0 = None, None, k.new_zeros(B, H, K)
     else:
         S0, A_init, n0 = (s.to(dtype) for s in initial_state)
     if T == 0:
         S_end = k.new_zeros(B, H, V, K) if S0 is None else S0
-        A_end = torch.eye(K, dtype=dtype, device=k.device).repeat(B, H, 1, 1) / lam0 if A_init is None else A_init
+        # A_init's symmetric part, the only part a non-empty sequence reads (as the loop of naive.py)
+        eye = torch.eye(K, dtype=dtype, device=k.device)
+        A_end = eye.repeat(B, H, 1, 1) / lam0 if A_init is None else 0.5 * (A_init + A_init.transpose(-1, -2))
         # empty, but on the inputs' graph, so that a backward through it gives empty gradients
         on_graph = (q.sum() + k.sum() + v.sum() + u.sum()).to(out_dtype)
         return v.new_zeros(B, 0, H, V, dtype=out_dtype) + on_graph, (S_end, A_end, n0)
@@ -125,18 +122,12 @@ def vla_chunk(
         # u = 0 leaves A unchanged; any unit k̂ keeps α̂ finite, and the padded α̂ rows are zeroed below.
         k_hat = torch.cat([k_hat, k_hat.new_full((B, H, pad, K), K**-0.5)], 2)
         u = F.pad(u, (0, 0, 0, pad))
-    alpha, A_end = gates(k_hat, u, lam0, A_init, C)
+    alpha, A_end = gates(k_hat, u, lam0, A_init, C, **({} if normalize_write else {"normalize_write": False}))
     if pad:
         alpha = alpha[:, :, :T]
         k_hat = k_hat[:, :, :T]
 
-    if delta_rule is None:
-        o, S_end = chunk_generalized_delta_rule(q, k_hat, v, alpha, S0, C)
-    else:
-        o, S_end = delta_rule(q, k_hat, v, alpha, S0)
-    if normalize is not None and normalize_output:
-        o, n_end = normalize(o, q, k, n0, eps)
-        return o.to(out_dtype), (S_end, A_end, n_end)
+    o, S_end = chunk_generalized_delta_rule(q, k_hat, v, alpha, S0, C)
     n = n0.unsqueeze(2) + k.cumsum(2)
     if normalize_output:
         o = o / (n * q).sum(-1, keepdim=True).clamp_min(eps)

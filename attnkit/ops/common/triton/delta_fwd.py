@@ -4,7 +4,9 @@ Chunks of ``BT`` tokens, with the state kept as ``h = Sᵀ`` (``[K, V]``). Per c
 ``README.md``, "The S update"): ``T = (I + strict_tril(K Aᵀ))⁻¹`` by forward substitution, ``W = T K``, ``Ũ = T V``;
 across chunks, sequentially, ``U = Ũ − W h``, ``h ← h + Aᵀ U``; then per chunk ``O = Q h + tril(Q Aᵀ) U``.
 Three kernels: prepare (parallel over chunks), state (sequential over chunks, parallel over heads and value
-blocks), output (parallel over chunks). Tensors are ``[B, H, T, ·]`` contiguous, ``B·H`` flattened.
+blocks), output (parallel over chunks). Tensors are ``[B, H, T, ·]`` contiguous, ``B·H`` flattened; packed
+sequences (``cu_seqlens``, ``B == 1``) run in the same launches, each chunk within one sequence (the
+sequences' first chunks computed on the device, :func:`chunk_layout`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnkit.ops.common.triton_seq import locate_block
 from attnkit.ops.common.triton_utils import block_dim
 
 
@@ -34,71 +37,142 @@ def unit_lower_inverse(b_z, BT: tl.constexpr):
 
 
 @triton.jit
-def chunk_tiles(i_c, i_bh, T, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    """Offsets and masks ``(p_k, m_k, p_v, m_v)`` of the ``[BT, ·K]`` and ``[BT, ·V]`` row tiles of chunk ``i_c`` of
-    head ``i_bh`` in ``[BH, T, ·]`` tensors (64-bit offsets; rows past ``T`` masked)."""
+def seq_tiles(row0, i_c, length, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Offsets and masks ``(p_k, m_k, p_v, m_v)`` of the ``[BT, ·K]`` and ``[BT, ·V]`` row tiles of chunk ``i_c`` of a
+    sequence whose first row is ``row0`` (64-bit) in ``[rows, ·]`` tensors; positions past ``length`` masked."""
     o_t = i_c * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    rows = i_bh.to(tl.int64) * T + o_t
+    m_t = o_t < length
+    rows = row0 + o_t
     p_k = rows[:, None] * K + o_k[None, :]
     p_v = rows[:, None] * V + o_v[None, :]
     return p_k, m_t[:, None] & (o_k < K)[None, :], p_v, m_t[:, None] & (o_v < V)[None, :]
 
 
 @triton.jit
-def t_block(i_c, i_bh, T, bi, bj, BT: tl.constexpr, SB: tl.constexpr):
-    """Offsets and mask of block ``(bi, bj)`` (``SB × SB``) of chunk ``i_c``'s ``T`` in a ``[BH, T, BT]`` tensor."""
+def chunk_tiles(i_c, i_bh, T, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """:func:`seq_tiles` of chunk ``i_c`` of head ``i_bh`` in dense ``[BH, T, ·]`` tensors."""
+    return seq_tiles(i_bh.to(tl.int64) * T, i_c, T, o_k, o_v, K, V, BT)
+
+
+@triton.jit
+def chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
+    """Where program ``(i_p, i_bh)`` of a launch over chunks works, as ``(row0, length, i_c)``: the first row of its
+    sequence in ``[BH, T]`` rows, the sequence's length and the chunk's index in it. Dense: chunk ``i_p`` of row
+    ``i_bh``. Packed (``B == 1``, ``i_bh`` the head): the ``i_p``-th chunk of all sequences together (its per-chunk
+    slot is ``i_p`` in both cases), found in ``offsets`` (:func:`chunk_offsets`); length 0 past the last chunk."""
+    if IS_VARLEN:
+        i_n, i_c = locate_block(offsets, i_p, N, LOG_N)
+        i_s = tl.minimum(i_n, N - 1)
+        bos = tl.load(cu_seqlens + i_s).to(tl.int64)
+        length = tl.where(i_n < N, tl.load(cu_seqlens + i_s + 1).to(tl.int64) - bos, 0).to(tl.int32)
+        return i_bh.to(tl.int64) * T + bos, length, i_c
+    return i_bh.to(tl.int64) * T, T, i_p
+
+
+@triton.jit
+def seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN: tl.constexpr):
+    """The sequence of program ``i_nh = n·H + h`` of a launch over (sequence, head), as ``(row0, length, c0, i_bh)``:
+    the first row of the sequence in ``[BH, T]`` rows, its length, the per-chunk slot of its first chunk and the
+    row block ``i_bh`` of its slots (``i_nh`` dense; the head when packed)."""
+    if IS_VARLEN:
+        i_n, i_h = i_nh // H, i_nh % H
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        length = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        return i_h.to(tl.int64) * T + bos, length, tl.load(offsets + i_n), i_h
+    return i_nh.to(tl.int64) * T, T, 0, i_nh
+
+
+@triton.jit
+def chunk_offsets_kernel(cu_seqlens, offsets, N, BT: tl.constexpr, BN: tl.constexpr):
+    """``offsets [N + 1]`` int32: the first chunk of each packed sequence in chunks of ``BT`` (the last entry the
+    total), on the device in one program. Grid ``(1,)``."""
+    carry = tl.zeros([], dtype=tl.int32)
+    tl.store(offsets, carry)
+    for start in range(0, N, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < N
+        lengths = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
+        counts = tl.where(m_n, (lengths.to(tl.int32) + BT - 1) // BT, 0)
+        tl.store(offsets + o_n + 1, carry + tl.cumsum(counts, 0), mask=m_n)
+        carry += tl.sum(counts, 0)
+
+
+def chunk_layout(
+    cu_seqlens: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    chunk_size: int,
+    offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, int, dict]:
+    """What a launch over chunks needs, with no host sync: ``(offsets, NC, varlen)`` where ``offsets`` are the
+    sequences' first chunks (:func:`chunk_offsets_kernel`, unless given: the forward's; None for a dense batch),
+    ``NC`` the chunk slots per row (``⌈T / C⌉``, plus one per sequence when packed: a bound, the rest stay unused)
+    and ``varlen`` the kernels' ``cu_seqlens``, ``offsets``, ``N``, ``IS_VARLEN`` and ``LOG_N`` arguments."""
+    NC = triton.cdiv(seq_len, chunk_size)
+    if cu_seqlens is None:
+        return None, NC, dict(cu_seqlens=None, offsets=None, N=batch, IS_VARLEN=False, LOG_N=1)
+    N = cu_seqlens.numel() - 1
+    if offsets is None:
+        offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
+        chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, BT=chunk_size, BN=1024)
+    return offsets, NC + N, dict(cu_seqlens=cu_seqlens, offsets=offsets, N=N, IS_VARLEN=True, LOG_N=N.bit_length())
+
+
+@triton.jit
+def t_block(row0, i_c, length, bi, bj, BT: tl.constexpr, SB: tl.constexpr):
+    """Offsets and mask of block ``(bi, bj)`` (``SB × SB``) of chunk ``i_c``'s ``T`` in a ``[rows, BT]`` tensor, for
+    the sequence whose first row is ``row0``."""
     o_r = i_c * BT + bi * SB + tl.arange(0, SB)
     o_c = bj * SB + tl.arange(0, SB)
-    return (i_bh.to(tl.int64) * T + o_r)[:, None] * BT + o_c[None, :], (o_r < T)[:, None] & (o_c < BT)[None, :]
+    return (row0 + o_r)[:, None] * BT + o_c[None, :], (o_r < length)[:, None] & (o_c < BT)[None, :]
 
 
 @triton.jit
 def delta_prepare_kernel(
-    k, a, v, w_out, u_out, t_out, T,
+    k, a, v, w_out, u_out, t_out, cu_seqlens, offsets, T, N,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
 ):  # fmt: skip
     """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by
     row (``t_out [BH, T, BT]``, also for the backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
-    (``u_out [BH, T, V]``), float32. Grid ``(chunks, BH)``.
+    (``u_out [BH, T, V]``), float32. Grid ``(chunk slots, BH)`` (:func:`chunk_program`).
 
     ``T`` by blocks of ``SB`` rows: the diagonal blocks by forward substitution (``SB`` steps on an ``SB × SB``
     tile), then ``T_ij = −T_ii Σ_{j≤k<i} Z_ik T_kj`` by products, reading the earlier block rows back from
     ``t_out`` (the program's own writes, behind a barrier). The solve's products are float32-accurate
     (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its
     entries are large."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    row0, L, i_c = chunk_program(cu_seqlens, offsets, tl.program_id(0), tl.program_id(1), T, N, IS_VARLEN, LOG_N)
     NB: tl.constexpr = BT // SB
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     o_s = tl.arange(0, SB)
     for bi in tl.static_range(NB):
-        p_i, m_i, _, _ = chunk_tiles(i_c * NB + bi, i_bh, T, o_k, o_k, K, K, SB)
+        p_i, m_i, _, _ = seq_tiles(row0, i_c * NB + bi, L, o_k, o_k, K, K, SB)
         b_ki = tl.load(k + p_i, mask=m_i, other=0.0).to(tl.float32)
         b_ai = tl.load(a + p_i, mask=m_i, other=0.0).to(tl.float32)
         # Zᵀ of the diagonal block: a_r · k_c for r < c
         b_zt = tl.dot(b_ai, tl.trans(b_ki), input_precision=SOLVE_PRECISION)
         b_zt = tl.where(o_s[:, None] < o_s[None, :], b_zt, 0.0)
         b_tii = unit_lower_inverse(b_zt, SB)
-        p_t, m_t = t_block(i_c, i_bh, T, bi, bi, BT, SB)
+        p_t, m_t = t_block(row0, i_c, L, bi, bi, BT, SB)
         tl.store(t_out + p_t, b_tii, mask=m_t)
         for bj in tl.static_range(bi):
             b_acc = tl.zeros([SB, SB], dtype=tl.float32)
             for bk in tl.static_range(bj, bi):
-                p_kk, m_kk, _, _ = chunk_tiles(i_c * NB + bk, i_bh, T, o_k, o_k, K, K, SB)
+                p_kk, m_kk, _, _ = seq_tiles(row0, i_c * NB + bk, L, o_k, o_k, K, K, SB)
                 b_ak = tl.load(a + p_kk, mask=m_kk, other=0.0).to(tl.float32)
                 b_zik = tl.dot(b_ki, tl.trans(b_ak), input_precision=SOLVE_PRECISION)  # Z_ik = K_i A_kᵀ
-                p_t, m_t = t_block(i_c, i_bh, T, bk, bj, BT, SB)
+                p_t, m_t = t_block(row0, i_c, L, bk, bj, BT, SB)
                 b_tkj = tl.load(t_out + p_t, mask=m_t, other=0.0)
                 b_acc += tl.dot(b_zik, b_tkj, input_precision=SOLVE_PRECISION)
-            p_t, m_t = t_block(i_c, i_bh, T, bi, bj, BT, SB)
+            p_t, m_t = t_block(row0, i_c, L, bi, bj, BT, SB)
             tl.store(t_out + p_t, -tl.dot(b_tii, b_acc, input_precision=SOLVE_PRECISION), mask=m_t)
         for bj in tl.static_range(bi + 1, NB):
-            p_t, m_t = t_block(i_c, i_bh, T, bi, bj, BT, SB)
+            p_t, m_t = t_block(row0, i_c, L, bi, bj, BT, SB)
             tl.store(t_out + p_t, tl.zeros([SB, SB], dtype=tl.float32), mask=m_t)
         tl.debug_barrier()
-    p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
-    p_t, m_t, _, _ = chunk_tiles(i_c, i_bh, T, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
+    p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+    p_t, m_t, _, _ = seq_tiles(row0, i_c, L, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
     b_t = tl.load(t_out + p_t, mask=m_t, other=0.0)
     b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
@@ -108,27 +182,28 @@ def delta_prepare_kernel(
 
 @triton.jit
 def delta_fwd_state_kernel(
-    w, u, a, h0, hs, u_new, ht, T, NC,
+    w, u, a, h0, hs, u_new, ht, cu_seqlens, offsets, T, NC, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_H0: tl.constexpr, PRECISION: tl.constexpr,
+    USE_H0: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The sequential part. ``w [BH, T, K]``, ``u [BH, T, V]`` float32 from the prepare kernel, ``a [BH, T, K]``,
-    ``h0 [BH, V, K]`` (``S_0``) -> ``hs [BH, NC, K, V]`` (the state at each chunk's start, float32),
-    ``u_new [BH, T, V]`` (``U = Ũ − W h``, float32), ``ht [BH, V, K]`` float32 (the final ``S``). Grid
-    ``(value blocks, BH)``."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    ``h0 [NH, V, K]`` (``S_0`` of each sequence and head) -> ``hs [BH, NC, K, V]`` (the state at each chunk's start,
+    float32), ``u_new [BH, T, V]`` (``U = Ũ − W h``, float32), ``ht [NH, V, K]`` float32 (the final ``S``). Grid
+    ``(value blocks, NH)`` (:func:`seq_program`)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    row0, L, c0, i_bh = seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    p_state = i_bh.to(tl.int64) * V * K + o_v[None, :] * K + o_k[:, None]  # [K, V] view of an [V, K] state
+    p_state = i_nh.to(tl.int64) * V * K + o_v[None, :] * K + o_k[:, None]  # [K, V] view of an [V, K] state
     if USE_H0:
         b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_c in range(0, NC):
-        p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+    for i_c in range(0, tl.cdiv(L, BT)):
+        p_hs = (i_bh.to(tl.int64) * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(hs + p_hs, b_h, mask=m_kv)
-        p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+        p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_u = tl.load(u + p_v, mask=m_v, other=0.0) - tl.dot(b_w, b_h, input_precision=PRECISION)
@@ -139,20 +214,22 @@ def delta_fwd_state_kernel(
 
 @triton.jit
 def delta_fwd_output_kernel(
-    q, a, hs, u_new, o, T, NC,
+    q, a, hs, u_new, o, cu_seqlens, offsets, T, NC, N,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
 ):  # fmt: skip
     """``O = Q h + tril(Q Aᵀ) U`` per chunk: ``q, a [BH, T, K]``, ``hs``, ``u_new`` from the state kernel ->
-    ``o [BH, T, V]`` (its dtype). Grid ``(chunks, BH, value blocks)``."""
-    i_c, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ``o [BH, T, V]`` (its dtype). Grid ``(chunk slots, BH, value blocks)``."""
+    i_p, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    p_k, m_k, p_v, m_v = chunk_tiles(i_c, i_bh, T, o_k, o_v, K, V, BT)
+    p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
     b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_u = tl.load(u_new + p_v, mask=m_v, other=0.0)
-    p_hs = (i_bh.to(tl.int64) * NC + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_h = tl.load(hs + p_hs, mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+    p_hs = (i_bh.to(tl.int64) * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :] & (o_k * 0 + L > 0)[:, None]  # no state past the last chunk
+    b_h = tl.load(hs + p_hs, mask=m_kv, other=0.0)
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     b_qa = tl.where(rows >= cols, tl.dot(b_q, tl.trans(b_a), input_precision=PRECISION), 0.0)
@@ -186,13 +263,17 @@ def delta_fwd_fn(
     initial_state: torch.Tensor | None,
     chunk_size: int,
     precision: str,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``q, k, a [B, H, T, K]``, ``v [B, H, T, V]`` contiguous, ``initial_state [B, H, V, K]`` or None ->
-    ``(o [B, H, T, V] in v.dtype, S_T [B, H, V, K] float32, saved)`` where ``saved`` holds the chunk states, ``U``
-    and each chunk's ``T`` for the backward (float32, ``T·(V + BT + K·V/BT)`` numbers per head: linear in ``T``)."""
+    """``q, k, a [B, H, T, K]``, ``v [B, H, T, V]`` contiguous, ``initial_state [N, H, V, K]`` or None ->
+    ``(o [B, H, T, V] in v.dtype, S_T [N, H, V, K] float32, saved)`` where ``saved`` holds the chunk states, ``U``
+    and each chunk's ``T`` for the backward (float32, ``T·(V + BT + K·V/BT)`` numbers per head: linear in ``T``)
+    and the packed layout. ``cu_seqlens [N + 1]``: packed sequences (``B == 1``), each its own recurrence, all in
+    one launch per kernel."""
     B, H, T, K = k.shape
     V = v.shape[-1]
-    NC = triton.cdiv(T, chunk_size)
+    offsets, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size)
+    N = varlen["N"]
     BV_STATE, dims = launch_dims(K, V, chunk_size, precision)
     f32 = dict(dtype=torch.float32, device=k.device)
     w = torch.empty(B, H, T, K, **f32)
@@ -200,13 +281,19 @@ def delta_fwd_fn(
     tm = torch.empty(B, H, T, chunk_size, **f32)
     hs = torch.empty(B, H, NC, K, V, **f32)
     u_new = torch.empty(B, H, T, V, **f32)
-    ht = torch.empty(B, H, V, K, **f32)
+    ht = torch.empty(N, H, V, K, **f32)
     o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
     solve = "ieee" if precision == "ieee" else "tf32x3"
     BV = block_dim(V)
-    delta_prepare_kernel[(NC, B * H)](k, a, v, w, u, tm, T, BV=BV, SB=16, SOLVE_PRECISION=solve, **dims)
-    delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), B * H)](
-        w, u, a, initial_state, hs, u_new, ht, T, NC, BV=BV_STATE, USE_H0=initial_state is not None, **dims
-    )
-    delta_fwd_output_kernel[(NC, B * H, triton.cdiv(V, BV_STATE))](q, a, hs, u_new, o, T, NC, BV=BV_STATE, **dims)
-    return o, ht, {"w": w, "hs": hs, "u_new": u_new, "tm": tm}
+    delta_prepare_kernel[(NC, B * H)](
+        k, a, v, w, u, tm, T=T, BV=BV, SB=16, SOLVE_PRECISION=solve, **varlen, **dims
+    )  # fmt: skip
+    seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
+    delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), N * H)](
+        w, u, a, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=BV_STATE, USE_H0=initial_state is not None,
+        **seq, **dims,
+    )  # fmt: skip
+    delta_fwd_output_kernel[(NC, B * H, triton.cdiv(V, BV_STATE))](
+        q, a, hs, u_new, o, T=T, NC=NC, BV=BV_STATE, **varlen, **dims
+    )  # fmt: skip
+    return o, ht, {"w": w, "hs": hs, "u_new": u_new, "tm": tm, "offsets": offsets}

@@ -19,6 +19,7 @@ from attnkit.ops.common.triton_utils import block_dim
 def vla_decode_kernel(
     q, k, v, u, s_in, a_in, n_in, o, s_out, a_out, n_out, eps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr,
+    NORMALIZE_WRITE: tl.constexpr,
 ):  # fmt: skip
     """``q, k, u [BH, K]``, ``v [BH, V]``, states ``S [BH, V, K]``, ``A [BH, K, K]``, ``n [BH, K]`` float32 ->
     ``o [BH, V]`` and the new states (float32). Grid ``(BH,)``."""
@@ -43,7 +44,8 @@ def vla_decode_kernel(
     b_ak = tl.sum(b_a * b_kh[:, None], 0)
     b_c = 1.0 + tl.sum(b_u * b_z, 0)
     b_alpha = b_ak - b_z * (tl.sum(b_kh * b_z, 0) / b_c)
-    b_alpha = b_alpha / tl.sqrt(tl.sum(b_alpha * b_alpha, 0))
+    if NORMALIZE_WRITE:
+        b_alpha = b_alpha / tl.sqrt(tl.sum(b_alpha * b_alpha, 0))
     b_zs = b_z / tl.sqrt(b_c)
     tl.store(a_out + p_a, b_a - b_zs[:, None] * b_zs[None, :], mask=m_kk)
 
@@ -69,9 +71,11 @@ def vla_decode_fn(
     n: torch.Tensor,
     eps: float,
     normalize_output: bool,
+    normalize_write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q, k, u [B, 1, H, K]``, ``v [B, 1, H, V]``, float32 states ``S [B,H,V,K]``, ``A [B,H,K,K]``,
-    ``n [B,H,K]`` -> ``(o [B, 1, H, V] in v.dtype, S, A, n)`` (new float32 tensors)."""
+    ``n [B,H,K]`` -> ``(o [B, 1, H, V] in v.dtype, S, A, n)`` (new float32 tensors); ``normalize_write``: the
+    write direction is ``a / ‖a‖`` (else ``a``)."""
     B, _, H, K = k.shape
     V = v.shape[-1]
     q, k, v, u = (x.contiguous() for x in (q, k, v, u))
@@ -81,6 +85,7 @@ def vla_decode_fn(
     BK, BV = block_dim(K), block_dim(V)
     vla_decode_kernel[(B * H,)](
         q, k, v, u, S, A, n, o, s_out, a_out, n_out, eps,
-        K=K, V=V, BK=BK, BV=BV, NORMALIZE=normalize_output, num_warps=4 if max(BK, BV) <= 64 else 8,
+        K=K, V=V, BK=BK, BV=BV, NORMALIZE=normalize_output,
+        NORMALIZE_WRITE=normalize_write, num_warps=4 if max(BK, BV) <= 64 else 8,
     )  # fmt: skip
     return o, s_out, a_out, n_out

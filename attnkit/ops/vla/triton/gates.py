@@ -1,9 +1,11 @@
 """VLA's gates in fused kernels: the write directions ``α̂_t = A_t k̂_t / ‖A_t k̂_t‖`` of every token, forward and
 backward, one program per chunk (or per group of consecutive chunks in the forward).
 
-The caller (``vla_gates_triton`` in ``attnkit/ops/vla/parallel.py``) hands each chunk its penalty
-``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU`` (a cumulative sum of ``K×K`` Gram matrices, in PyTorch, so that
-autograd carries ``dΛ_c`` back to earlier chunks' ``u`` and to ``A_init``). Per chunk, in registers:
+Each chunk's penalty ``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU`` comes from :func:`gram_prefix_kernel`, one
+program per sequence and head walking its chunks (it also inverts the final penalty); its backward,
+:func:`gram_suffix_kernel`, walks them back and carries ``dΛ_c`` to the earlier chunks' ``u`` and to ``A_init``.
+Packed sequences (``cu_seqlens``) run in the same launches: chunk slots as ``chunk_program`` in
+``attnkit/ops/common/triton/delta_fwd.py``. Per chunk, in registers:
 
 - ``A0 = Λ_c⁻¹`` by the sweep operator (Gauss–Jordan without pivoting: ``Λ_c`` is symmetric positive definite),
   or, for the later chunks of a program's group, carried from the chunk before: ``A0 ← A0 − RᵀR``;
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.delta_fwd import chunk_tiles
+from attnkit.ops.common.triton.delta_fwd import chunk_layout, chunk_program, seq_program, seq_tiles
 from attnkit.ops.common.triton_utils import block_dim
 
 
@@ -51,43 +53,121 @@ def spd_inverse(b_m, BK: tl.constexpr):
 
 
 @triton.jit
+def padded_inverse(b_m, K: tl.constexpr, BK: tl.constexpr):
+    """``M⁻¹`` of the ``[K, K]`` SPD matrix held in the corner of a ``[BK, BK]`` tile of zeros."""
+    o_k = tl.arange(0, BK)
+    return spd_inverse(tl.where((o_k[:, None] == o_k[None, :]) & (o_k[:, None] >= K), 1.0, b_m), BK)
+
+
+@triton.jit
 def chunk_inverse(lam, i_c, i_bh, NC, K: tl.constexpr, BK: tl.constexpr):
     """``A0 = Λ_c⁻¹`` of chunk ``i_c`` of head ``i_bh`` from ``lam [BH, NC, K, K]``, and its offsets and mask."""
     o_k = tl.arange(0, BK)
     m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
     p_kk = (i_bh.to(tl.int64) * NC + i_c) * K * K + o_k[:, None] * K + o_k[None, :]
-    b_lam = tl.load(lam + p_kk, mask=m_kk, other=0.0)
-    b_lam = tl.where((o_k[:, None] == o_k[None, :]) & (o_k[:, None] >= K), 1.0, b_lam)
-    return spd_inverse(b_lam, BK), p_kk, m_kk
+    return padded_inverse(tl.load(lam + p_kk, mask=m_kk, other=0.0), K, BK), p_kk, m_kk
+
+
+@triton.jit
+def square_tile(i_nh, K: tl.constexpr, BK: tl.constexpr):
+    """``(o_k, m_kk, p_kk, p_state)``: the ``[BK, BK]`` tile's offsets, its mask, its offsets within one ``K×K``
+    matrix and within row ``i_nh`` of an ``[NH, K, K]`` tensor."""
+    o_k = tl.arange(0, BK)
+    p_kk = o_k[:, None] * K + o_k[None, :]
+    return o_k, (o_k < K)[:, None] & (o_k < K)[None, :], p_kk, i_nh.to(tl.int64) * K * K + p_kk
+
+
+@triton.jit
+def gram_prefix_kernel(
+    u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, H, lam0,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """The penalty at every chunk's start, ``lam [BH, NC, K, K]`` (``Λ_c = Λ_init + Σ_{chunks before c} UᵀU``), and
+    the final inverse penalty ``a_end [NH, K, K]`` (``Λ_end⁻¹`` by the sweep, symmetrised), float32, from
+    ``u [BH, T, K]`` and ``lam_init [NH, K, K]`` (``lam0·I`` without ``USE_INIT``). Grid ``(NH,)``: one program
+    per sequence and head walks its chunks."""
+    i_nh = tl.program_id(0)
+    row0, L, c0, i_bh = seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    o_k, m_kk, p_kk, p_state = square_tile(i_nh, K, BK)
+    if USE_INIT:
+        b_lam = tl.load(lam_init + p_state, mask=m_kk, other=0.0)
+    else:
+        b_lam = tl.where((o_k[:, None] == o_k[None, :]) & m_kk, lam0, 0.0)
+    for i_c in range(0, tl.cdiv(L, BT)):
+        tl.store(lam + (i_bh.to(tl.int64) * NC + c0 + i_c) * K * K + p_kk, b_lam, mask=m_kk)
+        p_k, m_k, _, _ = seq_tiles(row0, i_c, L, o_k, o_k, K, K, BT)
+        b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_lam += tl.dot(tl.trans(b_u), b_u, input_precision=PRECISION)
+    b_a = padded_inverse(b_lam, K, BK)
+    tl.store(a_end + p_state, 0.5 * (b_a + tl.trans(b_a)), mask=m_kk)
+
+
+@triton.jit
+def gram_suffix_kernel(
+    u, a_end, da_end, dlam, du, dlam_init, cu_seqlens, offsets, T, NC, H,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_DA_END: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):  # fmt: skip
+    """The backward of :func:`gram_prefix_kernel`: with ``D_c = dΛ_end + Σ_{chunks after c} dΛ`` (``dΛ_end =
+    −A_end dA_end A_end``), adds ``U_c (D_c + D_cᵀ)`` to ``du [BH, T, K]`` in place (the paths through later
+    chunks' penalties) and stores ``dlam_init [NH, K, K] = dΛ_end + Σ_c dΛ_c``, float32. Grid ``(NH,)``."""
+    i_nh = tl.program_id(0)
+    row0, L, c0, i_bh = seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    o_k, m_kk, p_kk, p_state = square_tile(i_nh, K, BK)
+    if USE_DA_END:
+        b_a = tl.load(a_end + p_state, mask=m_kk, other=0.0)
+        b_da = tl.load(da_end + p_state, mask=m_kk, other=0.0).to(tl.float32)
+        b_ada = tl.dot(tl.trans(b_a), b_da, input_precision=PRECISION)
+        b_d = -tl.dot(b_ada, tl.trans(b_a), input_precision=PRECISION)
+    else:
+        b_d = tl.zeros([BK, BK], dtype=tl.float32)
+    NCS = tl.cdiv(L, BT)
+    for i_back in range(0, NCS):
+        i_c = NCS - 1 - i_back
+        p_k, m_k, _, _ = seq_tiles(row0, i_c, L, o_k, o_k, K, K, BT)
+        b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_du = tl.load(du + p_k, mask=m_k, other=0.0)
+        tl.store(du + p_k, b_du + tl.dot(b_u, b_d + tl.trans(b_d), input_precision=PRECISION), mask=m_k)
+        b_d += tl.load(dlam + (i_bh.to(tl.int64) * NC + c0 + i_c) * K * K + p_kk, mask=m_kk, other=0.0)
+    tl.store(dlam_init + p_state, b_d, mask=m_kk)
 
 
 @triton.jit
 def vla_gates_fwd_kernel(
-    k_hat, u, lam, alpha, a0_out, r_out, anorm_out, T, NC,
+    k_hat, u, lam, alpha, a0_out, r_out, anorm_out, cu_seqlens, offsets, T, NC, N,
     K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, GROUP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, NORMALIZE: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
 ):  # fmt: skip
     """``k_hat, u [BH, T, K]``, ``lam [BH, NC, K, K]`` float32 -> ``alpha [BH, T, K]`` and, for the backward,
     ``a0_out [BH, NC, K, K]`` (``A0``), ``r_out [BH, T, K]`` (``R``), ``anorm_out [BH, T]`` (``‖a_t‖``), all
-    float32. Grid ``(⌈NC / GROUP⌉, BH)``.
+    float32. Grid ``(⌈NC / GROUP⌉, BH)``. ``NORMALIZE`` false: ``alpha`` is ``a`` itself (``‖a‖`` stored all the
+    same).
 
     A program takes ``GROUP`` consecutive chunks and sweeps only the first one's penalty. It then walks its
     tokens in blocks of ``SB`` rows carrying the current inverse ``A`` (``A ← A − R_bᵀ R_b`` after each block, one
     product): inside a block the ``SB`` rank-one downdates act on ``[SB, K]`` tiles, and ``a = K̂_b A −
     tril(K̂_b R_bᵀ) R_b``. ``A`` at each chunk's start is stored for the backward; ``lam`` of the other chunks
-    of the group is not read (their ``A0`` is the same matrix)."""
+    of the group is not read (their ``A0`` is the same matrix), except where a packed sequence starts inside
+    the group (chunk slots as :func:`chunk_program`): its first chunk's penalty is swept afresh."""
     i_g, i_bh = tl.program_id(0), tl.program_id(1)
     NB: tl.constexpr = BT // SB
     o_k = tl.arange(0, BK)
     o_s = tl.arange(0, SB)
     rows = o_s[:, None]
-    b_a0, p_kk, m_kk = chunk_inverse(lam, i_g * GROUP, i_bh, NC, K, BK)
+    b_a0 = chunk_inverse(lam, i_g * GROUP, i_bh, NC, K, BK)[0]
     for j in range(0, GROUP):
-        i_c = i_g * GROUP + j
-        tl.store(a0_out + p_kk + j * K * K, b_a0, mask=m_kk & (o_k[None, :] * 0 + i_c < NC))
+        i_p = i_g * GROUP + j
+        row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
+        if IS_VARLEN:  # a dense row starts only at a group's start
+            if (j > 0) & (i_c == 0):
+                b_a0 = chunk_inverse(lam, tl.minimum(i_p, NC - 1), i_bh, NC, K, BK)[0]
+        p_kk = (i_bh.to(tl.int64) * NC + i_p) * K * K + o_k[:, None] * K + o_k[None, :]
+        m_kk = (o_k < K)[:, None] & (o_k < K)[None, :] & (o_k * 0 + i_p < NC)[None, :]
+        tl.store(a0_out + p_kk, b_a0, mask=m_kk)
         for b in range(0, NB):
             i_b = i_c * NB + b
-            p_k, m_k, _, _ = chunk_tiles(i_b, i_bh, T, o_k, o_k, K, K, SB)
+            p_k, m_k, _, _ = seq_tiles(row0, i_b, L, o_k, o_k, K, K, SB)
             b_kh = tl.load(k_hat + p_k, mask=m_k, other=0.0).to(tl.float32)
             b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
             b_y = tl.dot(b_u, b_a0, input_precision=PRECISION)  # rows A u_t
@@ -105,37 +185,45 @@ def vla_gates_fwd_kernel(
             b_a = tl.dot(b_kh, b_a0, input_precision=PRECISION) - tl.dot(b_kr, b_r, input_precision=PRECISION)
             b_norm = tl.sqrt(tl.sum(b_a * b_a, 1))
             b_norm = tl.where(b_norm > 0, b_norm, 1.0)  # rows past T (zero k̂)
-            tl.store(alpha + p_k, b_a / b_norm[:, None], mask=m_k)
+            if NORMALIZE:
+                b_a = b_a / b_norm[:, None]
+            tl.store(alpha + p_k, b_a, mask=m_k)
             o_tok = i_b * SB + o_s
-            tl.store(anorm_out + i_bh.to(tl.int64) * T + o_tok, b_norm, mask=o_tok < T)
+            tl.store(anorm_out + row0 + o_tok, b_norm, mask=o_tok < L)
             # A after the block: A − Σ_t r_t r_tᵀ (rows past T are zero)
             b_a0 -= tl.dot(tl.trans(b_r), b_r, input_precision=PRECISION)
 
 
 @triton.jit
 def vla_gates_bwd_kernel(
-    u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T, NC,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, cu_seqlens, offsets, T, NC, N,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr, NORMALIZE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
 ):  # fmt: skip
     """``u [BH, T, K]``, the forward's ``alpha``, ``a0``, ``r``, ``anorm`` and ``dalpha [BH, T, K]`` ->
     ``dk_hat``, ``du [BH, T, K]`` (the within-chunk share) and ``dlam [BH, NC, K, K]``, float32. Grid
-    ``(NC, BH)``."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    ``(NC, BH)``. ``NORMALIZE`` as the forward's: without it ``da = dalpha`` and ``a = alpha``."""
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
+    row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BT)
-    p_k, m_k, _, _ = chunk_tiles(i_c, i_bh, T, o_k, o_k, K, K, BT)
+    p_k, m_k, _, _ = seq_tiles(row0, i_c, L, o_k, o_k, K, K, BT)
     o_tok = i_c * BT + o_t
     b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
     b_r = tl.load(r + p_k, mask=m_k, other=0.0)
     b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_norm = tl.load(anorm + i_bh.to(tl.int64) * T + o_tok, mask=o_tok < T, other=1.0)
-    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
-    p_kk = (i_bh.to(tl.int64) * NC + i_c) * K * K + o_k[:, None] * K + o_k[None, :]
+    b_norm = tl.load(anorm + row0 + o_tok, mask=o_tok < L, other=1.0)
+    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :] & (o_k * 0 + L > 0)[:, None]
+    p_kk = (i_bh.to(tl.int64) * NC + i_p) * K * K + o_k[:, None] * K + o_k[None, :]
     b_a0 = tl.load(a0 + p_kk, mask=m_kk, other=0.0)
 
-    b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
-    b_a = b_al * b_norm[:, None]
+    if NORMALIZE:
+        b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
+        b_a = b_al * b_norm[:, None]
+    else:
+        b_da = b_dal
+        b_a = b_al
     rows = o_t[:, None]
     cols = o_t[None, :]
     b_dr = tl.where(rows >= cols, tl.dot(b_da, tl.trans(b_r), input_precision=PRECISION), 0.0)
@@ -170,19 +258,26 @@ def vla_gates_fwd_fn(
     chunk_size: int,
     precision: str,
     config: dict[str, int] | None = None,
+    normalize: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k_hat, u [B, H, T, K]`` contiguous, ``lam [B, H, NC, K, K]`` float32 contiguous (``NC = ⌈T / C⌉``) ->
-    ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, H, T, K]``, ``A0 [B, H, NC, K, K]``, ``‖a‖ [B, H, T]``, float32.
-    ``config``: warps, stages and ``GROUP`` instead of :func:`launch_config` (the benchmarks' sweep)."""
+    """``k_hat, u [B, H, T, K]`` contiguous, ``lam [B, H, NC, K, K]`` float32 contiguous (the chunk slots of
+    :func:`chunk_layout`: ``⌈T / C⌉`` dense) -> ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, H, T, K]``,
+    ``A0 [B, H, NC, K, K]``, ``‖a‖ [B, H, T]``, float32. ``config``: warps, stages and ``GROUP`` instead of
+    :func:`launch_config` (the benchmarks' sweep); ``normalize``: ``alpha = a / ‖a‖`` (else ``a``);
+    ``cu_seqlens``, ``offsets``: packed sequences (``B == 1``) and their first chunks."""
     B, H, T, K = k_hat.shape
     NC = lam.shape[2]
+    _, _, varlen = chunk_layout(cu_seqlens, B, T, chunk_size, offsets)
     f32 = dict(dtype=torch.float32, device=k_hat.device)
     alpha, r = torch.empty(B, H, T, K, **f32), torch.empty(B, H, T, K, **f32)
     a0, anorm = torch.empty(B, H, NC, K, K, **f32), torch.empty(B, H, T, **f32)
     config = config or launch_config(K, NC * B * H)
     vla_gates_fwd_kernel[(triton.cdiv(NC, config["GROUP"]), B * H)](
-        k_hat, u, lam, alpha, a0, r, anorm, T, NC, K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, **config
-    )
+        k_hat, u, lam, alpha, a0, r, anorm, T=T, NC=NC, K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision,
+        NORMALIZE=normalize, **varlen, **config,
+    )  # fmt: skip
     return alpha, a0, r, anorm
 
 
@@ -196,15 +291,81 @@ def vla_gates_bwd_fn(
     chunk_size: int,
     precision: str,
     config: dict[str, int] | None = None,
+    normalize: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dk_hat, du_within, dlam)`` float32 from the forward's saved tensors and ``dalpha`` (all contiguous)."""
+    """``(dk_hat, du_within, dlam)`` float32 from the forward's saved tensors and ``dalpha`` (all contiguous);
+    ``normalize``, ``cu_seqlens`` and ``offsets`` as the forward's."""
     B, H, T, K = u.shape
     NC = a0.shape[2]
+    _, _, varlen = chunk_layout(cu_seqlens, B, T, chunk_size, offsets)
     dk_hat, du = torch.empty_like(alpha), torch.empty_like(alpha)
     dlam = torch.empty_like(a0)
     config = {n: x for n, x in (config or launch_config(K)).items() if n not in ("GROUP", "SB")}
     vla_gates_bwd_kernel[(NC, B * H)](
-        u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T, NC, K=K, BK=block_dim(K), BT=chunk_size,
-        PRECISION=precision, **config,
+        u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T=T, NC=NC, K=K, BK=block_dim(K), BT=chunk_size,
+        PRECISION=precision, NORMALIZE=normalize, **varlen, **config,
     )  # fmt: skip
     return dk_hat, du, dlam
+
+
+def vla_write_fwd_fn(
+    k_hat: torch.Tensor,
+    u: torch.Tensor,
+    lam_init: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    lam0: float,
+    chunk_size: int,
+    precision: str,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole gate stage: the chunks' penalties (:func:`gram_prefix_kernel`), then the write directions.
+    ``k_hat, u [B, H, T, K]`` float32 contiguous, ``lam_init [N, H, K, K]`` (``A_init⁻¹``) or None for
+    ``lam0·I`` -> ``(alpha [B, H, T, K], A_end [N, H, K, K], A0, R, ‖a‖)``, float32."""
+    B, H, T, K = k_hat.shape
+    offsets, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size)
+    N = varlen["N"]
+    lam = torch.empty(B, H, NC, K, K, dtype=torch.float32, device=u.device)
+    a_end = torch.empty(N, H, K, K, dtype=torch.float32, device=u.device)
+    warps = launch_config(K)["num_warps"]
+    gram_prefix_kernel[(N * H,)](
+        u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, H, lam0, K=K, BK=block_dim(K), BT=chunk_size,
+        USE_INIT=lam_init is not None, PRECISION=precision, IS_VARLEN=cu_seqlens is not None, num_warps=warps,
+    )  # fmt: skip
+    alpha, a0, r, anorm = vla_gates_fwd_fn(
+        k_hat, u, lam, chunk_size, precision, normalize=normalize, cu_seqlens=cu_seqlens, offsets=offsets
+    )
+    return alpha, a_end, a0, r, anorm
+
+
+def vla_write_bwd_fn(
+    u: torch.Tensor,
+    alpha: torch.Tensor,
+    a0: torch.Tensor,
+    r: torch.Tensor,
+    anorm: torch.Tensor,
+    a_end: torch.Tensor,
+    dalpha: torch.Tensor,
+    da_end: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int,
+    precision: str,
+    normalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dk_hat, du, dlam_init)`` float32: the backward of :func:`vla_write_fwd_fn`, from ``dalpha`` and the
+    gradient of ``A_end`` (or None)."""
+    B, H, T, K = u.shape
+    offsets, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size)
+    N = varlen["N"]
+    dk_hat, du, dlam = vla_gates_bwd_fn(
+        u, alpha, a0, r, anorm, dalpha, chunk_size, precision, normalize=normalize, cu_seqlens=cu_seqlens,
+        offsets=offsets,
+    )  # fmt: skip
+    dlam_init = torch.empty(N, H, K, K, dtype=torch.float32, device=u.device)
+    gram_suffix_kernel[(N * H,)](
+        u, a_end, da_end, dlam, du, dlam_init, cu_seqlens, offsets, T, NC, H, K=K, BK=block_dim(K), BT=chunk_size,
+        USE_DA_END=da_end is not None, PRECISION=precision, IS_VARLEN=cu_seqlens is not None,
+        num_warps=launch_config(K)["num_warps"],
+    )  # fmt: skip
+    return dk_hat, du, dlam_init

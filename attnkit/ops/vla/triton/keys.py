@@ -1,0 +1,58 @@
+"""VLA's unit keys in kernels: ``k̂_t = k_t / ‖k_t‖`` row by row, and its backward
+``dk_t = (dk̂_t − k̂_t (k̂_t·dk̂_t)) / ‖k_t‖`` (the Jacobian of the normalisation, a projection off ``k̂_t``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnkit.ops.common.triton_utils import block_dim
+
+ROWS = 64  # rows a program
+
+
+@triton.jit
+def unit_rows_fwd_kernel(x, y, norm, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """``x [R, K]`` -> ``y = x / ‖x‖`` row by row (float32) and ``norm [R]``. Grid ``(⌈R / BR⌉,)``."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    p_x = o_r[:, None] * K + o_k[None, :]
+    m_x = (o_r < R)[:, None] & (o_k < K)[None, :]
+    b_x = tl.load(x + p_x, mask=m_x, other=0.0).to(tl.float32)
+    b_n = tl.sqrt(tl.sum(b_x * b_x, 1))
+    tl.store(y + p_x, b_x / b_n[:, None], mask=m_x)
+    tl.store(norm + o_r, b_n, mask=o_r < R)
+
+
+@triton.jit
+def unit_rows_bwd_kernel(y, norm, dy, dx, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """``dx = (dy − y (y·dy)) / ‖x‖`` row by row (``dx`` in its dtype). Grid ``(⌈R / BR⌉,)``."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    p_x = o_r[:, None] * K + o_k[None, :]
+    m_x = (o_r < R)[:, None] & (o_k < K)[None, :]
+    b_y = tl.load(y + p_x, mask=m_x, other=0.0)
+    b_dy = tl.load(dy + p_x, mask=m_x, other=0.0).to(tl.float32)
+    b_n = tl.load(norm + o_r, mask=o_r < R, other=1.0)
+    b_dx = (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None]) / b_n[:, None]
+    tl.store(dx + p_x, b_dx.to(dx.dtype.element_ty), mask=m_x)
+
+
+def unit_rows_fwd_fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` contiguous -> ``(x / ‖x‖ float32, ‖x‖ [...] float32)``."""
+    K = x.shape[-1]
+    R = x.numel() // max(K, 1)
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    norm = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    unit_rows_fwd_kernel[(triton.cdiv(R, ROWS),)](x, y, norm, R, K=K, BK=block_dim(K), BR=ROWS)
+    return y, norm
+
+
+def unit_rows_bwd_fn(y: torch.Tensor, norm: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of ``x`` (in ``dtype``) from the forward's ``y``, ``norm`` and ``dy`` (contiguous)."""
+    K = y.shape[-1]
+    R = y.numel() // max(K, 1)
+    dx = torch.empty(y.shape, dtype=dtype, device=y.device)
+    unit_rows_bwd_kernel[(triton.cdiv(R, ROWS),)](y, norm, dy, dx, R, K=K, BK=block_dim(K), BR=ROWS)
+    return dx
