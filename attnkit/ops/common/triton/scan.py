@@ -21,7 +21,8 @@ def segment_cumsum_kernel(
     Grid ``(N, cdiv(HQ, BH))``: one program scans one sequence for ``BH`` heads, ``BT`` tokens a step."""
     i_n, i_hb = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
-        i_b, (bos, L) = 0, seq_bounds(cu_seqlens, i_n, T, True)
+        bos, L = seq_bounds(cu_seqlens, i_n, T, True)
+        i_b = 0
     else:
         i_b, bos, L = i_n.to(tl.int64), 0, T
     o_h = i_hb * BH + tl.arange(0, BH)
