@@ -34,7 +34,15 @@ def digest() -> str:
 
 def test_registry_names():
     assert set(TASKS) == {
-        "flipflop", "group_words", "mqar", "mqar_vla", "mqrar", "copying", "passkey", "variable_tracking", "lm"
+        "flipflop",
+        "group_words",
+        "mqar",
+        "mqar_vla",
+        "mqrar",
+        "copying",
+        "passkey",
+        "variable_tracking",
+        "lm",
     }
     for name, cls in TASKS.items():
         assert issubclass(cls, Task) and cls.name == name

@@ -10,13 +10,23 @@ import sys
 import time
 
 from . import path, tapa, vla
-from .cells import Cell, RunSummary, is_finished, load_cell, run_cells
+from .cells import Cell, RunSummary, cpu_count, is_finished, load_cell, run_cells
 from .probes import Probe, summarise_probe
 from .sweep import summarise
 from .verdicts import judge
 
 PAPERS = {"path": path, "tapa": tapa, "vla": vla}
 SCALES = ("smoke", "full")
+# Tiny models scale badly over threads, and threads that wait on each other stall when other processes share the
+# cores: on a CPU, one single-threaded process per core runs the cells fastest.
+AUTO_JOBS = 8
+
+
+def default_jobs(device: str) -> int:
+    """``--jobs 0``: one worker per CPU core (at most ``AUTO_JOBS``) on a CPU run, one on a GPU."""
+    from ...train.distributed import resolve_device
+
+    return min(cpu_count(), AUTO_JOBS) if resolve_device(device) == "cpu" else 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="reuse the finished cells in the folder (never rerun), run the rest"
     )
     parser.add_argument("--cells", default=None, metavar="PATTERN", help="run only cells whose name matches (fnmatch)")
-    parser.add_argument("--jobs", type=int, default=1, help="cells run at once, each in its own process")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help=f"cells run at once, each in its own process (default 0: one per CPU core, at most {AUTO_JOBS}, on "
+        "a CPU run; 1 with a GPU)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device of every cell")
     parser.add_argument(
         "--max-minutes", type=float, default=0.0, help="start no cell after this many minutes (0: no limit)"
@@ -82,9 +98,10 @@ def _chained(experiment) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        print(f"attnkit reproduce: --jobs: expected a positive integer, got {args.jobs}", file=sys.stderr)
+    if args.jobs < 0:
+        print(f"attnkit reproduce: --jobs: expected 0 (automatic) or more, got {args.jobs}", file=sys.stderr)
         return 2
+    args.jobs = args.jobs or default_jobs(args.device)
     papers = list(PAPERS) if args.paper == "all" else [args.paper]
     plans = {}
     for paper in papers:

@@ -373,6 +373,8 @@ def _result_json(result: SweepResult | ProbeResult) -> dict:
         "lrs": sweep.lrs,
         "seeds": sweep.seeds,
         "metric": sweep.metric,
+        "parent": sweep.parent.name if sweep.parent is not None else None,
+        "keep": sweep.keep,
         "finished": result.finished,
         "total": result.total,
         "choices": [

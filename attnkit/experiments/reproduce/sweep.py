@@ -285,6 +285,17 @@ class SweepResult:
         """The chosen learning rate's test ``metric`` (default: the sweep's) on ``test_set`` (default: the only one)."""
         return _pick(self.choice(model, setting).test, test_set, metric or self.sweep.metric, self.sweep.name)
 
+    def length_stat(self, model: str, setting: str, length: int, metric: str | None = None) -> Stat:
+        """The chosen learning rate's test ``metric`` at ``length``: on the set ``L{length}``, or the mean over the
+        sets ``L{length}_*`` (a passkey grid over depths), with the mean of their spreads."""
+        sets = self.choice(model, setting).test
+        metric = metric or self.sweep.metric
+        found = [m[metric] for name, m in sets.items() if name == f"L{length}" or name.startswith(f"L{length}_")]
+        if not found:
+            raise Missing(f"{self.sweep.name}: no {metric} at length {length}")
+        mean, spread = (sum(getattr(s, k) for s in found) / len(found) for k in ("mean", "spread"))
+        return Stat(mean, spread, found[0].n)
+
     def variant_stat(self, model: str, setting: str, variant: str, test_set: str, metric: str | None = None) -> Stat:
         choice = self.choice(model, setting)
         if variant not in choice.variants:
