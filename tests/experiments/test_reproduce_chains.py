@@ -136,6 +136,13 @@ def test_an_interrupted_parent_or_child_is_rerun_and_nothing_else(tmp_path):
     summary = cells_mod.run_cells([parent, child], cells_dir, log=lambda line: None)
     assert summary.ran == [parent.name] and summary.cached == [child.name]
     assert os.path.getmtime(cells_mod.cell_path(cells_dir, child)) == stamp
+    # a parent that diverged has no model to keep: its record alone finishes it, so it is not rerun
+    diverged = cells_mod.Cell("pre", "diverged", "train", {"config": config(lr=1.0)}, keep=True)
+    record = {"cell": {"key": diverged.key}, "result": {"status": "diverged"}, "wall_s": 0.0}
+    with open(cells_mod.cell_path(cells_dir, diverged), "w") as f:
+        json.dump(record, f)
+    assert cells_mod.is_finished(cells_dir, diverged)
+    assert not cells_mod.run_cells([diverged], cells_dir, log=lambda line: None).ran
     # a failing parent fails its children without running them
     bad = cells_mod.Cell("pre", "bad", "train", {"config": config(task="sudoku")}, keep=True)
     orphan = cells_mod.Cell("cont", "orphan", "train", {"config": config()}, parent=bad)

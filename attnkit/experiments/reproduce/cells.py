@@ -87,10 +87,14 @@ def model_dir(cells_dir: str, cell: Cell) -> str:
 
 
 def is_finished(cells_dir: str, cell: Cell) -> bool:
-    """Whether ``cell`` has its record and, when it keeps its model, the model too."""
-    if load_cell(cells_dir, cell) is None:
+    """Whether ``cell`` has its record and, when it keeps its model, the model too (a run that diverged has none
+    to keep: its record alone finishes it)."""
+    record = load_cell(cells_dir, cell)
+    if record is None:
         return False
-    return not cell.keep or os.path.isfile(os.path.join(model_dir(cells_dir, cell), "model.safetensors"))
+    if not cell.keep or record["result"]["status"] != "ok":
+        return True
+    return os.path.isfile(os.path.join(model_dir(cells_dir, cell), "model.safetensors"))
 
 
 def load_cell(cells_dir: str, cell: Cell) -> dict | None:
