@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import types
 
 import pytest
@@ -129,26 +130,33 @@ def test_an_interrupted_parent_or_child_is_rerun_and_nothing_else(tmp_path):
     os.remove(cells_mod.cell_path(cells_dir, child))
     summary = cells_mod.run_cells([child], cells_dir, log=lambda line: None)
     assert summary.ran == [parent.name, child.name]
-    # a record without its kept model is not a finished parent
-    stamp = os.path.getmtime(cells_mod.cell_path(cells_dir, child))
-    os.remove(os.path.join(cells_mod.model_dir(cells_dir, parent), "model.safetensors"))
-    assert not cells_mod.is_finished(cells_dir, parent) and cells_mod.is_finished(cells_dir, child)
+    # the kept models serve the children still to run: without them (a later session given only the records)
+    # nothing reruns while every child has finished, and a child that has to run first reruns its parent
+    stamps = {c.name: os.path.getmtime(cells_mod.cell_path(cells_dir, c)) for c in (parent, child)}
+    shutil.rmtree(cells_mod.model_dir(cells_dir, parent))
+    assert cells_mod.is_finished(cells_dir, parent) and not cells_mod.has_model(cells_dir, parent)
     summary = cells_mod.run_cells([parent, child], cells_dir, log=lambda line: None)
-    assert summary.ran == [parent.name] and summary.cached == [child.name]
-    assert os.path.getmtime(cells_mod.cell_path(cells_dir, child)) == stamp
-    # a parent that diverged has no model to keep: its record alone finishes it, so it is not rerun
+    assert not summary.ran and summary.cached == [parent.name, child.name]
+    assert {c.name: os.path.getmtime(cells_mod.cell_path(cells_dir, c)) for c in (parent, child)} == stamps
+    os.remove(cells_mod.cell_path(cells_dir, child))
+    summary = cells_mod.run_cells([parent, child], cells_dir, log=lambda line: None)
+    assert summary.ran == [parent.name, child.name] and not summary.cached
+    assert cells_mod.has_model(cells_dir, parent)
+    # a parent that diverged has no model: its record finishes it, and its children fail without a start point
     diverged = cells_mod.Cell("pre", "diverged", "train", {"config": config(lr=1.0)}, keep=True)
     record = {"cell": {"key": diverged.key}, "result": {"status": "diverged"}, "wall_s": 0.0}
     with open(cells_mod.cell_path(cells_dir, diverged), "w") as f:
         json.dump(record, f)
-    assert cells_mod.is_finished(cells_dir, diverged)
-    assert not cells_mod.run_cells([diverged], cells_dir, log=lambda line: None).ran
+    stranded = cells_mod.Cell("cont", "stranded", "train", {"config": config()}, parent=diverged)
+    summary = cells_mod.run_cells([diverged, stranded], cells_dir, log=lambda line: None)
+    assert summary.cached == [diverged.name] and list(summary.failed) == [stranded.name]
+    assert "no kept model" in summary.failed[stranded.name]
     # a failing parent fails its children without running them
     bad = cells_mod.Cell("pre", "bad", "train", {"config": config(task="sudoku")}, keep=True)
     orphan = cells_mod.Cell("cont", "orphan", "train", {"config": config()}, parent=bad)
     summary = cells_mod.run_cells([orphan], cells_dir, log=lambda line: None)
     assert set(summary.failed) == {bad.name, orphan.name} and "parent" in summary.failed[orphan.name]
-    with pytest.raises(ValueError, match="has not finished"):
+    with pytest.raises(ValueError, match="no kept model"):
         cells_mod.run_cell(orphan, cells_dir)
 
 

@@ -22,6 +22,8 @@ names). A folder that already holds finished cells is refused without ``--resume
 Chained experiments (continued pretraining, the RoPE -> PaTH conversion) start from the trained weights of an
 earlier experiment's cells, which keep their final model under ``<out>/<paper>/cells/models/`` (about 13 MB each
 at full scale); their cells are declared once the parent has chosen its learning rate, so a run goes in stages.
+The models serve only the children still to run: a later run without them (given the cell records alone) reruns
+a parent only when one of its children has not finished.
 """
 
 from .command import add_arguments, run

@@ -10,11 +10,12 @@ finished cell is never run again.
 
 Chains: a train cell may name a ``parent`` train cell and start from its trained weights (continued pretraining,
 or a RoPE model converted to PaTH and trained on). The parent ``keep``s its final model, in Hugging Face format
-without the optimizer state, in ``<cells dir>/models/<name>/``; the child trains with ``init_from`` pointing at it
-(after converting it to another mixer when ``params["convert"]`` asks, see ``convert_model``). The child's key
-includes its parent's key, so a changed parent never reuses a stale child. A kept cell has finished only when its
-record and its model are both there (the model is written first); ``run_cells`` runs a child's unfinished parent
-before the child, never twice.
+without the optimizer state, in ``<cells dir>/models/<name>/`` (written before its record); the child trains with
+``init_from`` pointing at it (after converting it to another mixer when ``params["convert"]`` asks, see
+``convert_model``). The child's key includes its parent's key, so a changed parent never reuses a stale child.
+The kept models serve only the children still to run: a parent with its record has finished, and ``run_cells``
+runs it again (once, before the child) only when a child has to run and the parent's model is not there (a run
+killed between the two writes, or a later session given the records without the models).
 """
 
 from __future__ import annotations
@@ -87,14 +88,20 @@ def model_dir(cells_dir: str, cell: Cell) -> str:
 
 
 def is_finished(cells_dir: str, cell: Cell) -> bool:
-    """Whether ``cell`` has its record and, when it keeps its model, the model too (a run that diverged has none
-    to keep: its record alone finishes it)."""
-    record = load_cell(cells_dir, cell)
-    if record is None:
-        return False
-    if not cell.keep or record["result"]["status"] != "ok":
-        return True
+    """Whether ``cell`` has its record (never run again)."""
+    return load_cell(cells_dir, cell) is not None
+
+
+def has_model(cells_dir: str, cell: Cell) -> bool:
+    """Whether ``cell``'s kept model is there for a child to start from."""
     return os.path.isfile(os.path.join(model_dir(cells_dir, cell), "model.safetensors"))
+
+
+def _can_continue(cells_dir: str, parent: Cell) -> bool:
+    """Whether a child of ``parent`` can start without running the parent again: the parent has finished and kept
+    its model, or has finished without one to keep (diverged; the child then fails, see ``run_cell``)."""
+    record = load_cell(cells_dir, parent)
+    return record is not None and (record["result"]["status"] != "ok" or has_model(cells_dir, parent))
 
 
 def load_cell(cells_dir: str, cell: Cell) -> dict | None:
@@ -244,8 +251,11 @@ def run_cell(cell: Cell, cells_dir: str, device: str = "auto") -> dict:
     t0 = time.perf_counter()
     identity = {"experiment": cell.experiment, "label": cell.label, "kind": cell.kind, "key": cell.key}
     if cell.parent is not None:
-        if not is_finished(cells_dir, cell.parent):
-            raise ValueError(f"cell {cell.name}: its parent {cell.parent.name} has not finished; run it first")
+        if not has_model(cells_dir, cell.parent):
+            raise ValueError(
+                f"cell {cell.name}: its parent {cell.parent.name} has no kept model (not run, diverged, or its model "
+                "was removed); run it first"
+            )
         identity["parent"] = {"name": cell.parent.name, "key": cell.parent.key}
     if cell.kind == "train":
         parent = model_dir(cells_dir, cell.parent) if cell.parent is not None else None
@@ -318,8 +328,9 @@ def run_cells(
 ) -> RunSummary:
     """Run every cell of ``cells`` that has not finished in ``cells_dir``, each after its parent.
 
-    A parent that has not finished runs first, once, whether or not ``cells`` lists it; a child starts only when
-    its parent has finished, and is ``failed`` (or ``skipped``) with it when it fails (or is skipped).
+    A child that has to run needs its parent's kept model: a parent without its record, or without its model, runs
+    first, once, whether or not ``cells`` lists it; a child starts only when its parent has finished, and is
+    ``failed`` (or ``skipped``) with it when it fails (or is skipped).
     ``jobs > 1`` runs that many worker processes (spawned, each with ``cpu_count() // jobs`` torch threads);
     ``deadline`` (a ``time.time()``) stops starting new cells once passed (the unstarted ones are ``skipped``).
     A cell that raises is reported in ``failed`` and left unfinished; the others go on.
@@ -333,17 +344,17 @@ def run_cells(
     def need(cell: Cell) -> None:
         if cell.name in unfinished:
             return
-        if cell.parent is not None and not is_finished(cells_dir, cell.parent):
+        if cell.parent is not None and not _can_continue(cells_dir, cell.parent):
             need(cell.parent)
         unfinished.add(cell.name)
         todo.append(cell)
 
     unfinished: set[str] = set()
+    cells = list(cells)
     for cell in cells:
-        if is_finished(cells_dir, cell):
-            summary.cached.append(cell.name)
-        else:
+        if not is_finished(cells_dir, cell):
             need(cell)
+    summary.cached = [cell.name for cell in cells if cell.name not in unfinished]
     total, waiting = len(todo), list(todo)
 
     def done(cell: Cell, record: dict) -> None:
