@@ -8,7 +8,7 @@ what the tasks' ``finalize`` returns.
 
 from __future__ import annotations
 
-TASK_NAMES = ("copying", "flipflop", "group_words", "lm", "mqar", "mqar_vla", "mqrar", "passkey")
+TASK_NAMES = ("copying", "flipflop", "group_words", "lm", "mqar", "mqar_vla", "mqrar", "passkey", "variable_tracking")
 MIXER_NAMES = ("path", "path_fox", "tapa", "vla", "rope", "nope", "fox", "linear", "deltanet", "stickbreaking")
 
 # The metric that matters in a task's evaluation: the first of these that the task reports (flip-flop's read

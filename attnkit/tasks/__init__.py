@@ -16,9 +16,11 @@ from .language import LanguageModeling, per_position_loss
 from .mqar import MQAR, MQARVLA
 from .mqrar import MQRAR
 from .passkey import Passkey
+from .variable_tracking import VariableTracking
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (FlipFlop, GroupWords, MQAR, MQARVLA, MQRAR, Copying, Passkey, LanguageModeling)
+    cls.name: cls
+    for cls in (FlipFlop, GroupWords, MQAR, MQARVLA, MQRAR, Copying, Passkey, VariableTracking, LanguageModeling)
 }
 
 
@@ -46,6 +48,7 @@ __all__ = [
     "Task",
     "TaskCollator",
     "TaskStream",
+    "VariableTracking",
     "get_group",
     "get_task",
     "make_generator",

@@ -58,6 +58,11 @@ def _passkey(task) -> list[str]:
     return names + [f"k{i}" for i in range(task.num_keys)] + [f"<0x{b:02X}>" for b in range(256)]
 
 
+def _variable_tracking(task) -> list[str]:
+    names = [PAD_TEXT, "VAR", "=", "QRY", "ANS"] + [str(d) for d in range(10)]  # ids 0 ... FIRST_VAR - 1
+    return names + [f"x{i}" for i in range(task.num_vars)] + [f"<0x{b:02X}>" for b in range(256)]
+
+
 SYMBOLS: dict[str, Callable[[Task], list[str]]] = {
     "flipflop": _flipflop,
     "group_words": _group_words,
@@ -66,6 +71,7 @@ SYMBOLS: dict[str, Callable[[Task], list[str]]] = {
     "mqrar": _mqrar,
     "copying": _copying,
     "passkey": _passkey,
+    "variable_tracking": _variable_tracking,
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from attnkit.cli import main
 from attnkit.experiments.reproduce import cells as cells_mod
-from attnkit.experiments.reproduce.command import PAPERS
+from attnkit.experiments.reproduce.command import PAPERS, declared_cells, waiting_count
 from attnkit.experiments.reproduce.sweep import Budget, Diverged, Missing, Stat, Sweep, summarise
 from attnkit.experiments.reproduce.verdicts import VERDICTS, Claim, judge
 
@@ -156,7 +156,8 @@ def claims_table(report: str) -> dict[str, str]:
 
 
 DECIDED_AT_SMOKE = {
-    "path": ("P1", "P2", "P3", "P4", "P5", "P6"),
+    "path": ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"),
+    "tapa": ("T1", "T2", "T3", "T4"),
     "vla": tuple(f"V{i}" for i in (1, 2, 3, 4, 5, 6, 7, 9, 10)),
 }
 
@@ -181,14 +182,16 @@ def test_smoke_scale_writes_a_complete_report_and_resumes_without_rerunning(pape
         if claim["verdict"] != "NOT RUN":
             assert claim["ours"] != "—"
     verdicts = {c["id"]: c["verdict"] for c in data["claims"]}
-    # claims whose experiments exist run at smoke scale: stick-breaking (PaTH P4) and Proposition 2 (VLA V10)
-    assert all(verdicts[i] != "NOT RUN" for i in DECIDED_AT_SMOKE.get(paper, ()))
+    # claims whose experiments exist run at smoke scale: stick-breaking (PaTH P4), Proposition 2 (VLA V10), the
+    # chained ones (TAPA T1, PaTH P8) and retrieval with variable tracking (PaTH P7)
+    assert all(verdicts[i] != "NOT RUN" for i in DECIDED_AT_SMOKE[paper]), verdicts
     if paper == "vla":  # random inputs, no training: the norm of I − α̂ k̂ᵀ exceeds 1 while its radius is 1
         v10 = next(c for c in data["claims"] if c["id"] == "V10")
         assert v10["verdict"] == "REFUTED" and "radius" in v10["ours"], v10
-    # every declared cell finished and is cached; every plot the report links exists
-    declared = [c for e in module.experiments("smoke") for c in e.cells()]
-    assert all(cells_mod.load_cell(str(folder / "cells"), c) is not None for c in declared)
+    # every declared cell finished and is cached (the chained ones too); every plot the report links exists
+    declared, _ = declared_cells(module.experiments("smoke"), str(folder / "cells"))
+    assert waiting_count(module.experiments("smoke"), declared) == 0
+    assert all(cells_mod.is_finished(str(folder / "cells"), c) for c in declared)
     assert data["run"]["ran"] == len(declared) and data["run"]["failed"] == 0
     for png in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):
         assert (folder / png).stat().st_size > 0
@@ -204,3 +207,11 @@ def test_smoke_scale_writes_a_complete_report_and_resumes_without_rerunning(pape
     assert again["run"]["ran"] == 0 and again["run"]["cached"] == len(declared)
     assert {p: p.stat().st_mtime for p in (folder / "cells").iterdir()} == stamps
     assert [c["verdict"] for c in again["claims"]] == [c["verdict"] for c in data["claims"]]
+
+
+def test_jobs_default_to_one_single_threaded_process_per_core_on_a_cpu(tmp_path, capsys):
+    from attnkit.experiments.reproduce.command import AUTO_JOBS, default_jobs
+
+    assert default_jobs("cpu") == min(cells_mod.cpu_count(), AUTO_JOBS) >= 1
+    assert main(["reproduce", "vla", "--out", str(tmp_path), "--jobs", "-1"]) == 2
+    assert "--jobs" in capsys.readouterr().err

@@ -20,6 +20,7 @@ SMALL = {
     "mqrar": {"seq_len": 128, "num_keys": 8, "num_queries": 15, "test_size": 8},
     "copying": {"max_len": 8, "test_lengths": (4, 16), "test_size": 8},
     "passkey": {"seq_len": 64, "test_lengths": (64, 128), "test_size": 2},
+    "variable_tracking": {"seq_len": 64, "num_chains": 2, "num_hops": 2, "test_lengths": (64, 128), "test_size": 4},
 }
 
 
@@ -32,7 +33,17 @@ def digest() -> str:
 
 
 def test_registry_names():
-    assert set(TASKS) == {"flipflop", "group_words", "mqar", "mqar_vla", "mqrar", "copying", "passkey", "lm"}
+    assert set(TASKS) == {
+        "flipflop",
+        "group_words",
+        "mqar",
+        "mqar_vla",
+        "mqrar",
+        "copying",
+        "passkey",
+        "variable_tracking",
+        "lm",
+    }
     for name, cls in TASKS.items():
         assert issubclass(cls, Task) and cls.name == name
     assert get_task("mqar_vla", num_kv_pairs=12).seq_len == 37

@@ -9,14 +9,21 @@ are made of cells (``cells``: one run each, cached as a JSON file under ``<out>/
 ``verdicts`` turns the results into CONFIRMED / PARTIAL / REFUTED / INCONCLUSIVE / NOT RUN, and ``report`` writes
 ``<out>/<paper>/report.md`` with its plots and ``report.json``.
 
-Full scale on one GPU: the models are tiny, so run several cells at once (``--jobs 8`` runs eight processes
-sharing the GPU) and in pieces that fit a time limit, reusing what earlier calls finished::
+On a CPU the cells run by default in one single-threaded process per core (``--jobs 0``). Full scale on one
+GPU: the models are tiny, so run several cells at once (``--jobs 8`` runs eight processes sharing the GPU) and in
+pieces that fit a time limit, reusing what earlier calls finished::
 
     attnkit reproduce vla --scale full --out reports --jobs 8 --max-minutes 8 --resume
 
 ``--max-minutes`` starts no cell after the limit (the running ones finish); the cells left are NOT RUN in the
 report until a later call with ``--resume`` runs them. ``--cells PATTERN`` runs a subset (``--list`` shows the
 names). A folder that already holds finished cells is refused without ``--resume``.
+
+Chained experiments (continued pretraining, the RoPE -> PaTH conversion) start from the trained weights of an
+earlier experiment's cells, which keep their final model under ``<out>/<paper>/cells/models/`` (about 13 MB each
+at full scale); their cells are declared once the parent has chosen its learning rate, so a run goes in stages.
+The models serve only the children still to run: a later run without them (given the cell records alone) reruns
+a parent only when one of its children has not finished.
 """
 
 from .command import add_arguments, run

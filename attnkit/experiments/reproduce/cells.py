@@ -7,6 +7,15 @@ reused for it. ``run_cells`` runs the cells that have no result file yet, in thi
 processes (cells are independent, so many tiny models can share one GPU), and each result is written atomically
 to ``<cells dir>/<name>.json`` the moment it finishes: an interrupted run loses only the cells in flight, and a
 finished cell is never run again.
+
+Chains: a train cell may name a ``parent`` train cell and start from its trained weights (continued pretraining,
+or a RoPE model converted to PaTH and trained on). The parent ``keep``s its final model, in Hugging Face format
+without the optimizer state, in ``<cells dir>/models/<name>/`` (written before its record); the child trains with
+``init_from`` pointing at it (after converting it to another mixer when ``params["convert"]`` asks, see
+``convert_model``). The child's key includes its parent's key, so a changed parent never reuses a stale child.
+The kept models serve only the children still to run: a parent with its record has finished, and ``run_cells``
+runs it again (once, before the child) only when a child has to run and the parent's model is not there (a run
+killed between the two writes, or a later session given the records without the models).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import multiprocessing
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -35,16 +45,31 @@ CELL_FORMAT = 1
 @dataclass(frozen=True, eq=False)
 class Cell:
     """One run. ``experiment``: the experiment it belongs to; ``label``: a readable name within it (model,
-    setting, learning rate, seed); ``kind``: ``"train"`` or a probe name; ``params``: its definition."""
+    setting, learning rate, seed); ``kind``: ``"train"`` or a probe name; ``params``: its definition;
+    ``parent``: the train cell whose final weights this one starts from; ``keep``: keep this cell's trained model
+    for its children (where the weights are kept does not change the result, so it is not part of the key)."""
 
     experiment: str
     label: str
     kind: str
     params: dict[str, Any] = field(default_factory=dict)
+    parent: Cell | None = None
+    keep: bool = False
+
+    def __post_init__(self) -> None:
+        if self.parent is not None and not (self.kind == self.parent.kind == "train" and self.parent.keep):
+            raise ValueError(
+                f"parent: cell {self.experiment} {self.label} may start only from a train cell that keeps its model, "
+                f"got {self.parent.experiment} {self.parent.label} (kind {self.parent.kind!r}, keep "
+                f"{self.parent.keep})"
+            )
 
     @property
     def key(self) -> str:
-        blob = json.dumps({"kind": self.kind, "params": self.params}, sort_keys=True, default=str)
+        definition = {"kind": self.kind, "params": self.params}
+        if self.parent is not None:
+            definition["parent"] = self.parent.key
+        blob = json.dumps(definition, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     @property
@@ -55,6 +80,28 @@ class Cell:
 
 def cell_path(cells_dir: str, cell: Cell) -> str:
     return os.path.join(cells_dir, cell.name + ".json")
+
+
+def model_dir(cells_dir: str, cell: Cell) -> str:
+    """Where a cell that ``keep``s its model keeps it (a folder ``load_saved_model`` and ``init_from`` read)."""
+    return os.path.join(cells_dir, "models", cell.name)
+
+
+def is_finished(cells_dir: str, cell: Cell) -> bool:
+    """Whether ``cell`` has its record (never run again)."""
+    return load_cell(cells_dir, cell) is not None
+
+
+def has_model(cells_dir: str, cell: Cell) -> bool:
+    """Whether ``cell``'s kept model is there for a child to start from."""
+    return os.path.isfile(os.path.join(model_dir(cells_dir, cell), "model.safetensors"))
+
+
+def _can_continue(cells_dir: str, parent: Cell) -> bool:
+    """Whether a child of ``parent`` can start without running the parent again: the parent has finished and kept
+    its model, or has finished without one to keep (diverged; the child then fails, see ``run_cell``)."""
+    record = load_cell(cells_dir, parent)
+    return record is not None and (record["result"]["status"] != "ok" or has_model(cells_dir, parent))
 
 
 def load_cell(cells_dir: str, cell: Cell) -> dict | None:
@@ -110,18 +157,74 @@ def _evaluate_variants(result, task, batch_size: int, variants: dict[str, dict])
     return out
 
 
-def _run_train(params: dict, device: str) -> dict:
+def convert_model(source: str, target: str, mixer: str, seed: int) -> list[str]:
+    """Save in the folder ``target`` the attnkit model of ``source`` converted to ``mixer`` the way
+    ``attnkit.models.from_llama`` converts a Llama model: every weight the two mixers share (embeddings, norms,
+    MLPs, the q/k/v/o projections) is copied; what the new mixer adds (PaTH's transition and gate projections)
+    keeps its fresh initialisation, seeded by ``seed``, and is what training on learns. Returns the names of the
+    fresh weights."""
+    from ...models import AttnKitForCausalLM
+    from ...train.hf_folder import load_saved_model, saved_model_config, write_hf_model
+
+    trained = load_saved_model(source)
+    torch.manual_seed(seed)
+    model = AttnKitForCausalLM(saved_model_config(source, mixer=mixer))
+    fresh, unused = model.load_state_dict(trained.state_dict(), strict=False)
+    if unused:
+        raise ValueError(f"convert: a {mixer!r} model has no place for {sorted(unused)} of the model in {source}")
+    os.makedirs(target, exist_ok=True)
+    write_hf_model(target, model.config, model.state_dict())
+    return sorted(fresh)
+
+
+def _keep_model(run_dir: str, target: str) -> None:
+    """Copy the run's final Hugging Face model (its snapshot without the optimizer state) to the folder ``target``
+    in one rename, replacing what a run of the same cell killed before its record was written left there."""
+    from ...train.checkpoint import SNAPSHOT
+    from ...train.trainer import CHECKPOINT_NAME
+
+    source = os.path.join(run_dir, SNAPSHOT)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for name in sorted(os.listdir(source)):
+        if name != CHECKPOINT_NAME:
+            shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+
+
+def _run_train(params: dict, device: str, init_from: str | None = None, keep: str | None = None) -> dict:
+    """Train and evaluate ``params["config"]``, starting from the model saved in ``init_from`` (converted first
+    when ``params["convert"]`` names another mixer) and keeping the final model in ``keep``."""
     from ...tasks import get_task
     from ...train import NonFiniteLossError, TrainConfig, train
 
-    with tempfile.TemporaryDirectory(prefix="attnkit-cell-") as run_dir:
-        config = TrainConfig(**params["config"], device=device, out=run_dir, quiet=True)
+    if "convert" in params and init_from is None:
+        raise ValueError("convert: a cell converts its parent's model, and this one has no parent")
+    if init_from is not None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a quiet cell: no bar for loading the parent's weights
+    extra = {}
+    with tempfile.TemporaryDirectory(prefix="attnkit-cell-") as tmp:
+        run_dir = os.path.join(tmp, "run")
+        if "convert" in params:
+            converted = os.path.join(tmp, "converted")
+            fresh = convert_model(init_from, converted, seed=params["config"]["seed"], **params["convert"])
+            init_from, extra["converted"] = converted, {**params["convert"], "fresh": fresh}
+        config = TrainConfig(**params["config"], init_from=init_from, device=device, out=run_dir, quiet=True)
         try:
             result = train(config)
         except NonFiniteLossError as err:
             # a learning rate that diverges is a result of the sweep, not a failure of the cell
             return {"status": "diverged", "reason": str(err), "events": _metrics_events(run_dir)}
         events = _metrics_events(run_dir)
+        if keep is not None:
+            _keep_model(run_dir, keep)
     task = get_task(config.task, seed=config.seed, **config.task_options)
     return {
         "status": "ok",
@@ -134,25 +237,36 @@ def _run_train(params: dict, device: str) -> dict:
         "train_wall_s": result.wall_time_s,
         "tokens_per_s": result.tokens_per_s,
         "parameters": sum(p.numel() for p in result.model.parameters()),
+        **extra,
     }
 
 
 def run_cell(cell: Cell, cells_dir: str, device: str = "auto") -> dict:
-    """Run ``cell`` and write its record to ``cells_dir``; returns the record."""
+    """Run ``cell`` and write its record to ``cells_dir``; returns the record. A cell with a parent starts from the
+    parent's kept model, which must be there; a cell that keeps its model writes it before its record."""
     from ...train.distributed import resolve_device
     from .probes import PROBES
 
     device = resolve_device(device)
     t0 = time.perf_counter()
+    identity = {"experiment": cell.experiment, "label": cell.label, "kind": cell.kind, "key": cell.key}
+    if cell.parent is not None:
+        if not has_model(cells_dir, cell.parent):
+            raise ValueError(
+                f"cell {cell.name}: its parent {cell.parent.name} has no kept model (not run, diverged, or its model "
+                "was removed); run it first"
+            )
+        identity["parent"] = {"name": cell.parent.name, "key": cell.parent.key}
     if cell.kind == "train":
-        result = _run_train(cell.params, device)
+        parent = model_dir(cells_dir, cell.parent) if cell.parent is not None else None
+        result = _run_train(cell.params, device, parent, model_dir(cells_dir, cell) if cell.keep else None)
     elif cell.kind in PROBES:
         result = {"status": "ok", **PROBES[cell.kind](**cell.params)}
     else:
         raise ValueError(f"cell {cell.name}: unknown kind {cell.kind!r}; expected 'train' or one of {sorted(PROBES)}")
     record = {
         "format": CELL_FORMAT,
-        "cell": {"experiment": cell.experiment, "label": cell.label, "kind": cell.kind, "key": cell.key},
+        "cell": identity,
         "params": cell.params,
         "result": result,
         "wall_s": time.perf_counter() - t0,
@@ -160,6 +274,8 @@ def run_cell(cell: Cell, cells_dir: str, device: str = "auto") -> dict:
         "threads": torch.get_num_threads(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if cell.keep and result["status"] == "ok":
+        record["model"] = os.path.relpath(model_dir(cells_dir, cell), cells_dir)
     _write_atomic(cell_path(cells_dir, cell), record)
     return record
 
@@ -189,6 +305,14 @@ class RunSummary:
     skipped: list[str] = field(default_factory=list)  # left for later: past the deadline
     wall_s: float = 0.0
 
+    def merge(self, other: RunSummary) -> None:
+        """Add the cells and the wall time of a later stage of the same invocation."""
+        self.ran += other.ran
+        self.cached += other.cached
+        self.failed.update(other.failed)
+        self.skipped += other.skipped
+        self.wall_s += other.wall_s
+
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -202,8 +326,11 @@ def run_cells(
     deadline: float | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> RunSummary:
-    """Run every cell of ``cells`` without a record in ``cells_dir``.
+    """Run every cell of ``cells`` that has not finished in ``cells_dir``, each after its parent.
 
+    A child that has to run needs its parent's kept model: a parent without its record, or without its model, runs
+    first, once, whether or not ``cells`` lists it; a child starts only when its parent has finished, and is
+    ``failed`` (or ``skipped``) with it when it fails (or is skipped).
     ``jobs > 1`` runs that many worker processes (spawned, each with ``cpu_count() // jobs`` torch threads);
     ``deadline`` (a ``time.time()``) stops starting new cells once passed (the unstarted ones are ``skipped``).
     A cell that raises is reported in ``failed`` and left unfinished; the others go on.
@@ -212,13 +339,26 @@ def run_cells(
         raise ValueError(f"jobs: expected a positive integer, got {jobs!r}")
     t0 = time.perf_counter()
     summary = RunSummary()
-    todo = []
+    todo: list[Cell] = []  # parents before their children
+
+    def need(cell: Cell) -> None:
+        if cell.name in unfinished:
+            return
+        if cell.parent is not None and not _can_continue(cells_dir, cell.parent):
+            need(cell.parent)
+        unfinished.add(cell.name)
+        todo.append(cell)
+
+    unfinished: set[str] = set()
+    cells = list(cells)
     for cell in cells:
-        (summary.cached if load_cell(cells_dir, cell) is not None else todo).append(cell)
-    summary.cached = [c.name for c in summary.cached]
-    total = len(todo)
+        if not is_finished(cells_dir, cell):
+            need(cell)
+    summary.cached = [cell.name for cell in cells if cell.name not in unfinished]
+    total, waiting = len(todo), list(todo)
 
     def done(cell: Cell, record: dict) -> None:
+        unfinished.discard(cell.name)
         if "error" in record:
             summary.failed[cell.name] = record["error"]
             log(f"[{len(summary.ran) + len(summary.failed)}/{total}] {cell.experiment} {cell.label}: FAILED")
@@ -227,28 +367,47 @@ def run_cells(
         summary.ran.append(cell.name)
         log(f"[{len(summary.ran) + len(summary.failed)}/{total}] {cell.experiment} {cell.label}: {brief(record)}")
 
-    def past_deadline() -> bool:
-        return deadline is not None and time.time() > deadline
+    def drop_orphans() -> None:
+        """The children of failed or skipped cells share their fate; past the deadline nothing more starts."""
+        past = deadline is not None and time.time() > deadline
+        changed = True
+        while changed:
+            changed = False
+            for cell in list(waiting):
+                parent = cell.parent.name if cell.parent is not None else None
+                if past or parent in summary.skipped:
+                    waiting.remove(cell)
+                    unfinished.discard(cell.name)
+                    summary.skipped.append(cell.name)
+                    changed = True
+                elif parent in summary.failed:
+                    waiting.remove(cell)
+                    done(cell, {"error": f"its parent {parent} failed"})
+                    changed = True
+
+    def next_ready() -> Cell | None:
+        for cell in waiting:
+            if cell.parent is None or cell.parent.name not in unfinished:
+                waiting.remove(cell)
+                return cell
+        return None
 
     if jobs == 1 or len(todo) <= 1:
-        for cell in todo:
-            if past_deadline():
-                summary.skipped.append(cell.name)
-                continue
+        while waiting:
+            drop_orphans()
+            cell = next_ready()
+            if cell is None:
+                break
             done(cell, _worker(cell, cells_dir, device))
     else:
         threads = max(1, cpu_count() // jobs)
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(jobs, context, _init_worker, (threads,)) as pool:
-            pending = list(reversed(todo))
             running: dict[concurrent.futures.Future, Cell] = {}
-            while pending or running:
-                while pending and len(running) < jobs and not past_deadline():
-                    cell = pending.pop()
+            while waiting or running:
+                drop_orphans()
+                while len(running) < jobs and (cell := next_ready()) is not None:
                     running[pool.submit(_worker, cell, cells_dir, device)] = cell
-                if past_deadline():
-                    summary.skipped.extend(c.name for c in reversed(pending))
-                    pending = []
                 if not running:
                     break
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)

@@ -10,13 +10,23 @@ import sys
 import time
 
 from . import path, tapa, vla
-from .cells import load_cell, run_cells
+from .cells import Cell, RunSummary, cpu_count, is_finished, load_cell, run_cells
 from .probes import Probe, summarise_probe
 from .sweep import summarise
 from .verdicts import judge
 
 PAPERS = {"path": path, "tapa": tapa, "vla": vla}
 SCALES = ("smoke", "full")
+# Tiny models scale badly over threads, and threads that wait on each other stall when other processes share the
+# cores: on a CPU, one single-threaded process per core runs the cells fastest.
+AUTO_JOBS = 8
+
+
+def default_jobs(device: str) -> int:
+    """``--jobs 0``: one worker per CPU core (at most ``AUTO_JOBS``) on a CPU run, one on a GPU."""
+    from ...train.distributed import resolve_device
+
+    return min(cpu_count(), AUTO_JOBS) if resolve_device(device) == "cpu" else 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="reuse the finished cells in the folder (never rerun), run the rest"
     )
     parser.add_argument("--cells", default=None, metavar="PATTERN", help="run only cells whose name matches (fnmatch)")
-    parser.add_argument("--jobs", type=int, default=1, help="cells run at once, each in its own process")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help=f"cells run at once, each in its own process (default 0: one per CPU core, at most {AUTO_JOBS}, on "
+        "a CPU run; 1 with a GPU)",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device of every cell")
     parser.add_argument(
         "--max-minutes", type=float, default=0.0, help="start no cell after this many minutes (0: no limit)"
@@ -50,20 +66,54 @@ def declared(paper: str, scale: str) -> list:
     return PAPERS[paper].experiments(scale)
 
 
+def declared_cells(experiments: list, cells_dir: str) -> tuple[list[Cell], dict[str, dict]]:
+    """The cells of ``experiments`` that can be declared now, and the finished ones' records.
+
+    A chained sweep's cells exist once its parent sweep has chosen the learning rate of each model it continues,
+    so they appear as the parent's cells finish: a run declares, runs what is missing and declares again."""
+    before: set[str] = set()
+    cells: list[Cell] = []
+    records: dict[str, dict] = {}
+    for experiment in experiments:
+        parent = getattr(experiment, "parent", None)
+        if parent is not None and parent.name not in before:
+            raise ValueError(f"{experiment.name}: parent: {parent.name} is not an experiment listed before it")
+        before.add(experiment.name)
+        for cell in experiment.cells(records):
+            cells.append(cell)
+            if (record := load_cell(cells_dir, cell)) is not None:
+                records[cell.name] = record
+    return cells, records
+
+
+def waiting_count(experiments: list, cells: list[Cell]) -> int:
+    """Cells of chained sweeps that cannot be declared yet (their parents have not finished)."""
+    declared = {c.name for c in cells}
+    total = sum(len(e.settings) * len(e.models) * len(e.lrs) * len(e.seeds) for e in experiments if _chained(e))
+    return total - sum(c.name in declared for c in cells if c.parent is not None)
+
+
+def _chained(experiment) -> bool:
+    return getattr(experiment, "parent", None) is not None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        print(f"attnkit reproduce: --jobs: expected a positive integer, got {args.jobs}", file=sys.stderr)
+    if args.jobs < 0:
+        print(f"attnkit reproduce: --jobs: expected 0 (automatic) or more, got {args.jobs}", file=sys.stderr)
         return 2
+    args.jobs = args.jobs or default_jobs(args.device)
     papers = list(PAPERS) if args.paper == "all" else [args.paper]
     plans = {}
     for paper in papers:
         experiments = declared(paper, args.scale)
         cells_dir = os.path.join(args.out, paper, "cells")
-        cells = [c for e in experiments for c in e.cells()]
-        finished = [c for c in cells if load_cell(cells_dir, c) is not None]
+        cells, _ = declared_cells(experiments, cells_dir)
+        finished = [c for c in cells if is_finished(cells_dir, c)]
         if args.list:
             for c in cells:
                 print(f"{'done   ' if c in finished else 'pending'} {paper} {c.name}")
+            if waiting := waiting_count(experiments, cells):
+                print(f"waiting {paper} {waiting} cells of chained experiments, declared once their parents finish")
             continue
         if finished and not args.resume:
             print(
@@ -72,18 +122,31 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        plans[paper] = (experiments, cells_dir, cells)
+        plans[paper] = (experiments, cells_dir)
     if args.list:
         return 0
     t0 = time.time()
     deadline = t0 + 60 * args.max_minutes if args.max_minutes > 0 else None
     failed = 0
-    for paper, (experiments, cells_dir, cells) in plans.items():
-        selected = [c for c in cells if args.cells is None or fnmatch.fnmatch(c.name, args.cells)]
-        print(f"attnkit reproduce {paper} ({args.scale}): {len(selected)} of {len(cells)} cells", file=sys.stderr)
-        summary = run_cells(selected, cells_dir, args.jobs, args.device, deadline)
+    for paper, (experiments, cells_dir) in plans.items():
+        summary = RunSummary()
+        tried: set[str] = set()
+        while True:  # chained cells are declared once their parents have finished: run in stages
+            cells, _ = declared_cells(experiments, cells_dir)
+            selected = [c for c in cells if args.cells is None or fnmatch.fnmatch(c.name, args.cells)]
+            new = [c for c in selected if c.name not in tried]
+            if not new:
+                break
+            tried.update(c.name for c in new)
+            waiting = waiting_count(experiments, cells)
+            print(
+                f"attnkit reproduce {paper} ({args.scale}): {len(new)} of {len(cells)} cells"
+                + (f" ({waiting} more wait for their parents)" if waiting else ""),
+                file=sys.stderr,
+            )
+            summary.merge(run_cells(new, cells_dir, args.jobs, args.device, deadline))
         failed += len(summary.failed)
-        records = {c.name: r for c in cells if (r := load_cell(cells_dir, c)) is not None}
+        cells, records = declared_cells(experiments, cells_dir)
         results = {
             e.name: summarise_probe(e, records) if isinstance(e, Probe) else summarise(e, records) for e in experiments
         }

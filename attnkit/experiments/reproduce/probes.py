@@ -48,7 +48,8 @@ class Probe:
     seeds: tuple[int, ...]
     note: str = ""
 
-    def cells(self) -> list[Cell]:
+    def cells(self, records: dict[str, dict] | None = None) -> list[Cell]:
+        """Every seed's cell (a probe has no parent, so ``records`` changes nothing)."""
         return [Cell(self.name, f"s{seed}", self.kind, {**self.params, "seed": seed}) for seed in self.seeds]
 
 

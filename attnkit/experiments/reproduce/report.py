@@ -183,6 +183,10 @@ def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
         f"Cells: {result.finished} of {result.total} finished, {result.wall_s:.0f} s of cell time.",
         "",
     ]
+    if sweep.parent is not None:
+        lines += [_chain_text(sweep), ""]
+    if sweep.keep:
+        lines += [f"The trained weights of {', '.join(sweep.keep)} are kept for a chained stage.", ""]
     lrs = " | ".join(f"val @ {lr:g}" for lr in sweep.lrs)
     lines += [f"| model | setting | {lrs} | chosen lr | test {sweep.metric} (mean ± spread) |"]
     lines += ["|---|---|" + "---|" * len(sweep.lrs) + "---|---|"]
@@ -191,6 +195,9 @@ def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
             "pending" if v is None else "diverged" if lr in choice.diverged else f"{v:.3g}"
             for lr, v in choice.scores.items()
         )
+        if sweep.parent is not None:
+            source = sweep.models[model]["from"]
+            model = f"{model} (from {source}" + (f" at lr {choice.parent_lr:g})" if choice.parent_lr else ", waiting)")
         if choice.lr is None:
             lines.append(f"| {model} | {setting} | {scores} | — | — |")
             continue
@@ -203,6 +210,23 @@ def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
     lines.append("")
     lines += [f"![{name}]({name})" for name in plots]
     return lines + [""]
+
+
+def _chain_text(sweep) -> str:
+    """How a chained sweep's two stages were swept."""
+    parent = sweep.parent
+    converted = [m for m, spec in sweep.models.items() if spec["mixer"] != parent.models[spec["from"]]["mixer"]]
+    text = (
+        f"Chained: each model continues a model of `{parent.name}` (its parent, named after the model below), the one "
+        f"trained at the learning rate `{parent.name}` chose on its own validation split ({parent.budget_text()}), "
+        f"seed by seed; this stage then sweeps its own learning rates, chosen on validation again."
+    )
+    if converted:
+        text += (
+            f" {', '.join(converted)} start from the parent converted to their mixer as `from_llama` converts a "
+            "Llama model: the weights both mixers have are copied, the new mixer's own weights start fresh."
+        )
+    return text
 
 
 def _variant_sets(choice) -> dict[str, dict[str, Stat]]:
@@ -349,6 +373,8 @@ def _result_json(result: SweepResult | ProbeResult) -> dict:
         "lrs": sweep.lrs,
         "seeds": sweep.seeds,
         "metric": sweep.metric,
+        "parent": sweep.parent.name if sweep.parent is not None else None,
+        "keep": sweep.keep,
         "finished": result.finished,
         "total": result.total,
         "choices": [

@@ -5,6 +5,13 @@ test metrics reported are that learning rate's, as the mean and spread over seed
 Fairness is structural: the budget (steps, batch, warm-up, evaluation schedule) belongs to the ``Sweep``, not to a
 model, so every model of a comparison sees the same number of sequences of the same length. A model's entry may
 choose only its mixer, its model options and evaluation-time variants.
+
+A chained sweep (``parent``) is a second stage: each of its models continues a model of the parent sweep (its
+``"from"``), the one trained at the learning rate the parent chose on its validation split, seed by seed (seed
+``s`` continues seed ``s``); the stage then sweeps its own learning rates, chosen on validation again. A model
+whose mixer differs from its parent's starts from the parent converted to that mixer (``cells.convert_model``).
+Its cells exist only once the parent's choice is made (``cells(records)``), and each names its parent cell, so a
+changed parent (or a changed choice) makes new cells.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from typing import Any
 from .cells import Cell
 
 # what a model's entry may set: what it is (mixer, options, depth), never how long or how fast it trains
-MODEL_KEYS = frozenset({"mixer", "model_options", "variants", "arch"})
+MODEL_KEYS = frozenset({"mixer", "model_options", "variants", "arch", "from"})
+SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads")
 
 
 class Missing(Exception):
@@ -73,11 +81,14 @@ class Sweep:
 
     ``models``: label -> ``{"mixer", "model_options", "variants", "arch"}`` (``variants``: name -> mixer keyword
     overrides, evaluated on the trained weights, e.g. RoPE with PI scaling; ``arch``: overrides of the sweep's
-    ``arch``, e.g. the number of layers). ``settings``: label -> the task
+    ``arch``, e.g. the number of layers; ``from``: in a chained sweep, the parent's model it continues).
+    ``settings``: label -> the task
     options that vary (``task_options`` are shared). ``metric``: the task metric used both to choose the
     learning rate (on the validation split) and to report (on the test sets). ``x`` / ``x_label``: where each
     setting sits on the plot of the metric against the setting; ``test_x_label``: the test sets' names carry a
-    number (a length) to plot the metric against.
+    number (a length) to plot the metric against. ``keep``: the models whose trained weights are kept, for a
+    chained sweep to continue; ``parent``: the sweep this one continues (see the module docstring), with one
+    setting and the same seeds.
     """
 
     name: str
@@ -97,6 +108,8 @@ class Sweep:
     x_label: str = ""
     test_x_label: str = ""
     note: str = ""
+    keep: tuple[str, ...] = ()
+    parent: Sweep | None = None
 
     def __post_init__(self) -> None:
         if len(self.lrs) < 3:
@@ -112,8 +125,44 @@ class Sweep:
                     f"{self.name}: models[{label!r}]: a model sets its mixer and may set only {sorted(MODEL_KEYS)}"
                     f" (the budget is the sweep's), got {sorted(model)}"
                 )
+        if not set(self.keep) <= set(self.models):
+            raise ValueError(f"{self.name}: keep: {sorted(set(self.keep) - set(self.models))} are not models here")
+        if self.parent is None:
+            if any("from" in model for model in self.models.values()):
+                raise ValueError(f"{self.name}: a model continues another ('from') only in a sweep with a parent")
+            return
+        parent = self.parent
+        if len(parent.settings) != 1 or parent.seeds != self.seeds:
+            raise ValueError(
+                f"{self.name}: parent: a chained sweep continues a sweep of one setting with the same seeds, got "
+                f"{parent.name} with settings {list(parent.settings)} and seeds {parent.seeds} (here {self.seeds})"
+            )
+        for label, model in self.models.items():
+            source = model.get("from")
+            if source not in parent.keep:
+                raise ValueError(
+                    f"{self.name}: models[{label!r}]: from: expected a model whose weights {parent.name} keeps "
+                    f"({sorted(parent.keep)}), got {source!r}"
+                )
+            if self.shape(label) != parent.shape(source):
+                raise ValueError(
+                    f"{self.name}: models[{label!r}]: shape {self.shape(label)} differs from its parent "
+                    f"{parent.name}/{source} {parent.shape(source)}"
+                )
 
-    def cell(self, model: str, setting: str, lr: float, seed: int) -> Cell:
+    def shape(self, model: str) -> tuple:
+        """The model's ``(hidden_size, num_layers, num_heads)`` where the sweep sets them (None where not)."""
+        arch = {**self.arch, **self.models[model].get("arch", {})}
+        return tuple(arch.get(key) for key in SHAPE_KEYS)
+
+    def parent_lr(self, model: str, parent: SweepResult) -> float:
+        """The learning rate at which the parent trained the model ``model`` continues; ``Missing`` (or
+        ``Diverged``) while the parent has not chosen it."""
+        return parent.choice(self.models[model]["from"], next(iter(parent.sweep.settings))).lr
+
+    def cell(self, model: str, setting: str, lr: float, seed: int, parent: SweepResult | None = None) -> Cell:
+        """The cell of ``model`` at ``setting``, ``lr`` and ``seed``; in a chained sweep ``parent`` is the parent
+        sweep's summary, which must have chosen the learning rate of the model this one continues."""
         spec = self.models[model]
         config = {
             "task": self.task,
@@ -128,22 +177,38 @@ class Sweep:
             "seed": seed,
         }
         params = {"config": config, "variants": spec.get("variants", {})}
-        return Cell(self.name, f"{model} {setting} lr={lr:g} s{seed}", "train", params)
+        parent_cell = None
+        if self.parent is not None:
+            if parent is None:
+                raise ValueError(f"{self.name}: parent: a chained sweep's cells need the parent's summary")
+            source = spec["from"]
+            parent_setting = next(iter(self.parent.settings))
+            parent_cell = self.parent.cell(source, parent_setting, self.parent_lr(model, parent), seed)
+            if spec["mixer"] != self.parent.models[source]["mixer"]:
+                params["convert"] = {"mixer": spec["mixer"]}
+        label = f"{model} {setting} lr={lr:g} s{seed}"
+        return Cell(self.name, label, "train", params, parent_cell, keep=model in self.keep)
 
-    def cells(self) -> list[Cell]:
-        return [
-            self.cell(model, setting, lr, seed)
-            for setting in self.settings
-            for model in self.models
-            for lr in self.lrs
-            for seed in self.seeds
-        ]
+    def cells(self, records: dict[str, dict] | None = None) -> list[Cell]:
+        """The cells of the sweep that can be declared with the finished ``records`` (``{cell name: record}``):
+        all of them, except in a chained sweep those whose parent has not chosen its learning rate yet."""
+        parent = summarise(self.parent, records or {}) if self.parent is not None else None
+        out = []
+        for setting in self.settings:
+            for model in self.models:
+                try:
+                    out += [self.cell(model, setting, lr, seed, parent) for lr in self.lrs for seed in self.seeds]
+                except Missing:
+                    continue
+        return out
 
     def budget_text(self, seq_len: int | None = None) -> str:
         b = self.budget
         length = f" × T={seq_len}" if seq_len else ""
+        after = f" after {self.parent.name}" if self.parent is not None else ""
         return (
-            f"{b.steps} steps × {b.batch_size} seqs{length}, lr ∈ {{{', '.join(f'{lr:g}' for lr in self.lrs)}}}, "
+            f"{b.steps} steps × {b.batch_size} seqs{length}{after}, lr ∈ "
+            f"{{{', '.join(f'{lr:g}' for lr in self.lrs)}}}, "
             + (f"{len(self.seeds)} seed{'s' if len(self.seeds) > 1 else ''}")
         )
 
@@ -161,6 +226,9 @@ class Choice:
     curves: list[list[tuple[int, float]]] = field(default_factory=list)  # per seed: (step, validation metric)
     seq_len: int | None = None
     diverged: list[float] = field(default_factory=list)  # learning rates with a non-finite loss
+    parent_lr: float | None = None  # chained sweeps: the learning rate of the parent this model continues
+    waiting: str = ""  # chained sweeps: why the parent has not chosen it yet
+    parent_diverged: bool = False  # ... because every learning rate of the parent diverged
 
 
 def _score(record: dict, metric: str) -> float | None:
@@ -202,6 +270,8 @@ class SweepResult:
         if model not in self.sweep.models or setting not in self.sweep.settings:
             raise Missing(f"{self.sweep.name}: {model} at {setting} is not run at this scale")
         choice = self.choices[(model, setting)]
+        if choice.waiting:
+            raise (Diverged if choice.parent_diverged else Missing)(choice.waiting)
         if choice.lr is None and all(v is not None for v in choice.scores.values()):
             raise Diverged(f"{self.sweep.name}: {model} at {setting}: every learning rate diverged")
         if choice.lr is None:
@@ -214,6 +284,17 @@ class SweepResult:
     def stat(self, model: str, setting: str, test_set: str | None = None, metric: str | None = None) -> Stat:
         """The chosen learning rate's test ``metric`` (default: the sweep's) on ``test_set`` (default: the only one)."""
         return _pick(self.choice(model, setting).test, test_set, metric or self.sweep.metric, self.sweep.name)
+
+    def length_stat(self, model: str, setting: str, length: int, metric: str | None = None) -> Stat:
+        """The chosen learning rate's test ``metric`` at ``length``: on the set ``L{length}``, or the mean over the
+        sets ``L{length}_*`` (a passkey grid over depths), with the mean of their spreads."""
+        sets = self.choice(model, setting).test
+        metric = metric or self.sweep.metric
+        found = [m[metric] for name, m in sets.items() if name == f"L{length}" or name.startswith(f"L{length}_")]
+        if not found:
+            raise Missing(f"{self.sweep.name}: no {metric} at length {length}")
+        mean, spread = (sum(getattr(s, k) for s in found) / len(found) for k in ("mean", "spread"))
+        return Stat(mean, spread, found[0].n)
 
     def variant_stat(self, model: str, setting: str, variant: str, test_set: str, metric: str | None = None) -> Stat:
         choice = self.choice(model, setting)
@@ -236,19 +317,30 @@ def summarise(sweep: Sweep, records: dict[str, dict]) -> SweepResult:
     """Choose each model's learning rate per setting from the finished cells' records (``{cell name: record}``).
 
     The best mean validation score over seeds wins; ties go to the lower mean final training loss. A learning
-    rate with a diverged seed scores worst. Nothing is chosen while any cell of the model and setting is missing.
+    rate with a diverged seed scores worst. Nothing is chosen while any cell of the model and setting is missing
+    (in a chained sweep: while the parent has not chosen the learning rate of the model it continues).
     """
     choices = {}
     finished = wall = 0
     sign = 1.0 if sweep.higher_is_better else -1.0
+    parent = summarise(sweep.parent, records) if sweep.parent is not None else None
     for setting in sweep.settings:
         for model in sweep.models:
+            parent_lr = None
+            if parent is not None:
+                try:
+                    parent_lr = sweep.parent_lr(model, parent)
+                except Missing as err:
+                    choice = Choice(model, setting, dict.fromkeys(sweep.lrs), parent_diverged=isinstance(err, Diverged))
+                    choice.waiting = f"{sweep.name}: {model} waits for its parent: {err}"
+                    choices[(model, setting)] = choice
+                    continue
             scores: dict[float, float | None] = {}
             ranks: dict[float, tuple[float, float]] = {}
             by_lr: dict[float, list[dict]] = {}
             diverged = []
             for lr in sweep.lrs:
-                recs = [records.get(sweep.cell(model, setting, lr, seed).name) for seed in sweep.seeds]
+                recs = [records.get(sweep.cell(model, setting, lr, seed, parent).name) for seed in sweep.seeds]
                 done = [r for r in recs if r is not None]
                 finished += len(done)
                 wall += sum(r["wall_s"] for r in done)
@@ -265,7 +357,7 @@ def summarise(sweep: Sweep, records: dict[str, dict]) -> SweepResult:
                 loss = statistics.fmean(r["result"]["final_loss"] for r in done)
                 ranks[lr] = (sign * scores[lr], -loss)
                 by_lr[lr] = done
-            choice = Choice(model, setting, scores, diverged=diverged)
+            choice = Choice(model, setting, scores, diverged=diverged, parent_lr=parent_lr)
             if all(v is not None for v in scores.values()) and by_lr:
                 lr = max(by_lr, key=lambda k: ranks[k])
                 chosen = [r["result"] for r in by_lr[lr]]

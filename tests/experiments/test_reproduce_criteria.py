@@ -1,0 +1,128 @@
+"""The criteria of the claims this change decides (TAPA T1, PaTH P7 and P8), on hand-made results: each verdict the
+criterion names is reached where it says, and nowhere else."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from attnkit.experiments.reproduce import path, tapa
+from attnkit.experiments.reproduce.sweep import Sweep, summarise
+from attnkit.tasks import get_task
+
+
+def record(metric: str, val: float, test: dict[str, float]) -> dict:
+    result = {"status": "ok", "final_loss": 1.0, "events": [], "variants": {}}
+    result.update(validation={"validation": {metric: val}}, test={name: {metric: v} for name, v in test.items()})
+    return {"result": result, "wall_s": 1.0}
+
+
+def fill(sweep: Sweep, records: dict, test: Callable[[str, str, int], float]) -> None:
+    """Records for every declarable cell of ``sweep``: the validation score favours the middle learning rate; the
+    test metric of each set is ``test(model, set name, seed)`` (the set's length in its name)."""
+    setting = next(iter(sweep.settings))
+    task = get_task(sweep.task, **{**sweep.task_options, **sweep.settings[setting]})
+    names = list(task.test_sets())
+    for cell in sweep.cells(records):
+        model, lr, seed = cell.label.split()[0], cell.params["config"]["lr"], cell.params["config"]["seed"]
+        val = 0.5 if lr == sweep.lrs[1] else 0.1
+        val = val if sweep.higher_is_better else 10 - val
+        records[cell.name] = record(sweep.metric, val, {n: test(model, n, seed) for n in names})
+
+
+def length(set_name: str) -> int:
+    return int("".join(ch for ch in set_name.split("_")[0] if ch.isdigit()))
+
+
+def retrieval_results(scores: dict[str, tuple[float, float]], spread: float = 0.0) -> dict:
+    """``scores``: model -> (exact match at L, at 4L) on both tasks (2L takes the mean)."""
+    experiments = {e.name: e for e in path.experiments("smoke")}
+    results = {}
+    for name in ("multi_needle", "variable_tracking"):
+        sweep, records = experiments[name], {}
+        L = next(iter(sweep.settings.values()))["seq_len"]
+
+        def test(model, set_name, seed, L=L):
+            short, far = scores[model]
+            value = {L: short, 2 * L: (short + far) / 2, 4 * L: far}[length(set_name)]
+            return value + (spread if seed else -spread)
+
+        two_seeds = dataclasses.replace(sweep, seeds=(0, 1))
+        fill(two_seeds, records, test)
+        results[name] = summarise(two_seeds, records)
+    return results
+
+
+@pytest.mark.parametrize(
+    "scores,verdict",
+    [
+        ({"path_fox": (1.0, 0.8), "path": (1.0, 0.5), "rope": (1.0, 0.1), "fox": (1.0, 0.6)}, "CONFIRMED"),
+        ({"path_fox": (1.0, 0.8), "path": (1.0, 0.78), "rope": (1.0, 0.1), "fox": (1.0, 0.6)}, "INCONCLUSIVE"),
+        ({"path_fox": (1.0, 0.2), "path": (1.0, 0.5), "rope": (1.0, 0.1), "fox": (1.0, 0.2)}, "REFUTED"),
+        ({"path_fox": (0.5, 0.2), "path": (0.6, 0.1), "rope": (0.4, 0.1), "fox": (0.5, 0.1)}, "INCONCLUSIVE"),
+    ],
+    ids=["leads", "tie", "trails", "untrained"],
+)
+def test_p7_path_fox_must_lead_clearly_beyond_the_training_length(scores, verdict):
+    got, reason, ours = path._retrieval(retrieval_results(scores))
+    assert got == verdict, reason
+    assert "multi_needle: path_fox 1×" in ours and "variable_tracking:" in ours
+    if verdict == "INCONCLUSIVE" and scores["path_fox"][0] < 0.9:
+        assert "budget" in reason
+
+
+def test_p7_spreads_keep_a_lead_from_counting():
+    scores = {"path_fox": (1.0, 0.8), "path": (1.0, 0.7), "rope": (1.0, 0.1), "fox": (1.0, 0.6)}
+    assert path._retrieval(retrieval_results(scores))[0] == "CONFIRMED"
+    assert path._retrieval(retrieval_results(scores, spread=0.05))[0] == "INCONCLUSIVE"
+
+
+def chain_results(paper, parent_name: str, child_name: str, parent_ppl: float, ppl: Callable[[str, int], float]):
+    """Summaries of a parent LM sweep (every model at ``parent_ppl``) and its chained sweep (``ppl(model, length)``:
+    each test perplexity)."""
+    experiments = {e.name: e for e in paper.experiments("smoke")}
+    parent, child = experiments[parent_name], experiments[child_name]
+    records = {}
+    fill(parent, records, lambda model, name, seed: parent_ppl)
+    assert child.cells(records) and not child.cells({})
+    fill(child, records, lambda model, name, seed: ppl(model, length(name)))
+    results = {parent_name: summarise(parent, records), child_name: summarise(child, records)}
+    assert results[child_name].finished == results[child_name].total > 0
+    return results
+
+
+@pytest.mark.parametrize(
+    "converted,continued,pretrained,verdict",
+    [(4.0, 5.0, 6.0, "CONFIRMED"), (4.98, 5.0, 6.0, "PARTIAL"), (5.2, 5.0, 6.0, "REFUTED"), (4.0, 5.0, 9.0,
+     "INCONCLUSIVE")],
+)  # fmt: skip
+def test_p8_the_converted_model_must_end_clearly_lower(converted, continued, pretrained, verdict):
+    values = {"path_converted": converted, "rope_continued": continued}
+    results = chain_results(path, "lm_default", "conversion", pretrained, lambda model, L: values[model])
+    got, reason, ours = path._conversion(results)
+    assert got == verdict, reason
+    assert ours.startswith(f"rope pretrained {pretrained:g}")
+
+
+@pytest.mark.parametrize(
+    "growth,verdict",
+    [
+        ({"tapa": 1.05, "rope": 4, "rope+pi": 3.5, "rope+ntk": 3.2, "rope+yarn": 3.0}, "CONFIRMED"),
+        ({"tapa": 1.05, "rope": 4, "rope+pi": 3.5, "rope+ntk": 3.2, "rope+yarn": 1.5}, "PARTIAL"),
+        ({"tapa": 2.0, "rope": 4, "rope+pi": 3.5, "rope+ntk": 3.2, "rope+yarn": 1.5}, "REFUTED"),
+    ],
+)
+def test_t1_tapa_must_stay_flat_to_8l_after_continued_pretraining(growth, verdict):
+    L4 = 4 * 64
+
+    def ppl(model, L):
+        return 5.0 * (growth[model] if L == 2 * L4 else 1.0)
+
+    results = chain_results(tapa, "zero_shot", "continued", 6.0, ppl)
+    got, reason, ours = tapa._continued(results)
+    assert got == verdict, reason
+    assert "tapa 4L 5" in ours and "rope+yarn 8L" in ours
+    untrained = chain_results(tapa, "zero_shot", "continued", 6.0, lambda model, L: 9.0)
+    assert tapa._continued(untrained)[0] == "INCONCLUSIVE"
