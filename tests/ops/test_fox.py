@@ -62,6 +62,20 @@ def check(actual, expected, dtype, names=NAMES):
 TORCH_CASES = [(2, 1, 2, 2, 8, 8), (2, 37, 4, 2, 16, 8), (1, 50, 4, 1, 8, 16), (1, 33, 3, 3, 12, 12)]
 
 
+@needs_cuda
+def test_gate_gradient_of_bf16_inputs():
+    """The kernels' ``dg`` of bf16 inputs within the bar (1e-2) of float64 autograd on the same rounded values.
+    ``delta`` comes from the bf16 output, so a row of the kernels' ``dS`` sums to its rounding error, not to zero;
+    with the column sums alone that error went into every suffix sum of ``dg`` (3.1e-2 on an H200 at D = 128,
+    T = 2048). Both sums from the same ``dS`` cancel it. (The PyTorch backend keeps its output in float32.)"""
+    torch.manual_seed(0)
+    q, k, v, g, do = make(2, 2048, 8, 8, 128, 128, dtype=torch.bfloat16)
+    actual = grads(partial(softmax_attention, backend="triton"), (q, k, v, g), do)
+    expected = grads(softmax_naive, [x.double() for x in (q, k, v, g)], do.double())
+    for name, a, e in zip(NAMES, actual, expected):
+        assert_close(name, a.double(), e, 5e-3 if name == "o" else 1e-2)
+
+
 @pytest.mark.parametrize("block", [8, 128], ids=["tiles-8", "tiles-default"])
 @pytest.mark.parametrize(
     "case", TORCH_CASES, ids=[f"B{b}-T{t}-HQ{hq}-H{h}-K{k}-V{v}" for b, t, hq, h, k, v in TORCH_CASES]
@@ -268,20 +282,24 @@ def test_operator_count(shapes):
     assert len(set(totals)) == 1, totals
 
 
-def test_auto_keeps_pytorch_until_gpu_tested(monkeypatch):
-    """``AUTO_TRITON`` is off: "auto" never reaches the kernels, on any device; with it on, "auto" takes them for
-    CUDA tensors only."""
+def test_auto_takes_the_kernels_on_cuda_only(monkeypatch):
+    """``AUTO_TRITON`` is on: "auto" takes the kernels for CUDA tensors (not float64) with a gate or packed
+    sequences, SDPA for a dense batch without a gate, the PyTorch backend on CPU; with it off, never the kernels."""
     import attnkit.ops.baselines.fox.parallel as parallel
 
+    assert softmax.AUTO_TRITON
     calls = []
     monkeypatch.setattr(parallel, "fox_fwd_op", lambda *args: calls.append(args) or (args[0], None))
     q, k, v, g, _ = make(1, 4, 1, 1, 16, 16)
     softmax_attention(q, k, v, g)
-    assert not calls
-    monkeypatch.setattr(softmax, "AUTO_TRITON", True)
-    softmax_attention(q, k, v, g)
     softmax_attention(q.double(), k.double(), v.double(), g.double())  # float64 stays on the PyTorch backend
+    softmax_attention(q, k, v)  # a dense batch without a gate stays SDPA's
     assert len(calls) == (1 if CUDA else 0)
+    softmax_attention(q, k, v, cu_seqlens=torch.tensor([0, 1, 4], device=q.device))  # packed: one launch
+    assert len(calls) == (2 if CUDA else 0)
+    monkeypatch.setattr(softmax, "AUTO_TRITON", False)
+    softmax_attention(q, k, v, g)
+    assert len(calls) == (2 if CUDA else 0)
 
 
 @pytest.mark.parametrize(

@@ -32,9 +32,10 @@ def _softmax_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return o.transpose(1, 2)
 
 
-# "auto" keeps the PyTorch backend on CUDA too until the FoX kernels have passed their GPU tests (they have only run
-# under Triton's interpreter so far); backend="triton" reaches them.
-AUTO_TRITON = False
+# "auto" takes the FoX kernels for CUDA tensors: on an H200 their forward+backward took 1.5-1.6x SDPA at D = 64 and
+# 1.2-1.35x at D = 128 (FLA's FoX kernel 2.3x / 1.55x; benchmarks/results/fox_h200.md), where the blockwise
+# PyTorch backend made a FoX model train at 0.18x RoPE's tokens/s.
+AUTO_TRITON = True
 # Widest head dims the kernels are built for: one [BM, D] query tile, [BN, D] key and value tiles and a [BM, V]
 # accumulator stay in registers up to 256 with the smaller blocks of ``fwd_config``.
 TRITON_MAX_HEAD_DIM = 256
@@ -63,7 +64,8 @@ def softmax_attention(
             cumulative sum is taken in float32 (float64 for float64 inputs).
         scale: defaults to ``K ** -0.5``.
         cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); gates restart at 0 in each.
-        backend: ``"auto"`` (the PyTorch backend for now, also on CUDA: the kernels have not run on a GPU yet),
+        backend: ``"auto"`` (with ``g`` or ``cu_seqlens``, the kernels for CUDA tensors of 16/32-bit floats; the
+            PyTorch backend otherwise: SDPA for a dense batch without ``g``),
             ``"torch"`` (SDPA without ``g``; with ``g`` a blockwise online softmax with a recomputing backward,
             never more than a ``128 × 128`` tile of logits per head, ``512 × 512`` on CUDA) or ``"triton"``
             (fused FlashAttention-style forward and backward kernels for CUDA tensors, or CPU tensors under
@@ -81,7 +83,14 @@ def softmax_attention(
         check_cu_seqlens(cu_seqlens, B, T, q.device)
     dims = dict(head_dims=(K, v.shape[-1]), max_head_dim=TRITON_MAX_HEAD_DIM)
     use = resolve_backend(
-        backend, "softmax_attention", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
+        backend,
+        "softmax_attention",
+        q.device,
+        has_triton=True,
+        dtype=q.dtype,
+        **dims,
+        # a dense batch without a gate is SDPA's (FlashAttention); packed sequences would loop over it
+        auto_triton=AUTO_TRITON and (g is not None or cu_seqlens is not None),
     )
     if T == 0 or B == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
         inputs = (q, k, v) + (() if g is None else (g,))

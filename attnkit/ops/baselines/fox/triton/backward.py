@@ -5,8 +5,9 @@ key/value head), looping over the ``G`` query heads that share the head (the key
 the query blocks that see the keys; dQ per (query block, query head) over its causal key prefix. dQ by a second
 recomputation, not float32 atomics from the dK/dV kernel: a FoX logit costs one FMA and one exp2 to rebuild, so the
 second pass is cheaper than ``HQ·D`` float32 atomics a query row and the buffer's cast, and it is deterministic.
-The query-side gate sum ``Σ_j dS_ij`` is zero (the rows of ``P`` sum to one), so no kernel computes it; ``dg`` is
-the suffix sum of ``dG`` within each sequence (``ops/common/triton/scan.py``). Derivation: ``README.md`` of the op.
+The query-side gate sum ``Σ_j dS_ij`` is zero only up to the rounding of ``delta``, so the dQ kernel adds it to
+``dG`` from its own ``dS`` and the error cancels as in autograd; ``dg`` is the suffix sum of ``dG`` within each
+sequence (``ops/common/triton/scan.py``). Derivation: ``README.md`` of the op.
 """
 
 from __future__ import annotations
@@ -132,12 +133,13 @@ def fox_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_block(
-    b_dq, b_q, b_do, b_gq, b_lse, b_delta, o_m, start_n, L, k, v, gc, p_gk0,
+    b_dq, b_dgr, b_q, b_do, b_gq, b_lse, b_delta, o_m, start_n, L, k, v, gc, p_gk0,
     stride_kt, stride_kd, stride_vt, stride_vd, bos, o_k, o_v, scale_log2,
     HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BN: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One key block folded into the dQ of the program's query block; the masked logits give P = 0."""
+    """One key block folded into the dQ of the program's query block, and into its rows' share of the gate's
+    gradient (``Σ_j dS_ij``); the masked logits give P = 0."""
     b_k, b_v, b_s = key_tile(
         b_q, b_gq, o_m, start_n, L, k, v, gc, p_gk0, stride_kt, stride_kd, stride_vt, stride_vd, bos, o_k, o_v,
         scale_log2, HQ, K, V, BN, CAUSAL, HAS_GATE, PRECISION,
@@ -146,18 +148,21 @@ def _dq_block(
     b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
     b_ds = b_p * (b_dp - b_delta[:, None])
     b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
-    return b_dq
+    if HAS_GATE:
+        b_dgr += tl.sum(b_ds, 1)
+    return b_dq, b_dgr
 
 
 @triton.jit
 def fox_bwd_dq_kernel(
-    q, k, v, gc, do, lse, delta, dq, cu_seqlens, offsets, T, N, scale_log2, scale,
+    q, k, v, gc, do, lse, delta, dq, dgc, cu_seqlens, offsets, T, N, scale_log2, scale,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, svb, svt, svh, svd, sdb, sdt, sdh, sdd,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, LOG_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_GATE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dQ (``[B,T,HQ,K]`` contiguous, ``q``'s dtype) of one query block of one query head; grid as the forward's."""
+    """dQ (``[B,T,HQ,K]`` contiguous, ``q``'s dtype) of one query block of one query head, and its rows' share of
+    ``dG`` added to ``dgc``; grid as the forward's."""
     i_b, i_hq, bos, L, i_m = program_block(cu_seqlens, offsets, N, T, HQ, LOG_N, IS_VARLEN)
     start_m = i_m * BM
     if start_m >= L:
@@ -170,20 +175,24 @@ def fox_bwd_dq_kernel(
     b_do, b_lse, b_delta = grad_rows(do, lse, delta, i_b, i_hq, m_m, p_m, p_row, sdb, sdt, sdh, sdd, o_v, V)
     p_gk0 = i_b * T * HQ + i_hq
     b_dq = tl.zeros([BM, BK], dtype=tl.float32)
+    b_dgr = tl.zeros([BM], dtype=tl.float32)
     k_h, v_h = k + i_b * skb + i_h * skh, v + i_b * svb + i_h * svh
     end_full = (start_m // BN) * BN
     for start_n in range(0, end_full, BN):
-        b_dq = _dq_block(
-            b_dq, b_q, b_do, b_gq, b_lse, b_delta, o_m, start_n, L, k_h, v_h, gc, p_gk0, skt, skd, svt, svd, bos,
+        b_dq, b_dgr = _dq_block(
+            b_dq, b_dgr, b_q, b_do, b_gq, b_lse, b_delta, o_m, start_n, L, k_h, v_h, gc, p_gk0, skt, skd, svt, svd, bos,
             o_k, o_v, scale_log2, HQ, K, V, BN, False, HAS_GATE, PRECISION,
         )  # fmt: skip
     for start_n in range(end_full, tl.minimum(start_m + BM, L), BN):
-        b_dq = _dq_block(
-            b_dq, b_q, b_do, b_gq, b_lse, b_delta, o_m, start_n, L, k_h, v_h, gc, p_gk0, skt, skd, svt, svd, bos,
+        b_dq, b_dgr = _dq_block(
+            b_dq, b_dgr, b_q, b_do, b_gq, b_lse, b_delta, o_m, start_n, L, k_h, v_h, gc, p_gk0, skt, skd, svt, svd, bos,
             o_k, o_v, scale_log2, HQ, K, V, BN, True, HAS_GATE, PRECISION,
         )  # fmt: skip
     m_qk = m_m[:, None] & (o_k < K)[None, :]
     tl.store(dq + p_row[:, None] * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_qk)
+    if HAS_GATE:
+        # The rows' side of dG, after the dK/dV kernel stored the columns' side: this program owns these rows.
+        tl.store(dgc + p_row, tl.load(dgc + p_row, mask=m_m, other=0.0) + b_dgr, mask=m_m)
 
 
 def bwd_config(width: int) -> dict[str, tuple[int, int, int, int]]:
@@ -245,7 +254,7 @@ def fox_bwd_fn(
     BM, BN, num_warps, num_stages = config["dq"]
     grid, offsets, N, log_n = launch_grid(cu_seqlens, B, T, HQ, BM)
     fox_bwd_dq_kernel[grid](
-        q, k, v, gc, do, lse, delta, dq, cu_seqlens, offsets, T, N, scale * LOG2E, scale, *strides,
+        q, k, v, gc, do, lse, delta, dq, dgc, cu_seqlens, offsets, T, N, scale * LOG2E, scale, *strides,
         BM=BM, BN=BN, LOG_N=log_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
     # G is a cumulative sum: g_t's gradient sums dG from t to the end of its sequence.
