@@ -2,7 +2,8 @@
 
     python -m attnkit probe-state [--lengths 1000 2000 5000 10000] [--plot probe.png] [--out probe.json]
 
-One layer of each mixer (``VLAAttention``, ``LinearAttention``, ``DeltaNetAttention``), freshly initialised with
+One layer of each mixer (``VLAAttention``, with ``normalize_write=False`` as ``vla_unnormalized``,
+``LinearAttention``, ``DeltaNetAttention``), freshly initialised with
 the same seed, reads the first ``T`` of one random sequence of hidden states ``[1, T_max, hidden]`` (standard
 normal) for each requested ``T``; the Frobenius norm of the cached ``S [H, V, K]`` is taken per head and averaged
 over heads.
@@ -14,7 +15,8 @@ write and DeltaNet's delta rule keep it bounded.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -24,7 +26,13 @@ from attnkit.layers import DeltaNetAttention, LinearAttention, VLAAttention
 
 from .output import write_json
 
-LAYERS: dict[str, type[nn.Module]] = {"vla": VLAAttention, "linear": LinearAttention, "deltanet": DeltaNetAttention}
+LAYERS: dict[str, Callable[..., nn.Module]] = {
+    "vla": VLAAttention,
+    # the paper's ablation: VLA writing along the unnormalised A_t k̂_t (its state grows like d_h / lam0)
+    "vla_unnormalized": functools.partial(VLAAttention, normalize_write=False),
+    "linear": LinearAttention,
+    "deltanet": DeltaNetAttention,
+}
 # TASKS.md: published ‖S‖_F at T = 1000 (VLA paper), printed beside ours; not a target to reproduce exactly
 PUBLISHED_T1000 = {"linear": 1634.0, "vla": 14.5, "deltanet": 1.2}
 

@@ -157,8 +157,8 @@ def claims_table(report: str) -> dict[str, str]:
 
 DECIDED_AT_SMOKE = {
     "path": ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"),
-    "tapa": ("T1", "T2", "T3", "T4"),
-    "vla": tuple(f"V{i}" for i in (1, 2, 3, 4, 5, 6, 7, 9, 10)),
+    "tapa": ("T1", "T2", "T3", "T4", "T5"),
+    "vla": tuple(f"V{i}" for i in range(1, 11)),
 }
 
 

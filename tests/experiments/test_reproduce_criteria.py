@@ -4,6 +4,7 @@ criterion names is reached where it says, and nowhere else."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import pytest
@@ -126,3 +127,45 @@ def test_t1_tapa_must_stay_flat_to_8l_after_continued_pretraining(growth, verdic
     assert "tapa 4L 5" in ours and "rope+yarn 8L" in ours
     untrained = chain_results(tapa, "zero_shot", "continued", 6.0, lambda model, L: 9.0)
     assert tapa._continued(untrained)[0] == "INCONCLUSIVE"
+
+
+def test_phase_ablation_and_no_normalisation_verdicts():
+    """T5 (TAPA's quadratic against its linear phase) and V8 (VLA's state without a normalised write) on
+    hand-made results."""
+    from attnkit.experiments.reproduce import vla
+    from attnkit.experiments.reproduce.sweep import Stat
+
+    class Zero:
+        sweep = type("S", (), {"settings": {"L64": {"seq_len": 64}}})()
+
+        def __init__(self, ppl):
+            self.ppl = ppl
+
+        def stat(self, model, setting, name):
+            return Stat(*self.ppl[(model, int(name[3:]) // 64)], 2)
+
+    good = {("rope", 1): (4.0, 0.1), ("rope", 4): (40.0, 1.0)}
+    for quad, lin, verdict in [(5.0, 7.0, "CONFIRMED"), (7.0, 5.0, "REFUTED"), (5.0, 5.05, "INCONCLUSIVE")]:
+        ppl = {**good, ("tapa", 1): (4.0, 0.1), ("tapa", 4): (quad, 0.1)}
+        ppl.update({("tapa_linear", 1): (4.0, 0.1), ("tapa_linear", 4): (lin, 0.1)})
+        assert tapa._phase_ablation({"zero_shot": Zero(ppl)})[0] == verdict
+    untrained = {**good, ("tapa", 1): (30.0, 0.1), ("tapa", 4): (5.0, 0.1)}
+    untrained.update({("tapa_linear", 1): (4.0, 0.1), ("tapa_linear", 4): (7.0, 0.1)})
+    assert tapa._phase_ablation({"zero_shot": Zero(untrained)})[0] == "INCONCLUSIVE"
+
+    class Norms:
+        def __init__(self, lengths, norms):
+            self.probe = type("P", (), {"params": {"lengths": lengths}})()
+            self.norms = norms
+
+        def norm(self, mixer, T):
+            return Stat(self.norms[mixer][T], 0.0, 2)
+
+    short = vla.NO_NORM_LENGTHS
+    bounded = Norms([250, 1000], {"vla": {250: 20.0, 1000: 26.0}})
+    growing = Norms([250, 1000], {"vla": {250: 20.0, 1000: 60.0}})
+    overflow = Norms(short, {"vla_unnormalized": dict(zip(short, (1e4, 1e9, math.inf, math.nan, math.nan)))})
+    flat = Norms(short, {"vla_unnormalized": dict(zip(short, (5.0, 6.0, 8.0, 9.0, 11.0)))})
+    assert vla._no_normalisation({"no_normalisation": overflow, "state_norm": bounded})[0] == "CONFIRMED"
+    assert vla._no_normalisation({"no_normalisation": overflow, "state_norm": growing})[0] == "PARTIAL"
+    assert vla._no_normalisation({"no_normalisation": flat, "state_norm": bounded})[0] == "REFUTED"

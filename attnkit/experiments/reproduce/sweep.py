@@ -48,6 +48,8 @@ class Stat:
     def of(cls, values: list[float]) -> Stat:
         if not values:
             raise Missing("no values")
+        if not all(math.isfinite(v) for v in values):  # a diverged run or an overflowed probe: no spread
+            return cls(statistics.fmean(values), math.nan, len(values))
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         return cls(statistics.fmean(values), spread, len(values))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .sweep import Budget, Stat, Sweep
-from .verdicts import Claim, Decision, fmt
+from .verdicts import Claim, Decision, clearly_above, fmt
 
 TITLE = "TAPA: token-aware phase attention (arXiv 2509.12635)"
 SCALE_NOTES = {
@@ -62,7 +62,12 @@ def experiments(scale: str) -> list:
         name="zero_shot",
         title=f"Perplexity to 8× the training length without continued pretraining (L = {L})",
         task="lm",
-        models={"tapa": {"mixer": "tapa"}, "rope": {"mixer": "rope", "variants": rope_variants(L)}},
+        models={
+            "tapa": {"mixer": "tapa"},
+            # the phase ablation (T5): the same model with the linear phase of the op (phase="linear")
+            "tapa_linear": {"mixer": "tapa", "model_options": {"mixer_kwargs": {"tapa": {"phase": "linear"}}}},
+            "rope": {"mixer": "rope", "variants": rope_variants(L)},
+        },
         settings={f"L{L}": {"seq_len": L}},
         budget=s["budget"],
         lrs=s["lrs"],
@@ -134,8 +139,8 @@ def _at(result, model: str, multiple: int, variant: str | None = None) -> Stat:
     return result.stat(model, setting, name)
 
 
-def _lm_budget_check(result) -> str | None:
-    ppl = {m: _at(result, m, 1).mean for m in ("tapa", "rope")}
+def _lm_budget_check(result, models: tuple[str, ...] = ("tapa", "rope")) -> str | None:
+    ppl = {m: _at(result, m, 1).mean for m in models}
     if max(ppl.values()) <= TRAINED_PPL:
         return None
     return f"perplexity at 1× {fmt({m: Stat(v, 0, 1) for m, v in ppl.items()})} > {TRAINED_PPL:g}: not trained yet"
@@ -156,6 +161,24 @@ def _zero_shot(results: dict[str, Any]) -> Decision:
     if tapa >= best_rope:
         return "REFUTED", f"TAPA {tapa:.3g} at 4× is no better than the best RoPE variant {best_rope:.3g}", ours
     return "PARTIAL", f"TAPA {tapa:.3g} at 4× beats the best RoPE variant {best_rope:.3g}, not by 3×", ours
+
+
+def _phase_ablation(results: dict[str, Any]) -> Decision:
+    r = results["zero_shot"]
+    stats = {f"{m} {x}×": _at(r, m, x) for m in ("tapa", "tapa_linear") for x in (1, 4)}
+    stats["rope 4×"] = _at(r, "rope", 4)
+    ours = fmt(stats)
+    reason = _lm_budget_check(r, ("tapa", "tapa_linear", "rope"))
+    if reason:
+        return "INCONCLUSIVE", reason, ours
+    quadratic, linear = stats["tapa 4×"], stats["tapa_linear 4×"]
+    against_rope = f"RoPE {stats['rope 4×'].mean:.3g}"
+    if clearly_above(linear, quadratic, 0.0):
+        return "CONFIRMED", f"quadratic {quadratic.mean:.3g} < linear {linear.mean:.3g} at 4× ({against_rope})", ours
+    if clearly_above(quadratic, linear, 0.0):
+        return "REFUTED", f"linear {linear.mean:.3g} < quadratic {quadratic.mean:.3g} at 4× ({against_rope})", ours
+    tie = f"quadratic {quadratic.mean:.3g} and linear {linear.mean:.3g} at 4× within their spreads"
+    return "INCONCLUSIVE", tie, ours
 
 
 def _short_range(results: dict[str, Any]) -> Decision:
@@ -272,7 +295,12 @@ CLAIMS = [
         id="T5",
         claim="The quadratic phase beats a linear phase (both beat RoPE at long range)",
         published="ablation: quadratic phase consistently better than linear; linear still far above RoPE",
-        criterion="CONFIRMED if the quadratic-phase model's perplexity at 4× is below the linear-phase model's.",
-        not_run="tapa_attention (attnkit.ops.tapa) has no linear-phase option; the ablation needs it in the op",
+        criterion="Budget check as T2, for the linear-phase model too. CONFIRMED if the quadratic-phase model's "
+        "perplexity at 4× is below the linear-phase model's by more than their spreads; REFUTED if above it by more "
+        'than their spreads; INCONCLUSIVE otherwise. The linear phase is the op\'s phase="linear", '
+        "(Σ q_P − Σ k_P)/sqrt(2 dP): our analog, since the paper's exact linear form is not in our sources.",
+        experiments=("zero_shot",),
+        decide=_phase_ablation,
+        cause=SCALED,
     ),
 ]
