@@ -283,8 +283,8 @@ def test_operator_count(shapes):
 
 
 def test_auto_takes_the_kernels_on_cuda_only(monkeypatch):
-    """``AUTO_TRITON`` is on: "auto" takes the kernels for CUDA tensors (not float64) with a gate or packed
-    sequences, SDPA for a dense batch without a gate, the PyTorch backend on CPU; with it off, never the kernels."""
+    """``AUTO_TRITON`` is on: "auto" takes the kernels for CUDA tensors (not float64) with a gate, SDPA without one,
+    the PyTorch backend on CPU; with it off, never the kernels."""
     import attnkit.ops.baselines.fox.parallel as parallel
 
     assert softmax.AUTO_TRITON
@@ -293,13 +293,12 @@ def test_auto_takes_the_kernels_on_cuda_only(monkeypatch):
     q, k, v, g, _ = make(1, 4, 1, 1, 16, 16)
     softmax_attention(q, k, v, g)
     softmax_attention(q.double(), k.double(), v.double(), g.double())  # float64 stays on the PyTorch backend
-    softmax_attention(q, k, v)  # a dense batch without a gate stays SDPA's
+    softmax_attention(q, k, v)  # without a gate, SDPA's
+    softmax_attention(q, k, v, cu_seqlens=torch.tensor([0, 1, 4], device=q.device))
     assert len(calls) == (1 if CUDA else 0)
-    softmax_attention(q, k, v, cu_seqlens=torch.tensor([0, 1, 4], device=q.device))  # packed: one launch
-    assert len(calls) == (2 if CUDA else 0)
     monkeypatch.setattr(softmax, "AUTO_TRITON", False)
     softmax_attention(q, k, v, g)
-    assert len(calls) == (2 if CUDA else 0)
+    assert len(calls) == (1 if CUDA else 0)
 
 
 @pytest.mark.parametrize(

@@ -64,8 +64,8 @@ def softmax_attention(
             cumulative sum is taken in float32 (float64 for float64 inputs).
         scale: defaults to ``K ** -0.5``.
         cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); gates restart at 0 in each.
-        backend: ``"auto"`` (with ``g`` or ``cu_seqlens``, the kernels for CUDA tensors of 16/32-bit floats; the
-            PyTorch backend otherwise: SDPA for a dense batch without ``g``),
+        backend: ``"auto"`` (with ``g``, the kernels for CUDA tensors of 16/32-bit floats; the PyTorch backend
+            otherwise: SDPA without ``g``),
             ``"torch"`` (SDPA without ``g``; with ``g`` a blockwise online softmax with a recomputing backward,
             never more than a ``128 × 128`` tile of logits per head, ``512 × 512`` on CUDA) or ``"triton"``
             (fused FlashAttention-style forward and backward kernels for CUDA tensors, or CPU tensors under
@@ -89,8 +89,8 @@ def softmax_attention(
         has_triton=True,
         dtype=q.dtype,
         **dims,
-        # a dense batch without a gate is SDPA's (FlashAttention); packed sequences would loop over it
-        auto_triton=AUTO_TRITON and (g is not None or cu_seqlens is not None),
+        # without a gate, SDPA (FlashAttention); the kernels' gate-free form has not run on a GPU
+        auto_triton=AUTO_TRITON and g is not None,
     )
     if T == 0 or B == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
         inputs = (q, k, v) + (() if g is None else (g,))
