@@ -2,7 +2,8 @@
 # One call on a lent GPU machine (the device tool runs it from the repository root, with $OUT for results):
 # the GPU test files, then the kernel benchmarks, each under its own time limit so that one slow step cannot
 # take the others' share of the lease (each grouping below sums to under 10 minutes, one device call). Logs and
-# JSON/PNG land in $OUT; the tables print last.
+# JSON/PNG land in $OUT; the tables print last. The test steps run pytest -v, so that the names of the tests that
+# ran survive a step's time limit (a killed pytest prints no summary).
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
@@ -29,25 +30,25 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 for step in $steps; do
     case $step in
         tests)
-            timeout 300 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
+            timeout 300 python3 -m pytest -v -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
                 tests/ops/test_tapa_triton.py tests/ops/test_tapa_decoding_triton.py tests/ops/test_path_triton.py \
                 tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
             tail -12 "$OUT/tests.log" ;;
         vlatests)  # the VLA kernels' GPU tests alone (the 64k case takes a minute)
-            timeout 120 python3 -m pytest -q -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
+            timeout 120 python3 -m pytest -v -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
                 > "$OUT/vlatests.log" 2>&1
             tail -12 "$OUT/vlatests.log" ;;
         pathtests)  # the PaTH kernels' GPU tests alone: the small cases, then the real-size gradients, then the
             # real-size forwards (whose float32 PyTorch references at 32k take minutes; 120 s for the whole file cut
             # it after 16 tests at 9d16e14)
             files="tests/ops/test_path_triton.py tests/ops/test_path_decoding_triton.py"
-            timeout 90 python3 -m pytest -q -rf $files -k "not real_size" > "$OUT/pathtests.log" 2>&1
-            timeout 150 python3 -m pytest -q -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
-            timeout 150 python3 -m pytest -q -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
+            timeout 90 python3 -m pytest -v -rf $files -k "not real_size" > "$OUT/pathtests.log" 2>&1
+            timeout 150 python3 -m pytest -v -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
+            timeout 150 python3 -m pytest -v -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
             grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
-            timeout 150 python3 -m pytest -q -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
+            timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
             tail -12 "$OUT/foxtests.log" ;;
         fox)  # FoX forward and forward+backward against SDPA and FLA's parallel_forgetting_attn (issue 17's bar)
             timeout 300 python3 benchmarks/ops.py --ops fox --impls sdpa fox_triton fla_parallel_forgetting_attn \
@@ -127,7 +128,7 @@ for step in $steps; do
             # linear phase (issue 20): their GPU tests, then forward and backward times of series orders 3, 4, 6 against
             # the exact path (order 0) at D = 64, 128, T = 8k, 32k (bf16, 32768 tokens, H·D = 1024), into
             # $OUT/tapa_series.json. The order that wins becomes common.SERIES_ORDER.
-            timeout 240 python3 -m pytest -q -rf tests/ops/test_tapa_series.py tests/ops/test_tapa_phase.py \
+            timeout 240 python3 -m pytest -v -rf tests/ops/test_tapa_series.py tests/ops/test_tapa_phase.py \
                 > "$OUT/tapaseries.log" 2>&1
             timeout 300 python3 benchmarks/tapa_tune.py --series-orders 0 3 4 6 --seq-lens 8192 32768 --out "$OUT" \
                 >> "$OUT/tapaseries.log" 2>&1
