@@ -222,13 +222,19 @@ def reads_data() -> bool:
 _DATA_CHECKED = contextvars.ContextVar("attnkit_data_checked", default=False)
 
 
-@contextlib.contextmanager
-def data_checked() -> Iterator[None]:
+def data_checked() -> contextlib.AbstractContextManager[None]:
     """Within this context the caller vouches for the values of the index inputs it passes, which it checked
     itself or built valid: ``cu_seqlens`` (:func:`check_cu_seqlens`), a ``cache_mask`` with a real slot in every
     row, an ``attention_mask`` given with a cache that is left padding with real new tokens. A model checks them
     once a call and a layer once, and their ops read nothing again, so that a training step or a generated token
     costs no device read per layer; a public op called outside this context still checks."""
+    if torch.compiler.is_compiling():  # nothing is read under torch.compile anyway, and a ContextVar breaks graphs
+        return contextlib.nullcontext()
+    return _vouch()
+
+
+@contextlib.contextmanager
+def _vouch() -> Iterator[None]:
     token = _DATA_CHECKED.set(True)
     try:
         yield
