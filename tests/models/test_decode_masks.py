@@ -109,3 +109,15 @@ def test_bad_cu_seqlens_are_refused_once_checked(cu, message):
     q = k = v = torch.randn(1, 9, 2, 8)
     with pytest.raises(ValueError, match=f"cu_seqlens: .*{message}"):
         softmax_attention(q, k, v, cu_seqlens=torch.tensor(cu))
+
+
+def test_data_checked_keeps_a_compiled_graph_whole():
+    """Under ``torch.compile`` the context is a no-op (nothing is read there anyway): a ContextVar set inside it
+    broke the graph once a layer."""
+
+    def fn(x):
+        with validation.data_checked():
+            return x * 2
+
+    x = torch.randn(3)
+    assert torch.equal(torch.compile(fn, fullgraph=True)(x), x * 2)
