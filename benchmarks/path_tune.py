@@ -32,8 +32,9 @@ from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
 from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 
 # (num_warps, num_stages, carry precision) of the prepare and forward kernels; None keeps the default (3xTF32 for
-# 16-bit inputs). "tf32" is one TF32 pass for the carried query: ~3x fewer tensor-core passes, error read off `err`.
-FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32")]
+# 16-bit inputs). "tf32" is one TF32 pass for the carried query: ~3x fewer tensor-core passes, error read off `err`;
+# "bf16x3" three bf16 passes of the hi/lo split (~1e-5 relative, at twice TF32's rate: half 3xTF32's time).
+FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32"), (4, 1, "bf16x3")]
 # Rows per block of the prepare kernel's UT solve (prepare.SOLVE_ROWS), the forward timed with each.
 SOLVE = [16, 32]
 # (chunk, num_warps, key_tile) of the backward kernels; key_tile: the key side carries its key chunk
@@ -49,8 +50,9 @@ SUPER = [
     (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2),
 ]  # fmt: skip
 # --carry-only: the forward's default and single-TF32 carries, then forward+backward with every carry in 3xTF32 (the
-# default) and in one TF32 pass (prepare.CARRY_16BIT), with beta drawn from (1.5, 2) as issue 3's accuracy bar asks.
-CARRY = [None, "tf32"]
+# default), in one TF32 pass and in three bf16 passes (prepare.CARRY_16BIT), with beta drawn from (1.5, 2) as issue
+# 3's accuracy bar asks.
+CARRY = [None, "tf32", "bf16x3"]
 
 
 def bench(fn, device: torch.device) -> float:
@@ -89,11 +91,12 @@ def time_grads(label: str, x: dict[str, torch.Tensor], do: torch.Tensor, default
 
 def time_cell(
     D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None, sup: list = (),
-    solve: list = (),
+    solve: list = (), solve_grads: bool = False,
 ) -> dict:
     """One (D, T) cell: the forward ``fwd`` configurations, then forward+backward with the backward's ``bwd``
     configurations and the between-superblock kernels' ``sup``, or (``carries`` given) with each carry precision of
-    16-bit inputs instead; ``solve``: the forward with each block size of the UT solve."""
+    16-bit inputs instead; ``solve``: the forward with each block size of the UT solve (and forward+backward with
+    each when ``solve_grads``)."""
     H = max(1, 1024 // D) if device.type == "cuda" else 2
     B = max(1, 32768 // T) if device.type == "cuda" else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -136,6 +139,13 @@ def time_cell(
         cell["fwd"].append(row)
         print(f"  fwd D={D} T={T} solve_rows={rows}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
+    for rows in solve if solve_grads else []:  # forward+backward (whose prepare kernel solves again) per block size
+        saved, prepare.SOLVE_ROWS = prepare.SOLVE_ROWS, rows
+        try:
+            row = time_grads(f"D={D} T={T} solve_rows={rows}", x, do, default, device)
+        finally:
+            prepare.SOLVE_ROWS = saved
+        cell["bwd"].append(dict(solve_rows=rows, **row))
     for carry in carries or []:
         saved, prepare.CARRY_16BIT = prepare.CARRY_16BIT, carry or prepare.CARRY_16BIT
         try:
@@ -188,6 +198,8 @@ def table(cells: list[dict]) -> str:
                 setting = " ".join(f"{k}={row[k]}" for k in keys if k in row)
                 if kind == "bwd" and "carry_precision" in row:
                     setting = f"carry_precision={row['carry_precision']}"
+                if kind == "bwd" and "solve_rows" in row:
+                    setting = f"solve_rows={row['solve_rows']}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
                 if "err_torch" in row:
                     result += f" ({row['err_torch']:.1e} from the PyTorch backend)"
@@ -206,19 +218,27 @@ def main(argv: list[str] | None = None) -> int:
         "--carry-only", action="store_true", help="only the carries' precision, forward and forward+backward (CARRY)"
     )
     parser.add_argument("--super-only", action="store_true", help="only the between-superblock kernels (SUPER)")
+    parser.add_argument(
+        "--solve-only", action="store_true", help="only the UT solve's block sizes (SOLVE), fwd and fwd+bwd"
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    fwd, bwd, sup = ([FWD[0], FWD[-1]], [BWD[2], BWD[-1]], [SUPER[0], SUPER[1]]) if args.quick else (FWD, BWD, SUPER)
+    fwd, bwd, sup = ([FWD[0], FWD[-2]], [BWD[2], BWD[-1]], [SUPER[0], SUPER[1]]) if args.quick else (FWD, BWD, SUPER)
     if args.carry_only:
-        fwd, bwd, sup = [FWD[0], FWD[-1]], [], []
+        fwd, bwd, sup = [FWD[0], FWD[-2], FWD[-1]], [], []
     if args.super_only:
         fwd, bwd = [], []
+    if args.solve_only:
+        fwd, bwd, sup = [FWD[0]], [], []
     cells = []
     for T in args.seq_lens:  # every D at the shortest T first: a time limit cuts the long cells
         for D in args.head_dims:
             solve = [] if args.carry_only or args.super_only else SOLVE[:1] if args.quick else SOLVE
-            cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, solve))
+            solve = [None, *solve] if args.solve_only else solve
+            cells.append(
+                time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, solve, args.solve_only)
+            )
             write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
     print(table(cells))
     return 0

@@ -7,10 +7,10 @@
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
-#                              [pathvs] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
+#                              [pathvs] [pathsolve] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone;
-#   `pathcarry pathprof`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathvs` alone;
+#   `pathcarry pathprof`; `pathsolve pathgrid`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathvs` alone;
 #   `pathgrid` alone; `train` alone; `foxtests fox`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
@@ -97,8 +97,12 @@ for step in $steps; do
             # 54fdc54 the first, 4k at D = 64, took the whole 200 s); PATHACC_DTYPES="bfloat16 float32" for both
             timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --dtypes ${PATHACC_DTYPES:-bfloat16} \
                 --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
-        pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default) or one TF32 pass, time and error
-            timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens 32768 --head-dims 64 128 --out "$OUT" \
+        pathsolve)  # PaTH: the UT solve row by row (default) or by blocks of 16 or 32 rows, forward and forward+backward
+            timeout 240 python3 benchmarks/path_tune.py --solve-only --seq-lens ${SOLVE_SEQ_LENS:-4096} \
+                --head-dims ${SOLVE_DIMS:-64 128} --out "$OUT" > "$OUT/pathsolve.log" 2>&1 ;;
+        pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default), one TF32 pass or 3 bf16 passes, time and error
+            timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens ${CARRY_SEQ_LENS:-32768} \
+                --head-dims ${CARRY_DIMS:-64 128} --out "$OUT" \
                 > "$OUT/pathcarry.log" 2>&1 ;;
         pathvs)  # PaTH forward+backward at D = 64 and 128, 8k and 32k: this tree, then the tree in ${PATH_OLD:-.old} (the
             # design before it, e.g. `mkdir .old && git archive b95a202 | tar -x -C .old`, carried as `.old`), same call
@@ -145,7 +149,7 @@ for step in $steps; do
     esac
 done
 for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
-    pathcarry train flex decode tune tapaseries; do
+    pathcarry pathsolve train flex decode tune tapaseries; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -33,7 +33,7 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
     assert backward_super.launch_config(16, 16) == dict(tile=16, tiles_per_program=0, num_warps=1, num_stages=1)
     from attnkit.ops.path.triton import prepare
 
-    assert prepare.SOLVE_ROWS is None
+    assert prepare.SOLVE_ROWS == 16
     out = capsys.readouterr().out
     assert "fwd+bwd chunk=32 num_warps=4 key_tile=False" in out and "key_tile=True" in out
     assert "fwd+bwd super tile=16 tiles_per_program=1 num_warps=1 num_stages=1" in out
@@ -45,13 +45,13 @@ def test_carry_only_on_cpu(tmp_path, capsys):
     argv = ["--device", "cpu", "--carry-only", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
     assert path_tune.main(argv) == 0
     cell = json.loads((tmp_path / "path_tune.json").read_text())["cells"][0]
-    assert [r["carry_precision"] for r in cell["fwd"]] == ["default", "tf32"]
+    assert [r["carry_precision"] for r in cell["fwd"]] == ["default", "tf32", "bf16x3"]
     assert all(r["err_torch"] < 1e-5 for r in cell["fwd"])  # the interpreter's carries are exact
-    assert [r["carry_precision"] for r in cell["bwd"]] == ["default", "tf32"]
+    assert [r["carry_precision"] for r in cell["bwd"]] == ["default", "tf32", "bf16x3"]
     for row in cell["bwd"]:
         assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-5
         assert set(row["errs"]) == {"o", "dq", "dk", "dv", "dw", "dbeta", "dg"}
     from attnkit.ops.path.triton import prepare
 
-    assert prepare.CARRY_16BIT == "tf32x3"
+    assert prepare.CARRY_16BIT == "bf16x3"
     assert "fwd+bwd carry_precision=tf32:" in capsys.readouterr().out

@@ -535,3 +535,16 @@ def test_gate_gradient_of_a_first_token_is_zero(monkeypatch, span):
     first = dg[0, [0, 41]]  # the one-token sequence's only gate is its first too, but meets no other key
     scale = dg.square().mean().sqrt()
     assert first.abs().max() <= 1e-5 * scale, (first.abs().max() / scale).item()
+
+
+def test_carry_precisions(monkeypatch):
+    """The carries' dot precision on a GPU: bfloat16 inputs take ``CARRY_16BIT`` (three bf16 passes), float16 inputs
+    3xTF32 (three bf16 passes failed a float16 forward on the H200), float32 inputs exact; the products one TF32
+    pass for 16-bit inputs. Under the interpreter everything is exact."""
+    from attnkit.ops.path.triton import prepare
+
+    assert prepare.precisions(torch.bfloat16) == ("tf32", "ieee")  # the interpreter has no TF32
+    monkeypatch.setattr(prepare, "interpreting", lambda: False)
+    assert prepare.precisions(torch.bfloat16) == ("tf32", "bf16x3") and prepare.CARRY_16BIT == "bf16x3"
+    assert prepare.precisions(torch.float16) == ("tf32", "tf32x3")
+    assert prepare.precisions(torch.float32) == ("ieee", "ieee")

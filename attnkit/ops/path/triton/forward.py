@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds
-from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton import prepare
 from attnkit.ops.path.triton.carry import carry_keys_fn
 from attnkit.ops.path.triton.prepare import (
@@ -196,7 +196,7 @@ def path_fwd_fn(
     is_varlen = cu_seqlens is not None
     grid_chunks = triton.cdiv(longest, BT)
     launch = dict(config or launch_config())
-    carry = launch.pop("carry_precision", carry)
+    carry = launch.pop("carry_precision", carry) if not interpreting() else carry  # the interpreter's dots are exact
     path_prepare_kernel[(grid_chunks, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
         PRECISION=carry, WRITE_MW=True, SB=solve_rows(BT), **launch,

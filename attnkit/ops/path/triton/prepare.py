@@ -166,26 +166,29 @@ def superblock_chunks(K: int, chunk: int) -> int:
 NO_SUPERBLOCKS = 1 << 30  # a span no sequence reaches: every chunk pair is carried chunk by chunk
 
 
-SOLVE_ROWS: int | None = None  # rows per block of the prepare kernel's UT solve; None: row by row (what was timed)
+SOLVE_ROWS: int | None = 16  # rows per block of the prepare kernel's UT solve; None: row by row
 
 
 def solve_rows(chunk: int) -> int:
     """``SB`` of :func:`path_prepare_kernel`: ``SOLVE_ROWS`` where it is set and smaller than the chunk (the solve
-    by blocks, :func:`ut_solve_blocked`; not yet timed on a GPU: ``benchmarks/path_tune.py`` sweeps it), else the
-    chunk (row by row)."""
+    by blocks, :func:`ut_solve_blocked`; 16 rows: 1.2× faster forward than row by row on the H200, ``path_tune.py
+    --solve-only``), else the chunk (row by row)."""
     return chunk if SOLVE_ROWS is None else min(SOLVE_ROWS, chunk)
 
 
-CARRY_16BIT = "tf32x3"  # the carries' precision for 16-bit inputs (benchmarks/path_tune.py --carry-only times "tf32")
+CARRY_16BIT = "bf16x3"  # the carries' precision for bfloat16 inputs (benchmarks/path_tune.py --carry-only times others)
 
 
 def precisions(dtype: torch.dtype) -> tuple[str, str]:
     """``input_precision`` of the PaTH kernels' dots for inputs of ``dtype``: ``(products, carries)``. The
     attention products run in the inputs' precision (one TF32 pass for float32 operands holding 16-bit values);
-    the carries and the UT solve of 16-bit inputs use ``CARRY_16BIT`` (3×TF32: float32-accurate); exact ``ieee``
-    for float32 inputs and under the interpreter, which has no TF32."""
+    the carries and the UT solve of bfloat16 inputs use ``CARRY_16BIT`` (three bf16 passes of a hi/lo split: 3e-4
+    from 3×TF32 at T = 32k with ``beta ∈ (1.5, 2)`` on the H200, 1.3× faster forward+backward), float16 inputs
+    3×TF32 (with three bf16 passes a float16 forward at T = 70, K = 32 missed by 0.21 on the H200; cause not yet
+    found); exact ``ieee`` for float32 inputs and under the interpreter, which has no TF32."""
     exact = dtype == torch.float32
-    return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else CARRY_16BIT)
+    carry = CARRY_16BIT if dtype == torch.bfloat16 else "tf32x3"
+    return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else carry)
 
 
 def chunk_offsets(cu_seqlens: torch.Tensor | None, chunk: int) -> torch.Tensor | None:
