@@ -55,16 +55,29 @@ def head_layout(
     return hidden_size, num_heads, num_kv_heads, check_int("head_dim", head_dim)
 
 
+def _mask_of(attention_mask: object) -> torch.Tensor:
+    """A 2-D mask as bool, or the ``ValueError`` every mask check raises for anything else."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError("attention_mask: expected a [B, L] tensor of 0/1")
+    return attention_mask.bool()
+
+
+def _padded_after(mask: torch.Tensor) -> torch.Tensor:
+    """Whether a 0 follows a 1 in some row of ``mask`` (padding that is not on the left), a bool on the device."""
+    return (mask.int().diff(dim=1) < 0).any()
+
+
+_LEFT_ONLY = "attention_mask: only left padding is supported (a 0 follows a 1)"
+
+
 def check_attention_mask(attention_mask: object, batch: int, length: int) -> torch.Tensor:
     """``[B, L]`` of 0/1 (or bool) with padding on the left only; returned as bool. The values are read from the
     device once, unless the caller checked them (:func:`attnkit.ops.common.validation.data_checked`)."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        raise ValueError("attention_mask: expected a [B, L] tensor of 0/1")
-    if tuple(attention_mask.shape) != (batch, length):
-        raise ValueError(f"attention_mask: expected shape [{batch}, {length}], got {list(attention_mask.shape)}")
-    mask = attention_mask.bool()
-    if checks_data() and (mask.int().diff(dim=1) < 0).any():
-        raise ValueError("attention_mask: only left padding is supported (a 0 follows a 1)")
+    mask = _mask_of(attention_mask)
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"attention_mask: expected shape [{batch}, {length}], got {list(mask.shape)}")
+    if checks_data() and _padded_after(mask):
+        raise ValueError(_LEFT_ONLY)
     return mask
 
 
@@ -72,18 +85,14 @@ def check_decode_mask(attention_mask: object, batch: int, new_tokens: int) -> No
     """An ``attention_mask`` given with a cache: ``[B, past + T]``, left padding only, its ``T`` new tokens real
     (the earlier columns are the cache's business). The shape is always checked; the values are read from the
     device once, unless the caller checked them already (:func:`attnkit.ops.common.validation.data_checked`)."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        raise ValueError("attention_mask: expected a [B, L] tensor of 0/1")
-    if attention_mask.shape[0] != batch or attention_mask.shape[1] < new_tokens:
-        raise ValueError(
-            f"attention_mask: expected shape [{batch}, past + {new_tokens}], got {list(attention_mask.shape)}"
-        )
+    mask = _mask_of(attention_mask)
+    if mask.shape[0] != batch or mask.shape[1] < new_tokens:
+        raise ValueError(f"attention_mask: expected shape [{batch}, past + {new_tokens}], got {list(mask.shape)}")
     if not checks_data():
         return
-    mask = attention_mask.bool()
-    padded_after, new_padding = torch.stack([(mask.int().diff(dim=1) < 0).any(), ~mask[:, -new_tokens:].all()]).tolist()
+    padded_after, new_padding = torch.stack([_padded_after(mask), ~mask[:, -new_tokens:].all()]).tolist()
     if padded_after:
-        raise ValueError("attention_mask: only left padding is supported (a 0 follows a 1)")
+        raise ValueError(_LEFT_ONLY)
     if new_padding:
         raise ValueError("attention_mask: tokens after the prompt must not be padding")
 

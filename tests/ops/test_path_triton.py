@@ -398,14 +398,19 @@ def superblock_products(x, kt, A, lo, hi, groups):
 
 @pytest.mark.parametrize("K", [16, 24])
 @pytest.mark.parametrize("offsets", [None, [0, 7, 7, 100]], ids=["dense", "varlen"])
-def test_superblock_terms_adjoint(K, offsets):
+@pytest.mark.parametrize("waves", [False, True], ids=["one-wave", "waves"])
+def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves):
     """:func:`local.super_terms_bwd_fn`, the adjoint of the superblock-local terms (the queries carried to their
     superblock's start, the keys to its end, each superblock's ``Σ``), against autograd through the products
     written out, in float64 references: superblocks of three 16-position chunks over 100 tokens (a partial last
-    one), dense and packed, GQA, ``K`` padded or not."""
+    one), dense and packed, GQA, ``K`` padded or not; in one wave, or one superblock a wave (a scratch budget of one
+    byte)."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import local
     from attnkit.ops.path.triton.prepare import chunk_offsets
+
+    if waves:
+        monkeypatch.setattr(local, "SCRATCH_BYTES", 1)
 
     gen = torch.Generator().manual_seed(K)
     B, T, HQ, H, C, span = (2 if offsets is None else 1), 100, 4, 2, 16, 3

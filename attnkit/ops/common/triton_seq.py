@@ -33,12 +33,30 @@ def seq_bounds(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
     return i_n.to(tl.int64) * T, T
 
 
+@triton.jit
+def block_offsets_kernel(cu_seqlens, offsets, N, BLOCK: tl.constexpr, BN: tl.constexpr):
+    """``offsets [N + 1]`` int32: the first block of each packed sequence in blocks of ``BLOCK`` positions (the last
+    entry the total), in one program that walks the sequences ``BN`` at a time. Grid ``(1,)``."""
+    carry = tl.zeros([], dtype=tl.int32)
+    tl.store(offsets, carry)
+    for start in range(0, N, BN):
+        o_n = start + tl.arange(0, BN)
+        m_n = o_n < N
+        lengths = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
+        counts = tl.where(m_n, (lengths.to(tl.int32) + BLOCK - 1) // BLOCK, 0)
+        tl.store(offsets + o_n + 1, carry + tl.cumsum(counts, 0), mask=m_n)
+        carry += tl.sum(counts, 0)
+
+
 def block_offsets(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
     """The first block of each packed sequence cut into blocks of ``block`` positions, ``[N+1]`` int32 (the last
-    entry the total), computed on the device (no host sync). A launch over ``cdiv(T, block) + N`` programs covers
-    every block of every sequence; :func:`locate_block` maps a program to its block."""
-    counts = ((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) + (block - 1)) // block
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+    entry the total), computed on the device by one kernel (no host sync, no tensor ops). A launch over
+    ``cdiv(T, block) + N`` programs covers every block of every sequence; :func:`locate_block` maps a program to its
+    block."""
+    N = cu_seqlens.numel() - 1
+    offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
+    block_offsets_kernel[(1,)](cu_seqlens, offsets, N, BLOCK=block, BN=1024)
+    return offsets
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import locate_block
+from attnkit.ops.common.triton_seq import block_offsets, locate_block
 from attnkit.ops.common.triton_utils import block_dim
 
 
@@ -82,21 +82,6 @@ def seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN: tl.constexpr):
     return i_nh.to(tl.int64) * T, T, 0, i_nh
 
 
-@triton.jit
-def chunk_offsets_kernel(cu_seqlens, offsets, N, BT: tl.constexpr, BN: tl.constexpr):
-    """``offsets [N + 1]`` int32: the first chunk of each packed sequence in chunks of ``BT`` (the last entry the
-    total), on the device in one program. Grid ``(1,)``."""
-    carry = tl.zeros([], dtype=tl.int32)
-    tl.store(offsets, carry)
-    for start in range(0, N, BN):
-        o_n = start + tl.arange(0, BN)
-        m_n = o_n < N
-        lengths = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
-        counts = tl.where(m_n, (lengths.to(tl.int32) + BT - 1) // BT, 0)
-        tl.store(offsets + o_n + 1, carry + tl.cumsum(counts, 0), mask=m_n)
-        carry += tl.sum(counts, 0)
-
-
 def chunk_layout(
     cu_seqlens: torch.Tensor | None,
     batch: int,
@@ -105,7 +90,8 @@ def chunk_layout(
     offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, int, dict]:
     """What a launch over chunks needs, with no host sync: ``(offsets, NC, varlen)`` where ``offsets`` are the
-    sequences' first chunks (:func:`chunk_offsets_kernel`, unless given: the forward's; None for a dense batch),
+    sequences' first chunks (:func:`~attnkit.ops.common.triton_seq.block_offsets`, unless given: the forward's; None
+    for a dense batch),
     ``NC`` the chunk slots per row (``⌈T / C⌉``, plus one per sequence when packed: a bound, the rest stay unused)
     and ``varlen`` the kernels' ``cu_seqlens``, ``offsets``, ``N``, ``IS_VARLEN`` and ``LOG_N`` arguments."""
     NC = triton.cdiv(seq_len, chunk_size)
@@ -113,8 +99,7 @@ def chunk_layout(
         return None, NC, dict(cu_seqlens=None, offsets=None, N=batch, IS_VARLEN=False, LOG_N=1)
     N = cu_seqlens.numel() - 1
     if offsets is None:
-        offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
-        chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, BT=chunk_size, BN=1024)
+        offsets = block_offsets(cu_seqlens, chunk_size)
     return offsets, NC + N, dict(cu_seqlens=cu_seqlens, offsets=offsets, N=N, IS_VARLEN=True, LOG_N=N.bit_length())
 
 

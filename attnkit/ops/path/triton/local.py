@@ -13,8 +13,9 @@ This file holds the rest of the backward (``README.md`` beside the op derives ev
   ``dA_j += U_j P_jᵀ + S_j V_jᵀ`` with the prefix ``P_j = A_{j−1} ··· A_0``, the suffix
   ``S_j = A_{j+1}ᵀ ··· A_{R−1}ᵀ``, ``U_j = Σ_{r>j} (A_{j+1}ᵀ ··· A_{r−1}ᵀ) x_rᵀ dx̂_r`` and
   ``V_j = P_j dΣ + Σ_{r<j} (A_{j−1} ··· A_{r+1}) K̃_rᵀ dk̂_r``, one program per (superblock, 64 columns of these
-  matrices, key/value head). ``S`` and ``U`` are recomputed for each ``j`` (``R²/2`` steps of rank-``C`` products a
-  superblock, no scratch).
+  matrices, key/value head). ``S`` and ``U`` go right to left into a scratch of two ``K × K`` float32 matrices a
+  chunk, which the left-to-right pass of ``P`` and ``V`` reads: ``2R`` carries a superblock (recomputing ``S_j`` and
+  ``U_j`` for each ``j`` took ``R²/2``).
 - :func:`path_local_bwd_kernel`: each chunk's diagonal block (``dS = P (dO Vᵀ − Δ)``, ``dV``, the gates' sums) and
   the adjoint of the chunk-local terms — ``K̃``, ``x``, the intra-chunk logits, ``A`` — back to ``q, k, w`` and,
   through the UT transform ``M = L⁻¹ diag(β)``, to ``w`` and ``β``, one program per (chunk, key/value head) with the
@@ -30,6 +31,8 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton.prepare import first_chunk, precisions
+
+SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -98,19 +101,24 @@ def carry_columns(b_r, w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constex
 
 @triton.jit
 def path_super_terms_bwd_kernel(
-    x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN,
+    x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN, s0,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
     ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
-    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) by atomic adds. Grid ``(superblocks, BK / BC, N * H)``: ``P``,
-    ``S``, ``U`` and ``V`` evolve by products on the left, so their columns do independently; a program takes ``BC``
-    of them and adds its share of ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums over the columns).
-    The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``."""
-    i_s, i_b, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) by atomic adds; ``su [wave, N * H, BK / BC, SPAN, 2, BK, BC]``
+    float32 is the programs' scratch. Grid ``(superblocks s0, s0 + 1, … of this wave, BK / BC, N * H)``: ``P``, ``S``,
+    ``U`` and ``V`` evolve by products on the left, so their columns do independently; a program takes ``BC`` of
+    them. A right-to-left pass
+    writes every chunk's ``S_j`` and ``U_j`` to the scratch, then a left-to-right pass carries ``P_j`` and ``V_j`` and
+    adds its share of ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums over the columns): ``2R`` carries a
+    superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``."""
+    i_w, i_b, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s = s0 + i_w
     i_n, i_h = i_nh // H, i_nh % H
     G: tl.constexpr = HQ // H
+    NB: tl.constexpr = BK // BC
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     c_lo = i_s * SPAN
     n_chunks = tl.cdiv(L, BT)
@@ -124,22 +132,33 @@ def path_super_terms_bwd_kernel(
     m_c = (o_c < K)[None, :]
     row = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN) + i_s
     eye = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)  # [BK, BC]: these columns of the identity
-    b_p = eye  # P_j = A_{j−1} ··· A_0
-    b_v = tl.load(dsig + (row * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_c[None, :])  # V_0 = dΣ
-    for j in range(0, R):
-        b_s = eye  # S_j = A_{j+1}ᵀ ··· A_{R−1}ᵀ
-        b_u = tl.zeros([BK, BC], dtype=tl.float32)  # U_j
-        for i_back in range(0, R - 1 - j):
-            o_r = (c_lo + R - 1 - i_back) * BT + o_t
+    p_su = su + ((i_w * tl.num_programs(2) + i_nh) * NB + i_b).to(tl.int64) * (SPAN * 2 * BK * BC)
+    o_su = o_k[:, None] * BC + tl.arange(0, BC)[None, :]
+    # Right to left: S_{R−1} = I, U_{R−1} = 0; S_{j−1} = A_jᵀ S_j, U_{j−1} = A_jᵀ U_j + D_j (D_j = Σ_heads x_jᵀ dx̂_j).
+    b_s = eye
+    b_u = tl.zeros([BK, BC], dtype=tl.float32)
+    for i_back in range(0, R):
+        j = R - 1 - i_back
+        tl.store(p_su + (2 * j) * (BK * BC) + o_su, b_s)
+        tl.store(p_su + (2 * j + 1) * (BK * BC) + o_su, b_u)
+        if j > 0:
+            o_r = (c_lo + j) * BT + o_t
             m_r = o_r < L
             p_r = bos + o_r.to(tl.int64)
             b_u = carry_columns(b_u, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION)
             b_s = carry_columns(b_s, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION)
-            for i_g in range(G):  # U ← D_r + A_rᵀ U, D_r = Σ_heads x_rᵀ dx̂_r
+            for i_g in range(G):
                 p_q = p_r[:, None] * (HQ * K) + (i_h * G + i_g) * K
                 b_x = tl.load(x + p_q + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0)
                 b_dxh = tl.load(dxh + p_q + o_c[None, :], mask=m_r[:, None] & m_c, other=0.0)
                 b_u += tl.dot(tl.trans(b_x), b_dxh, input_precision=PRECISION)
+    tl.debug_barrier()  # the left-to-right pass reads what every thread of the program wrote
+    # Left to right: P_0 = I, V_0 = dΣ; P_{j+1} = A_j P_j, V_{j+1} = A_j V_j + k̃_jᵀ dk̂_j.
+    b_p = eye
+    b_v = tl.load(dsig + (row * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_c[None, :])
+    for j in range(0, R):
+        b_s = tl.load(p_su + (2 * j) * (BK * BC) + o_su)
+        b_u = tl.load(p_su + (2 * j + 1) * (BK * BC) + o_su)
         o_j = (c_lo + j) * BT + o_t
         m_j = o_j < L
         p_j = bos + o_j.to(tl.int64)
@@ -348,18 +367,25 @@ def super_terms_bwd_fn(
 ) -> None:
     """Adds the superblock-local terms' adjoint into ``dx``, ``dkt`` and ``da`` (in place; shapes as
     :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision;
-    ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks."""
+    ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks. The superblocks go
+    in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``: one
+    wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads."""
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK = block_dim(K)
     BC = min(BK, 64)
-    path_super_terms_bwd_kernel[(triton.cdiv(T, chunk * span), BK // BC, N * H)](
-        x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, offsets, sb_offsets, T, triton.cdiv(T, chunk),
-        triton.cdiv(T, chunk * span), span,
-        HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
-        PRECISION=precisions(dtype)[1], **launch_config(K),
-    )  # fmt: skip
+    rows = triton.cdiv(T, chunk * span)  # superblocks of the longest sequence
+    per_row = N * H * BK * BK * span * 2 * 4  # the scratch of one superblock of every sequence and head, bytes
+    wave = max(1, min(rows, SCRATCH_BYTES // per_row))
+    su = torch.empty(wave, N * H, BK // BC, span, 2, BK, BC, dtype=torch.float32, device=x.device)
+    for s0 in range(0, rows, wave):
+        path_super_terms_bwd_kernel[(min(wave, rows - s0), BK // BC, N * H)](
+            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, offsets, sb_offsets, T, triton.cdiv(T, chunk),
+            rows, span, s0,
+            HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
+            PRECISION=precisions(dtype)[1], **launch_config(K),
+        )  # fmt: skip
 
 
 def local_bwd_fn(
