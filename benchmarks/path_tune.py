@@ -37,6 +37,9 @@ from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32"), (4, 1, "bf16x3")]
 # Rows per block of the prepare kernel's UT solve (prepare.SOLVE_ROWS), the forward timed with each.
 SOLVE = [16, 32]
+# --span-only: the superblocks' span in positions (prepare.SUPERBLOCK; 512 the default): shorter spans move work from
+# the chunk-by-chunk kernels inside a superblock to the sweep between superblocks.
+SPAN = [256, 512, 1024]
 # (chunk, num_warps, key_tile) of the backward kernels; key_tile: the key side carries its key chunk
 # (path_bwd_kv_tile_kernel: 49 KB of shared memory at K = 128 against 205 KB for the K x K product) rather than the
 # product; None keeps carries_key_tile's rule.
@@ -91,12 +94,13 @@ def time_grads(label: str, x: dict[str, torch.Tensor], do: torch.Tensor, default
 
 def time_cell(
     D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None, sup: list = (),
-    solve: list = (), solve_grads: bool = False,
+    knobs: list = (), knob_grads: bool = False,
 ) -> dict:
     """One (D, T) cell: the forward ``fwd`` configurations, then forward+backward with the backward's ``bwd``
     configurations and the between-superblock kernels' ``sup``, or (``carries`` given) with each carry precision of
-    16-bit inputs instead; ``solve``: the forward with each block size of the UT solve (and forward+backward with
-    each when ``solve_grads``)."""
+    16-bit inputs instead; ``knobs``: ``(name, value)`` settings of ``prepare`` (``SOLVE_ROWS``, the UT solve's block
+    size; ``SUPERBLOCK``, the superblocks' span), the forward timed with each (and forward+backward when
+    ``knob_grads``), each row keyed by the lower-cased name."""
     H = max(1, 1024 // D) if device.type == "cuda" else 2
     B = max(1, 32768 // T) if device.type == "cuda" else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -126,26 +130,28 @@ def time_cell(
                 row["err_torch"] = rel_rms(out[0], exact)
         cell["fwd"].append(row)
         print(f"  fwd D={D} T={T} {config}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
-    for rows in solve if fwd else []:
-        saved, prepare.SOLVE_ROWS = prepare.SOLVE_ROWS, rows
+    for name, value in knobs if fwd else []:
+        saved = getattr(prepare, name)
+        setattr(prepare, name, value)
         try:
             fn = functools.partial(path_fwd_fn, *args)
             out, error = attempt(fn)
-            row = dict(solve_rows=rows, error=error)
+            row = {name.lower(): value, "error": error}
             if out is not None:
                 row.update(err=rel_rms(out[0], reference), ms=bench(fn, device))
         finally:
-            prepare.SOLVE_ROWS = saved
+            setattr(prepare, name, saved)
         cell["fwd"].append(row)
-        print(f"  fwd D={D} T={T} solve_rows={rows}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
+        print(f"  fwd D={D} T={T} {name.lower()}={value}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
-    for rows in solve if solve_grads else []:  # forward+backward (whose prepare kernel solves again) per block size
-        saved, prepare.SOLVE_ROWS = prepare.SOLVE_ROWS, rows
+    for name, value in knobs if knob_grads else []:  # forward+backward (which prepares and carries again)
+        saved = getattr(prepare, name)
+        setattr(prepare, name, value)
         try:
-            row = time_grads(f"D={D} T={T} solve_rows={rows}", x, do, default, device)
+            row = time_grads(f"D={D} T={T} {name.lower()}={value}", x, do, default, device)
         finally:
-            prepare.SOLVE_ROWS = saved
-        cell["bwd"].append(dict(solve_rows=rows, **row))
+            setattr(prepare, name, saved)
+        cell["bwd"].append({name.lower(): value, **row})
     for carry in carries or []:
         saved, prepare.CARRY_16BIT = prepare.CARRY_16BIT, carry or prepare.CARRY_16BIT
         try:
@@ -180,7 +186,7 @@ def time_cell(
 
 
 SETTINGS = (
-    ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows")),
+    ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows", "superblock")),
     ("bwd", ("chunk", "num_warps", "key_tile")),
     ("super", ("tile", "tiles_per_program", "num_warps", "num_stages")),
 )
@@ -198,8 +204,9 @@ def table(cells: list[dict]) -> str:
                 setting = " ".join(f"{k}={row[k]}" for k in keys if k in row)
                 if kind == "bwd" and "carry_precision" in row:
                     setting = f"carry_precision={row['carry_precision']}"
-                if kind == "bwd" and "solve_rows" in row:
-                    setting = f"solve_rows={row['solve_rows']}"
+                for knob in ("solve_rows", "superblock"):
+                    if kind == "bwd" and knob in row:
+                        setting = f"{knob}={row[knob]}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
                 if "err_torch" in row:
                     result += f" ({row['err_torch']:.1e} from the PyTorch backend)"
@@ -221,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--solve-only", action="store_true", help="only the UT solve's block sizes (SOLVE), fwd and fwd+bwd"
     )
+    parser.add_argument(
+        "--span-only", action="store_true", help="only the superblocks' span in positions (SPAN), fwd and fwd+bwd"
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -229,16 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         fwd, bwd, sup = [FWD[0], FWD[-2], FWD[-1]], [], []
     if args.super_only:
         fwd, bwd = [], []
-    if args.solve_only:
+    if args.solve_only or args.span_only:
         fwd, bwd, sup = [FWD[0]], [], []
     cells = []
     for T in args.seq_lens:  # every D at the shortest T first: a time limit cuts the long cells
         for D in args.head_dims:
-            solve = [] if args.carry_only or args.super_only else SOLVE[:1] if args.quick else SOLVE
+            solve = [] if args.carry_only or args.super_only or args.span_only else SOLVE[:1] if args.quick else SOLVE
             solve = [None, *solve] if args.solve_only else solve
-            cells.append(
-                time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, solve, args.solve_only)
-            )
+            knobs = [("SOLVE_ROWS", rows) for rows in solve] + [("SUPERBLOCK", p) for p in SPAN if args.span_only]
+            grads = args.solve_only or args.span_only
+            cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, knobs, grads))
             write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
     print(table(cells))
     return 0

@@ -7,10 +7,10 @@
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
-#                              [pathvs] [pathsolve] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
+#                              [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone;
-#   `pathcarry pathprof`; `pathsolve pathgrid`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathvs` alone;
+#   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathvs` alone;
 #   `pathgrid` alone; `train` alone; `foxtests fox`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
@@ -100,6 +100,9 @@ for step in $steps; do
         pathsolve)  # PaTH: the UT solve row by row (default) or by blocks of 16 or 32 rows, forward and forward+backward
             timeout 240 python3 benchmarks/path_tune.py --solve-only --seq-lens ${SOLVE_SEQ_LENS:-4096} \
                 --head-dims ${SOLVE_DIMS:-64 128} --out "$OUT" > "$OUT/pathsolve.log" 2>&1 ;;
+        pathspan)  # PaTH: superblocks of 256, 512 (default) or 1024 positions, forward and forward+backward
+            timeout 300 python3 benchmarks/path_tune.py --span-only --seq-lens ${SPAN_SEQ_LENS:-4096} \
+                --head-dims ${SPAN_DIMS:-64 128} --out "$OUT" > "$OUT/pathspan.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default), one TF32 pass or 3 bf16 passes, time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens ${CARRY_SEQ_LENS:-32768} \
                 --head-dims ${CARRY_DIMS:-64 128} --out "$OUT" \
@@ -149,7 +152,7 @@ for step in $steps; do
     esac
 done
 for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
-    pathcarry pathsolve train flex decode tune tapaseries; do
+    pathcarry pathsolve pathspan train flex decode tune tapaseries; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -55,3 +55,19 @@ def test_carry_only_on_cpu(tmp_path, capsys):
 
     assert prepare.CARRY_16BIT == "bf16x3"
     assert "fwd+bwd carry_precision=tf32:" in capsys.readouterr().out
+
+
+def test_span_only_on_cpu(tmp_path, capsys):
+    """--span-only: the forward and forward+backward with each superblock span, keyed ``superblock``, and the span put
+    back (under the interpreter every span is two chunks: the rows run, their times say nothing)."""
+    argv = ["--device", "cpu", "--span-only", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
+    assert path_tune.main(argv) == 0
+    cell = json.loads((tmp_path / "path_tune.json").read_text())["cells"][0]
+    assert [r.get("superblock") for r in cell["fwd"]] == [None, *path_tune.SPAN]
+    assert [r["superblock"] for r in cell["bwd"]] == path_tune.SPAN
+    for row in cell["fwd"][1:] + cell["bwd"]:
+        assert row["error"] is None and row["err"] < 1e-5
+    from attnkit.ops.path.triton import prepare
+
+    assert prepare.SUPERBLOCK == 512
+    assert "fwd+bwd superblock=256:" in capsys.readouterr().out

@@ -160,7 +160,10 @@ def superblock_chunks(K: int, chunk: int) -> int:
     (256 KB of float32 at K = 256) outgrows a program's registers and shared memory."""
     if block_dim(K) > 128:
         return NO_SUPERBLOCKS
-    return 2 if interpreting() else max(1, 512 // chunk)
+    return 2 if interpreting() else max(1, SUPERBLOCK // chunk)
+
+
+SUPERBLOCK = 512  # the superblocks' span in positions on the GPU (benchmarks/path_tune.py --span-only times others)
 
 
 NO_SUPERBLOCKS = 1 << 30  # a span no sequence reaches: every chunk pair is carried chunk by chunk
