@@ -127,7 +127,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     NC = triton.cdiv(T, chunk)
     rows = B * NC if cu_seqlens is None else NC + N  # every sequence's chunks (an upper bound when packed)
     f32 = dict(dtype=torch.float32, device=q.device)
-    carry = prepare.precisions(q.dtype)[1]
+    carry = prepare.precisions(q.dtype, K)[1]
     m = torch.empty(rows, H, chunk, chunk, **f32)
     kt, mw = torch.empty(k.shape, **f32), torch.empty(k.shape, **f32)
     config = prepare.launch_config()  # the prepare and carry kernels as the forward launches them

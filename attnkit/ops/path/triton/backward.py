@@ -445,7 +445,7 @@ def path_bwd_between_fn(
     n_long = triton.cdiv(longest, BT)
     if n_long < 2:
         return dkt, dv, dx, dw, dm, da, dgcum
-    precision, carry = precisions(v.dtype)
+    precision, carry = precisions(v.dtype, K)
     launch = dict(num_warps=backward_config(K)[1], num_stages=1)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry, **launch)  # fmt: skip

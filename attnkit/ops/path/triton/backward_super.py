@@ -273,7 +273,7 @@ def path_bwd_super_fn(
     NL = triton.cdiv(longest, length)  # superblocks of the longest sequence
     if NL < 2:
         return dxh, dkh, dv, dsig, dgcum
-    precision, carry = precisions(v.dtype)
+    precision, carry = precisions(v.dtype, K)
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     plan = waves(NL - 1, N * H * groups * BK * BK * 4)

@@ -138,7 +138,7 @@ def path_carry_fn(
         chunks = B * NC
     m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=k.device)
     kt = torch.empty_like(k)
-    carry = precisions(k.dtype)[1]
+    carry = precisions(k.dtype, K)[1]
     path_prepare_kernel[(triton.cdiv(longest, BT), N * H)](
         k, w, beta, m, kt, None, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=BT,
         IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=False, SB=solve_rows(BT), **launch_config(),

@@ -341,7 +341,7 @@ def query_terms_fn(
     xh = None if span is None else torch.empty_like(x)
     path_query_terms_kernel[(triton.cdiv(T, chunk), N * HQ)](
         q, w, mw, x, xh, cu_seqlens, T, 1 if span is None else span, HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk,
-        IS_VARLEN=cu_seqlens is not None, PRECISION=precisions(q.dtype)[1], WRITE_XH=span is not None,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=precisions(q.dtype, K)[1], WRITE_XH=span is not None,
         **launch_config(K),
     )  # fmt: skip
     return x, xh
@@ -384,7 +384,7 @@ def super_terms_bwd_fn(
             x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, offsets, sb_offsets, T, triton.cdiv(T, chunk),
             rows, span, s0,
             HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
-            PRECISION=precisions(dtype)[1], **launch_config(K),
+            PRECISION=precisions(dtype, K)[1], **launch_config(K),
         )  # fmt: skip
 
 
@@ -429,7 +429,7 @@ def local_bwd_fn(
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
         cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
-        IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype)[0],
+        IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype, K)[0],
         **launch_config(K),
     )  # fmt: skip
     return dq, dk, dw, dbeta

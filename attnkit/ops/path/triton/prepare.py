@@ -182,15 +182,17 @@ def solve_rows(chunk: int) -> int:
 CARRY_16BIT = "bf16x3"  # the carries' precision for bfloat16 inputs (benchmarks/path_tune.py --carry-only times others)
 
 
-def precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """``input_precision`` of the PaTH kernels' dots for inputs of ``dtype``: ``(products, carries)``. The
-    attention products run in the inputs' precision (one TF32 pass for float32 operands holding 16-bit values);
-    the carries and the UT solve of bfloat16 inputs use ``CARRY_16BIT`` (three bf16 passes of a hi/lo split: 3e-4
-    from 3×TF32 at T = 32k with ``beta ∈ (1.5, 2)`` on the H200, 1.3× faster forward+backward), float16 inputs
-    3×TF32 (with three bf16 passes a float16 forward at T = 70, K = 32 missed by 0.21 on the H200; cause not yet
-    found); exact ``ieee`` for float32 inputs and under the interpreter, which has no TF32."""
+def precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
+    """``input_precision`` of the PaTH kernels' dots for inputs of ``dtype`` and head dim ``key_dim``: ``(products,
+    carries)``. The attention products run in the inputs' precision (one TF32 pass for float32 operands holding
+    16-bit values); the carries and the UT solve of bfloat16 inputs at ``K`` of 64 and 128 use ``CARRY_16BIT``
+    (three bf16 passes of a hi/lo split: 3e-4 from 3×TF32 at T = 32k with ``beta ∈ (1.5, 2)`` on the H200, 1.3×
+    faster forward+backward); other 16-bit inputs 3×TF32: with three bf16 passes a float16 forward at T = 70,
+    K = 32 (two chunks, the first case that carries) missed by 0.21 on the H200, its cause not yet found, and the
+    bf16 passes have been measured at K = 64 and 128 only. Exact ``ieee`` for float32 inputs and under the
+    interpreter, which has no TF32."""
     exact = dtype == torch.float32
-    carry = CARRY_16BIT if dtype == torch.bfloat16 else "tf32x3"
+    carry = CARRY_16BIT if dtype == torch.bfloat16 and block_dim(key_dim) in (64, 128) else "tf32x3"
     return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else carry)
 
 
