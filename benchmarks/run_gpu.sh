@@ -35,8 +35,8 @@ for step in $steps; do
                 tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
             tail -12 "$OUT/tests.log" ;;
-        vlatests)  # the VLA kernels' GPU tests alone (the 64k case takes a minute)
-            timeout 120 python3 -m pytest -v -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
+        vlatests)  # the VLA kernels' GPU tests alone (the 64k case takes a minute), DeltaNet's real sizes with them
+            timeout 200 python3 -m pytest -v -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
                 > "$OUT/vlatests.log" 2>&1
             tail -12 "$OUT/vlatests.log" ;;
         pathtests)  # the PaTH kernels' GPU tests alone: the small cases, then the real-size gradients, then the

@@ -488,6 +488,39 @@ def test_real_sizes_on_gpu(T):
     check(actual, expected, 1e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU")
+@pytest.mark.parametrize("T, K, packed", [(4096, 64, False), (4096, 128, False), (8192, 64, True)], ids=str)
+def test_deltanet_real_sizes_on_gpu(T, K, packed):
+    """DeltaNet's kernels at real sizes in bf16 (issue 17: they become its CUDA default once these pass): output,
+    final state and every gradient against the PyTorch backend on the same rounded inputs, in float32 (bars 5e-3
+    for outputs, 1e-2 for gradients); unit keys, ``beta ∈ (0, 2)``, packed sequences with an empty one."""
+    from attnkit.ops import delta_rule
+
+    gen = torch.Generator(device="cuda").manual_seed(K)
+    B, H = (1, 4) if packed else (2, 4)
+    q = torch.randn(B, T, H, K, device="cuda", generator=gen).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, K, device="cuda", generator=gen).bfloat16()
+    beta = 2 * torch.rand(B, T, H, device="cuda", generator=gen)
+    cu = torch.tensor([0, 1000, 1000, 5000, T], device="cuda") if packed else None
+    N = 4 if packed else B
+
+    def fn(backend, dtype):
+        def run(q, k, v, beta, state):
+            xs = [x.to(dtype) for x in (q, k, v)]
+            o, S = delta_rule(*xs, beta, initial_state=state[0], output_final_state=True, cu_seqlens=cu,
+                              backend=backend)  # fmt: skip
+            return o.float(), (S,)
+
+        return run
+
+    S0 = [0.1 * torch.randn(N, H, K, K, device="cuda", generator=gen)]
+    actual = grads_of(fn("triton", torch.bfloat16), [q, k, v, beta], S0)
+    expected = grads_of(fn("torch", torch.float32), [q, k, v, beta], S0)
+    for name, x, y in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dS0"], actual, expected):
+        assert_close(name, x.float(), y.float(), 5e-3 if name in ("o", "S") else 1e-2)
+
+
 def test_head_dim_limit_and_auto_dispatch(monkeypatch):
     """``"triton"`` refuses head dims past the kernels' limit by name; ``"auto"`` takes the kernels for CUDA
     tensors within it and PyTorch otherwise (CPU tensors, float64, larger head dims)."""
