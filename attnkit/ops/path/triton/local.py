@@ -112,7 +112,8 @@ def path_super_terms_bwd_kernel(
     ``U`` and ``V`` evolve by products on the left, so their columns do independently; a program takes ``BC`` of
     them. A right-to-left pass writes every chunk's ``S_j`` and ``U_j`` to the scratch, then a left-to-right pass
     carries ``P_j`` and ``V_j`` and adds its share of ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums
-    over the columns): ``2R − 1`` carries a superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``."""
+    over the columns): ``2R − 1`` carries a superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by
+    starting it at ``V_0 = dΣ``."""
     i_w, i_b, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_s = s0 + i_w
     i_n, i_h = i_nh // H, i_nh % H
