@@ -108,7 +108,8 @@ for step in $steps; do
                 --head-dims ${CARRY_DIMS:-64 128} --out "$OUT" \
                 > "$OUT/pathcarry.log" 2>&1 ;;
         pathvs)  # PaTH forward+backward at D = 64 and 128, 8k and 32k: this tree, then the tree in ${PATH_OLD:-.old} (the
-            # design before it, e.g. `mkdir .old && git archive b95a202 | tar -x -C .old`, carried as `.old`), same call
+            # design before it, e.g. `mkdir .old && git archive dd58b8b | tar -x -C .old`, ignored by git and carried:
+            # carry [".whl", ".old"]), same call
             out=$(realpath "$OUT")
             for label in new old; do
                 tree=.; [ $label = old ] && tree=${PATH_OLD:-.old}
