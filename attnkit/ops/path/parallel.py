@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from attnkit.ops.common.triton.rowdot import output_delta
 from attnkit.ops.common.triton.scan import segment_cumsum
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton import backward, local, prepare
@@ -136,7 +137,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk), **config,
     )  # fmt: skip
     x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None)
-    delta = (do.float() * o.float()).sum(-1)
+    delta = output_delta(o, do)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     dv, dgcum = torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, **f32)
     if supers:

@@ -1,9 +1,9 @@
 """TAPA backward: recompute the probabilities from the saved log-sum-exp, FlashAttention style.
 
-Three kernels: ``delta = rowsum(dO ⊙ O)``; dK and dV per (key block, key/value head), looping over the
-``G`` query heads that share the head and the query blocks that see the keys; dQ per (query block, query
-head) over its causal key prefix, or, with ``atomic_dq``, added into a float32 buffer by the dK/dV kernel
-(one recomputation of the logits instead of two). With ``l = a·cos(2πx)``, ``a = sA·q_A·k_A``,
+Three kernels: ``delta = rowsum(dO ⊙ O)`` (``ops/common/triton/rowdot.py``); dK and dV per (key block, key/value
+head), looping over the ``G`` query heads that share the head and the query blocks that see the keys; dQ per
+(query block, query head) over its causal key prefix, or, with ``atomic_dq``, added into a float32 buffer by the
+dK/dV kernel (one recomputation of the logits instead of two). With ``l = a·cos(2πx)``, ``a = sA·q_A·k_A``,
 ``x = (q_P·k_P)·r[m−n]`` and ``dS = P ⊙ (dP − delta)``, the two channel groups get
 ``dS_A = dS·cos(2πx)·sA`` and ``dS_P = −2π·dS·a·sin(2πx)·r``. With the linear phase (``LINEAR``, ``x = (Σ q_P −
 Σ k_P)·r``) the phase channels get the row sums of ``dS_P`` (queries) and minus its column sums (keys), the same
@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnkit.ops.common.triton.rowdot import output_delta
 from attnkit.ops.common.triton_seq import launch_grid, program_block
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 from attnkit.ops.tapa.triton.common import (
@@ -32,20 +33,6 @@ from attnkit.ops.tapa.triton.common import (
 )
 
 TWO_PI = 6.283185307179586
-
-
-@triton.jit
-def tapa_bwd_delta_kernel(o, do, delta, NT, HQ: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
-    """``delta [HQ, NT] = rowsum(dO ⊙ O)`` in float32; grid ``(cdiv(NT, BT), HQ)``."""
-    i_t, i_hq = tl.program_id(0), tl.program_id(1)
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_v = tl.arange(0, BV)
-    m_t = o_t < NT
-    p = o_t.to(tl.int64)[:, None] * (HQ * V) + i_hq * V + o_v[None, :]
-    mask = m_t[:, None] & (o_v < V)[None, :]
-    b_o = tl.load(o + p, mask=mask, other=0.0).to(tl.float32)
-    b_do = tl.load(do + p, mask=mask, other=0.0).to(tl.float32)
-    tl.store(delta + i_hq.to(tl.int64) * NT + o_t, tl.sum(b_o * b_do, 1), mask=m_t)
 
 
 @triton.jit
@@ -382,9 +369,7 @@ def tapa_bwd_fn(
     )
     is_varlen = cu_seqlens is not None
 
-    delta = torch.empty_like(lse)
-    BT = 64
-    tapa_bwd_delta_kernel[(triton.cdiv(B * T, BT), HQ)](o, do, delta, B * T, HQ=HQ, V=V, BV=dims[2], BT=BT)
+    delta = output_delta(o, do, head_major=True)  # [HQ, B·T], as lse
 
     atomic_dq = bool(config["atomic_dq"])
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else torch.empty_like(q)

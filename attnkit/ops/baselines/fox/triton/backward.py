@@ -17,27 +17,10 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.baselines.fox.triton.forward import key_tile, precision, query_tile
+from attnkit.ops.common.triton.rowdot import output_delta
 from attnkit.ops.common.triton.scan import segment_cumsum
 from attnkit.ops.common.triton_seq import launch_grid, program_block
 from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
-
-
-@triton.jit
-def fox_bwd_delta_kernel(
-    o, do, delta, T, sdb, sdt, sdh, sdd, HQ: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr
-):
-    """``delta [B,T,HQ] = rowsum(dO ⊙ O)`` in float32; ``o`` contiguous, ``do`` through its strides. Grid
-    ``(cdiv(T, BT), B * HQ)``."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hq = (i_bh // HQ).to(tl.int64), i_bh % HQ
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_v = tl.arange(0, BV)
-    mask = (o_t < T)[:, None] & (o_v < V)[None, :]
-    p_row = (i_b * T + o_t.to(tl.int64)) * HQ + i_hq
-    b_o = tl.load(o + p_row[:, None] * V + o_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    p_do = do + i_b * sdb + i_hq * sdh + o_t.to(tl.int64)[:, None] * sdt + o_v[None, :] * sdd
-    b_do = tl.load(p_do, mask=mask, other=0.0).to(tl.float32)
-    tl.store(delta + p_row, tl.sum(b_o * b_do, 1), mask=o_t < T)
 
 
 @triton.jit
@@ -233,9 +216,7 @@ def fox_bwd_fn(
     config = config or bwd_config(max(BK, BV))
     is_varlen, has_gate = cu_seqlens is not None, g is not None
     gc = segment_cumsum(g, cu_seqlens, LOG2E, False, torch.float32) if has_gate else None
-    delta = torch.empty_like(lse)
-    BT = 64
-    fox_bwd_delta_kernel[(triton.cdiv(T, BT), B * HQ)](o, do, delta, T, *do.stride(), HQ=HQ, V=V, BV=BV, BT=BT)
+    delta = output_delta(o, do)
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     common = dict(
