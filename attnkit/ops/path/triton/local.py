@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds
+from attnkit.ops.common.triton_seq import locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton.prepare import first_chunk, precisions
 
@@ -101,22 +101,28 @@ def carry_columns(b_r, w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constex
 
 @triton.jit
 def path_super_terms_bwd_kernel(
-    x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN, s0,
+    x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN, r0, N,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
     ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
-    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) by atomic adds; ``su [wave, N * H, BK / BC, SPAN, 2, BK, BC]``
-    float32 is the programs' scratch. Grid ``(superblocks s0, s0 + 1, … of this wave, BK / BC, N * H)``: ``P``, ``S``,
-    ``U`` and ``V`` evolve by products on the left, so their columns do independently; a program takes ``BC`` of
-    them. A right-to-left pass writes every chunk's ``S_j`` and ``U_j`` to the scratch, then a left-to-right pass
-    carries ``P_j`` and ``V_j`` and adds its share of ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums
-    over the columns): ``2R − 1`` carries a superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by
-    starting it at ``V_0 = dΣ``."""
-    i_w, i_b, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_s = s0 + i_w
-    i_n, i_h = i_nh // H, i_nh % H
+    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) by atomic adds; ``su [wave, H, BK / BC, SPAN, 2, BK, BC]``
+    float32 is the programs' scratch. Grid ``(rows r0, r0 + 1, … of this wave, BK / BC, H)`` over the rows of ``dΣ``
+    (every sequence's superblocks; a packed batch finds a row's sequence by binary search over ``sb_offsets``, rows
+    past the last return): ``P``, ``S``, ``U`` and ``V`` evolve by products on the left, so their columns do
+    independently; a program takes ``BC`` of them. A right-to-left pass writes every chunk's ``S_j`` and ``U_j`` to
+    the scratch, then a left-to-right pass carries ``P_j`` and ``V_j`` and adds its share of
+    ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums over the columns): ``2R − 1`` carries a
+    superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``."""
+    i_w, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = r0 + i_w  # the superblock's row in the per-superblock arrays
+    if IS_VARLEN:
+        i_n, i_s = locate_block(sb_offsets, row, N, LOG_N)
+        if i_n >= N:
+            return
+    else:
+        i_n, i_s = row // NSB, row % NSB
     G: tl.constexpr = HQ // H
     NB: tl.constexpr = BK // BC
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -130,9 +136,8 @@ def path_super_terms_bwd_kernel(
     o_k = tl.arange(0, BK)
     o_c = i_b * BC + tl.arange(0, BC)
     m_c = (o_c < K)[None, :]
-    row = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN) + i_s
     eye = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)  # [BK, BC]: these columns of the identity
-    p_su = su + ((i_w * tl.num_programs(2) + i_nh) * NB + i_b).to(tl.int64) * (SPAN * 2 * BK * BC)
+    p_su = su + ((i_w * H + i_h) * NB + i_b).to(tl.int64) * (SPAN * 2 * BK * BC)
     o_su = o_k[:, None] * BC + tl.arange(0, BC)[None, :]
     # Right to left: S_{R−1} = I, U_{R−1} = 0; S_{j−1} = A_jᵀ S_j, U_{j−1} = A_jᵀ U_j + D_j (D_j = Σ_heads x_jᵀ dx̂_j).
     b_s = eye
@@ -369,22 +374,23 @@ def super_terms_bwd_fn(
     :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision;
     ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks. The superblocks go
     in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``: one
-    wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads."""
+    wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads, however many sequences a packed batch holds."""
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK = block_dim(K)
     BC = min(BK, 64)
-    rows = triton.cdiv(T, chunk * span)  # superblocks of the longest sequence
-    per_row = N * H * BK * BK * span * 2 * 4  # the scratch of one superblock of every sequence and head, bytes
+    rows = dsig.shape[0]  # every sequence's superblocks (a bound when packed)
+    per_row = H * BK * BK * span * 2 * 4  # the scratch of one superblock row, every head, bytes
     wave = max(1, min(rows, SCRATCH_BYTES // per_row))
-    su = torch.empty(wave, N * H, BK // BC, span, 2, BK, BC, dtype=torch.float32, device=x.device)
-    for s0 in range(0, rows, wave):
-        path_super_terms_bwd_kernel[(min(wave, rows - s0), BK // BC, N * H)](
+    su = torch.empty(wave, H, BK // BC, span, 2, BK, BC, dtype=torch.float32, device=x.device)
+    for r0 in range(0, rows, wave):
+        path_super_terms_bwd_kernel[(min(wave, rows - r0), BK // BC, H)](
             x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, offsets, sb_offsets, T, triton.cdiv(T, chunk),
-            rows, span, s0,
+            triton.cdiv(T, chunk * span), span, r0, N,
             HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
-            PRECISION=precisions(dtype, K)[1], **launch_config(K),
+            LOG_N=max(1, N.bit_length()) if cu_seqlens is not None else 1, PRECISION=precisions(dtype, K)[1],
+            **launch_config(K),
         )  # fmt: skip
 
 
