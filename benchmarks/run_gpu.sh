@@ -10,7 +10,8 @@
 #                              [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone;
-#   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`; `pathacc pathsuper`; `pathvs` alone;
+#   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`;
+#   `pathacc pathsuper`; `pathvs` alone;
 #   `pathgrid` alone; `train` alone; `foxtests fox`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
@@ -97,13 +98,13 @@ for step in $steps; do
             # 54fdc54 the first, 4k at D = 64, took the whole 200 s); PATHACC_DTYPES="bfloat16 float32" for both
             timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --dtypes ${PATHACC_DTYPES:-bfloat16} \
                 --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
-        pathsolve)  # PaTH: the UT solve row by row (default) or by blocks of 16 or 32 rows, forward and forward+backward
+        pathsolve)  # PaTH: the UT solve row by row or by blocks of 16 (default) or 32 rows, forward and forward+backward
             timeout 240 python3 benchmarks/path_tune.py --solve-only --seq-lens ${SOLVE_SEQ_LENS:-4096} \
                 --head-dims ${SOLVE_DIMS:-64 128} --out "$OUT" > "$OUT/pathsolve.log" 2>&1 ;;
         pathspan)  # PaTH: superblocks of 256, 512 (default) or 1024 positions, forward and forward+backward
             timeout 300 python3 benchmarks/path_tune.py --span-only --seq-lens ${SPAN_SEQ_LENS:-4096} \
                 --head-dims ${SPAN_DIMS:-64 128} --out "$OUT" > "$OUT/pathspan.log" 2>&1 ;;
-        pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32 (default), one TF32 pass or 3 bf16 passes, time and error
+        pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32, one TF32 pass or 3 bf16 passes (default), time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens ${CARRY_SEQ_LENS:-32768} \
                 --head-dims ${CARRY_DIMS:-64 128} --out "$OUT" \
                 > "$OUT/pathcarry.log" 2>&1 ;;

@@ -45,9 +45,9 @@ def test_carry_only_on_cpu(tmp_path, capsys):
     argv = ["--device", "cpu", "--carry-only", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
     assert path_tune.main(argv) == 0
     cell = json.loads((tmp_path / "path_tune.json").read_text())["cells"][0]
-    assert [r["carry_precision"] for r in cell["fwd"]] == ["default", "tf32", "bf16x3"]
+    assert [r["carry_precision"] for r in cell["fwd"]] == ["tf32x3", "tf32", "bf16x3"]
     assert all(r["err_torch"] < 1e-5 for r in cell["fwd"])  # the interpreter's carries are exact
-    assert [r["carry_precision"] for r in cell["bwd"]] == ["default", "tf32", "bf16x3"]
+    assert [r["carry_precision"] for r in cell["bwd"]] == ["tf32x3", "tf32", "bf16x3"]
     for row in cell["bwd"]:
         assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-5
         assert set(row["errs"]) == {"o", "dq", "dk", "dv", "dw", "dbeta", "dg"}

@@ -196,7 +196,8 @@ def path_fwd_fn(
     is_varlen = cu_seqlens is not None
     grid_chunks = triton.cdiv(longest, BT)
     launch = dict(config or launch_config())
-    carry = launch.pop("carry_precision", carry) if not interpreting() else carry  # the interpreter's dots are exact
+    requested = launch.pop("carry_precision", carry)
+    carry = carry if interpreting() else requested  # the interpreter's dots are exact, and it knows no bf16x3
     path_prepare_kernel[(grid_chunks, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
         PRECISION=carry, WRITE_MW=True, SB=solve_rows(BT), **launch,
