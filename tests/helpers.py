@@ -39,6 +39,15 @@ UNCOUNTED_OPS = frozenset(
 )
 
 
+# The batches an operator-count test runs (``(B, T, cu_seqlens)``: dense, then packed with empty and one-token
+# sequences): the count must be the same across each list.
+OPERATOR_COUNT_SHAPES = [
+    [(2, 40, None), (1, 100, None), (3, 170, None)],
+    [(1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])],
+]
+OPERATOR_COUNT_IDS = ["dense", "varlen"]
+
+
 def count_aten_ops(fn: Callable[[], object]) -> collections.Counter[str]:
     """The leaf ATen operators that do work while ``fn`` runs, by name, from ``torch.profiler`` on the CPU: every
     depth, inside custom operators too, less :data:`UNCOUNTED_OPS`."""

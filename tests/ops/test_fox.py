@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attnkit.ops.baselines.fox.torch_impl as torch_impl
 import attnkit.ops.baselines.softmax as softmax
 from attnkit.ops.baselines.softmax import softmax_attention, softmax_naive
-from tests.helpers import assert_close, count_aten_ops
+from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close, count_aten_ops
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -261,11 +261,7 @@ def test_compiles_without_graph_breaks():
     check(grads(compiled, (q, k, v, g), do), grads(f, (q, k, v, g), do), torch.float32)
 
 
-@pytest.mark.parametrize(
-    "shapes",
-    [[(2, 40, None), (1, 100, None), (3, 170, None)], [(1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])]],
-    ids=["dense", "varlen"],
-)
+@pytest.mark.parametrize("shapes", OPERATOR_COUNT_SHAPES, ids=OPERATOR_COUNT_IDS)
 def test_operator_count(shapes):
     """One forward+backward dispatches at most 40 PyTorch operators outside the Triton kernels (leaf ATen operators
     that do work, :func:`tests.helpers.count_aten_ops`), and the same number whatever the batch, the length or the

@@ -15,7 +15,7 @@ import torch
 
 from attnkit.ops.path import path_attention
 from attnkit.ops.path.triton.forward import path_fwd_fn
-from tests.helpers import assert_close
+from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close
 from tests.ops.test_path import make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,11 +204,7 @@ def test_backward_takes_every_head_at_once(monkeypatch, offsets):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counted on the CPU, under the interpreter")
-@pytest.mark.parametrize(
-    "shapes",
-    [[(2, 40, None), (1, 100, None), (3, 170, None)], [(1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])]],
-    ids=["dense", "varlen"],
-)
+@pytest.mark.parametrize("shapes", OPERATOR_COUNT_SHAPES, ids=OPERATOR_COUNT_IDS)
 def test_operator_count(shapes):
     """One forward+backward dispatches at most 40 PyTorch operators outside the Triton kernels (leaf ATen operators
     that do work, :func:`tests.helpers.count_aten_ops`), and the same number whatever the batch, the length or the

@@ -24,7 +24,7 @@ from attnkit.ops.vla.parallel import (
     vla_normalize_triton,
 )
 from attnkit.ops.vla.torch_impl import vla_chunk_gates
-from tests.helpers import assert_close
+from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close
 from tests.ops.test_vla import make_inputs, make_state
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,11 +148,7 @@ def test_packed_sequences_launch_each_kernel_once(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counted on the CPU, under the interpreter")
-@pytest.mark.parametrize(
-    "shapes",
-    [[(2, 40, None), (1, 100, None), (3, 170, None)], [(1, 100, [0, 7, 7, 100]), (1, 170, [0, 1, 60, 60, 170])]],
-    ids=["dense", "varlen"],
-)
+@pytest.mark.parametrize("shapes", OPERATOR_COUNT_SHAPES, ids=OPERATOR_COUNT_IDS)
 def test_operator_count(shapes):
     """One forward+backward dispatches at most 30 PyTorch operators outside the Triton kernels (leaf ATen operators
     that do work, :func:`tests.helpers.count_aten_ops`), and the same number whatever the batch, the length or the
