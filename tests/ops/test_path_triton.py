@@ -554,6 +554,35 @@ def test_carry_precisions(monkeypatch):
     assert prepare.precisions(torch.float32, 128) == ("ieee", "ieee")
 
 
+@pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])
+def test_query_terms_carry_in_float32_and_store_the_superblock_start_in_the_inputs_dtype(offsets):
+    """The queries carried to their superblock's start (the sweep between superblocks reads them as 16-bit operands)
+    come in ``q``'s dtype: a float16 run's are the float32 run's, rounded; the queries carried to their chunk's start
+    stay float32 and match the float32 run's to float16 rounding of the inputs."""
+    from attnkit.ops.common.triton_utils import block_dim
+    from attnkit.ops.path.triton import local, prepare
+
+    q, k, _, w, beta, _ = (x.to(DEVICE) for x in make_inputs(1, 150, 4, 2, 16, 16, gate=True, dtype=torch.float16))
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE, dtype=torch.int32)
+    chunk = 16
+    outs = []
+    for dtype in (torch.float16, torch.float32):
+        qq, kk, ww, bb = q.to(dtype), k.to(dtype), w.to(dtype), beta.to(dtype)
+        chunk_rows = prepare.chunk_offsets(cu, chunk)
+        m = torch.zeros(40, 2, chunk, chunk, device=DEVICE)
+        kt, mw = torch.zeros(kk.shape, device=DEVICE), torch.zeros(kk.shape, device=DEVICE)
+        prepare.path_prepare_kernel[(-(-150 // chunk), (1 if cu is None else 3) * 2)](
+            kk, ww, bb, m, kt, mw, cu, chunk_rows, 150, -(-150 // chunk), H=2, K=16, BK=block_dim(16), BT=chunk,
+            IS_VARLEN=cu is not None, PRECISION="ieee", WRITE_MW=True, num_warps=1,
+        )  # fmt: skip
+        outs.append(local.query_terms_fn(qq, ww, mw, cu, chunk, 2))
+    (x16, xh16), (x32, xh32) = outs
+    assert x16.dtype == x32.dtype == xh32.dtype == torch.float32 and xh16.dtype == torch.float16
+    assert_close("x", x16, x32, 1e-6)
+    assert_close("xh", xh16.float(), xh32.to(torch.float16).float(), 1e-6)
+    assert not torch.equal(xh32, xh32.to(torch.float16).float())  # the float32 run's are not float16 values
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots are wrong under the interpreter")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-T{}-HQ{}-H{}-K{}-V{}-gate{}".format(*c))
 def test_forward_matches_torch_backend_bf16(case):

@@ -85,8 +85,9 @@ def key_chunk_grads(
     (``b_y``; values ``b_v``, rows ``p_m``), with ``P = exp(S − lse)`` and ``dS = P (dO Vᵀ − Δ)``: returns
     ``(Σ_heads dSᵀ x, b_dv + Σ Pᵀ dO, b_dg − colsum(dS) per head)``, and with gates the query rows' side
     ``rowsum(dS)`` added to ``dgcum [*, HQ]`` (atomic adds: every key-major program meets these rows). With
-    ``LOW_GRAD`` the product ``dSᵀ x`` takes its operands in ``dO``'s dtype (FlashAttention's rounding of its
-    gradient products); the logits stay in ``PRECISION``. With ``ADD_DX`` the queries' gradient
+    ``LOW_GRAD`` every product takes its operands in ``dO``'s dtype: ``dSᵀ x`` and ``dS y`` as FlashAttention rounds
+    its gradient products, and the logits ``x yᵀ`` as the forward's between superblocks (queries and keys carried in
+    float32, rounded for the product); else they run in ``PRECISION``. With ``ADD_DX`` the queries' gradient
     ``scale · dS y`` is added to ``dx [*, HQ, K]`` float32 by atomic adds (FlashAttention-2's ``dQ``; ``dx`` unused
     otherwise).
 
@@ -109,7 +110,10 @@ def key_chunk_grads(
         if USE_G:  # read with the other operands (unpipelined kernels: a load at its first use waits for itself)
             b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
             b_gk = tl.load(gcum + p_m * HQ + i_hq)
-        b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
+        if LOW_GRAD:
+            b_s = tl.dot(b_x.to(b_do.dtype), tl.trans(b_y.to(b_do.dtype)), input_precision=PRECISION) * scale
+        else:
+            b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
         if USE_G:
             b_s = b_s + b_gq[:, None] - b_gk[None, :]
         b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)

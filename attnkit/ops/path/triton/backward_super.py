@@ -9,8 +9,9 @@ superblock: ``local.py`` and ``carry.py`` compute them, ``local.py`` takes their
 whose scratch fits ``SCRATCH_BYTES`` (``README.md`` beside the op derives the formulas):
 
 - ``path_bwd_super_kv_kernel``, one program per (``tiles_per_program`` key tiles of superblock ``n``, key/value
-  head), walks the later superblocks ``s`` left to right carrying ``Π_{n,s}`` (``Π ← Σ_sᵀ Π``, one ``K × K`` product
-  a step) for the query heads of its group: ``y = k̂ Πᵀ`` meets every query tile of ``s``;
+  head), first walks the later superblocks ``s`` left to right carrying ``Π_{n,s}`` (``Π ← Σ_sᵀ Π``, one ``K × K``
+  product a step) into its own scratch slots, then for each of its key tiles and the query heads of its group walks
+  them again with ``Π`` read back: ``y = k̂ Πᵀ`` meets every query tile of ``s``;
   ``dk̂ += scale · Σ dSᵀ q̂ Π``, ``dV += Σ Pᵀ dO``, both sides of the gates' gradient, ``dq̂ += scale · dS y`` by
   float32 atomic adds (FlashAttention-2's ``dQ``) and the row ``E_{n,s} = scale · Σ_heads q̂ᵀ dS k̂`` (``K × K``,
   the gradient of ``Π_{n,s}``) into the program's own scratch slots.
@@ -20,9 +21,10 @@ whose scratch fits ``SCRATCH_BYTES`` (``README.md`` beside the op derives the fo
 - ``path_bwd_super_sig_kernel``, one program per (superblock ``p``, key/value head): ``dΣ_p += Σ_n Z_{n,p}`` over the
   wave's rows (plain adds: the program owns ``dΣ_p``).
 
-The logits ``q̂ yᵀ`` run in the products' precision (one TF32 pass on float32 operands for 16-bit inputs, as the
-forward's), ``dS y`` and ``dSᵀ q̂`` take 16-bit operands for 16-bit inputs, and every carry (``Π``, ``y``, ``E``,
-``F``, ``Z``) is float32 in the carries' precision (:func:`attnkit.ops.path.triton.prepare.precisions`).
+The logits ``q̂ yᵀ``, ``dS y`` and ``dSᵀ q̂`` take 16-bit operands for 16-bit inputs (``q̂`` is stored in the inputs'
+dtype, ``y`` rounded to it: the forward rounds both the same way for its logits between superblocks), and every
+carry (``Π``, ``y``, ``E``, ``F``, ``Z``) is float32 in the carries' precision
+(:func:`attnkit.ops.path.triton.prepare.precisions`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
-SCRATCH_BYTES = 1 << 28  # the rows E_{n,s} of one wave of key superblocks (float32 K × K a pair and program group)
+SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (float32 K × K each a pair and group)
 
 
 def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
@@ -47,10 +49,10 @@ def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
     ``q̂``, ``k̂`` per token and ``Σ`` per superblock, so their tile is free of the backward's chunk (it must divide the
     superblock). Defaults: the chunk and the chunk kernels' warps, three stages of software pipelining above K = 64
     and none up to it (what the checkpointed design this sweep replaced ran best with on the H200), one program a
-    superblock (the least scratch: one ``K × K`` matrix a pair of superblocks and head). Compiled for sm_90a with
-    Triton 3.6, the sweep kernel needs 136 KB of shared memory at K = 64 (64-row tiles) and 216 KB at K = 128
-    (32-row tiles; 336 KB with 64 rows). Not yet timed on a GPU: ``benchmarks/path_tune.py --super-only`` sweeps
-    them."""
+    superblock (the least scratch: two ``K × K`` matrices, ``E`` and ``Π``, a pair of superblocks and head). Compiled
+    for sm_90a with Triton 3.6 (bf16 inputs), the sweep kernel needs 64 KB of shared memory at K = 64 (64-row tiles)
+    and 96 KB at K = 128 (32-row tiles; 144 KB with 64 rows), and spills 608 and 424 bytes a thread (244 at K = 64
+    with eight warps). ``benchmarks/path_tune.py --super-only`` times the alternatives."""
     stages = 3 if key_dim > 64 else 1
     return dict(tile=chunk, tiles_per_program=0, num_warps=backward.backward_config(key_dim)[1], num_stages=stages)
 
@@ -63,17 +65,18 @@ def row_offset(i_r, n0, NL):
 
 @triton.jit
 def path_bwd_super_kv_kernel(
-    xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, cu_seqlens, sb_offsets, T, NSB, NL, R, GROUPS,
-    n0, WE, scale,
+    xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, cu_seqlens, sb_offsets, T, NSB, NL, R,
+    GROUPS, n0, WE, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, TPP: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``xh [*, HQ, K]`` float32 (queries carried to their superblock's start), ``kh [*, H, K]`` float32 (keys carried
-    to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32, ``gcum [*, HQ]``,
-    ``do [*, HQ, V]``, ``lse, delta [*, HQ]`` float32 -> ``dkh [*, H, K]``, ``dv [*, H, V]`` (added to), ``dxh
-    [*, HQ, K]``, ``dgcum [*, HQ]`` (atomic adds) float32, and ``rows_e [N * H, GROUPS, WE, BK, BK]`` float32 (each
-    program group's share of ``E_{n,s}``, written). Grid ``(rows of this wave × GROUPS, N * H)``: program
+    """``xh [*, HQ, K]`` (queries carried to their superblock's start, in ``do``'s dtype or float32), ``kh [*, H, K]``
+    float32 (keys carried to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32,
+    ``gcum [*, HQ]``, ``do [*, HQ, V]``, ``lse, delta [*, HQ]`` float32 -> ``dkh [*, H, K]``, ``dv [*, H, V]`` (added
+    to), ``dxh [*, HQ, K]``, ``dgcum [*, HQ]`` (atomic adds) float32, and ``rows_e [N * H, GROUPS, WE, BK, BK]``
+    float32 (each program group's share of ``E_{n,s}``, written; ``rows_pi``, of the same shape, holds the program's
+    ``Π_{n,s}``). Grid ``(rows of this wave × GROUPS, N * H)``: program
     ``(r · GROUPS + u, ·)`` takes key superblock ``n0 + r``'s tiles ``u · TPP … u · TPP + TPP − 1`` (``R`` tiles a
     superblock, ``NL`` superblocks in the longest sequence, ``NSB`` rows of ``sig`` a dense sequence)."""
     i_ru, i_nh = tl.program_id(0), tl.program_id(1)
@@ -90,16 +93,31 @@ def path_bwd_super_kv_kernel(
     o_k, o_v, o_g = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BG)
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
     p_kk = o_k[:, None] * BK + o_k[None, :]
-    p_e = rows_e + ((i_nh * GROUPS + i_u).to(tl.int64) * WE + row_offset(i_r, n0, NL)) * (BK * BK)
+    p_slots = ((i_nh * GROUPS + i_u).to(tl.int64) * WE + row_offset(i_r, n0, NL)) * (BK * BK)
+    p_e, p_pi = rows_e + p_slots, rows_pi + p_slots
     BC: tl.constexpr = 64 if BK > 64 else BK
+    # Π_{n,s} for every later superblock s, once for the program's key tiles (Π ← Σ_sᵀ Π, one K × K product a step),
+    # into the program's own slots, which every tile then reads: recomputed per tile, the chain cost R K³ carries a
+    # step, as much as a superblock's pairs at K = 128.
+    b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
+    for s in range(n + 1, n_sb):
+        tl.store(p_pi + (s - n - 1) * (BK * BK) + p_kk, b_pi)
+        if s + 1 < n_sb:
+            b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + p_kk)
+            b_pi = tl.dot(tl.trans(b_sig), b_pi, input_precision=CARRY_PRECISION)
+    tl.debug_barrier()  # the tiles read the slots every thread wrote
     for t in range(0, TPP):
         # A later superblock exists, so key tile i_m is complete.
         i_m = n * R + i_u * TPP + t
-        p_m, b_kh, b_v, b_pi, b_dkh, b_dv, b_dg = load_key_chunk(
+        p_m, b_kh, b_v, _, b_dkh, b_dv, b_dg = load_key_chunk(
             kh, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
         )
         for s in range(n + 1, n_sb):
-            b_y = tl.dot(b_kh, tl.trans(b_pi), input_precision=CARRY_PRECISION)  # k̂ at superblock s's start
+            p_s = p_e + (s - n - 1) * (BK * BK)
+            p_ps = p_pi + (s - n - 1) * (BK * BK) + p_kk
+            # k̂ at superblock s's start, in the products' dtype: the logits and dS y take 16-bit operands, as the
+            # forward's logits between superblocks do.
+            b_y = tl.dot(b_kh, tl.trans(tl.load(p_ps)), input_precision=CARRY_PRECISION).to(do.dtype.element_ty)
             b_dys = tl.zeros([BT, BK], dtype=tl.float32)
             for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
                 b_dy, b_dv, b_dg = key_chunk_grads(
@@ -108,8 +126,7 @@ def path_bwd_super_kv_kernel(
                 )  # fmt: skip
                 b_dys += b_dy
             b_dys *= scale
-            b_dkh += tl.dot(b_dys, b_pi, input_precision=CARRY_PRECISION)
-            p_s = p_e + (s - n - 1) * (BK * BK)
+            b_dkh += tl.dot(b_dys, tl.load(p_ps), input_precision=CARRY_PRECISION)
             for cb in tl.static_range(BK // BC):
                 o_c = cb * BC + tl.arange(0, BC)
                 b_kc = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_c[None, :], mask=(o_c < K)[None, :], other=0.0)
@@ -118,9 +135,6 @@ def path_bwd_super_kv_kernel(
                 if t > 0:
                     b_e += tl.load(p_c)
                 tl.store(p_c, b_e)
-            if s + 1 < n_sb:  # Π ← Σ_sᵀ Π
-                b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + p_kk)
-                b_pi = tl.dot(tl.trans(b_sig), b_pi, input_precision=CARRY_PRECISION)
         store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
         tl.debug_barrier()  # the next tile reads the E slots this one wrote
 
@@ -241,14 +255,15 @@ def path_bwd_super_fn(
     dv: torch.Tensor | None = None,
     dgcum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """The gradients of the logits between superblocks of ``span`` chunks of ``chunk`` positions. ``xh [B,T,HQ,K]``
-    and ``kh [B,T,H,K]`` float32, ``v [B,T,H,V]``, ``sig [superblocks,H,BK,BK]`` float32 (rows per packed sequence as
-    :func:`attnkit.ops.path.triton.carry.carry_keys_fn` lays them out), ``gcum`` (or None), ``lse``, ``delta
-    [B,T,HQ]`` float32, ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dxh [B,T,HQ,K], dkh [B,T,H,K],
-    dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``, both sides). ``longest``:
-    the longest sequence's length (no host sync); ``sb_offsets``: ``chunk_offsets(cu_seqlens, chunk * span)`` where
-    the caller has it; ``dv``, ``dgcum``: float32 buffers to add into (returned), else new zeros. Three launches a
-    wave of key superblocks (:func:`waves`: one wave unless the pairs' ``K × K`` rows outgrow ``SCRATCH_BYTES``)."""
+    """The gradients of the logits between superblocks of ``span`` chunks of ``chunk`` positions. ``xh [B,T,HQ,K]`` in
+    ``do``'s dtype or float32, ``kh [B,T,H,K]`` float32, ``v [B,T,H,V]``, ``sig [superblocks,H,BK,BK]`` float32 (rows
+    per packed sequence as :func:`attnkit.ops.path.triton.carry.carry_keys_fn` lays them out), ``gcum`` (or None),
+    ``lse``, ``delta [B,T,HQ]`` float32, ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dxh [B,T,HQ,K], dkh
+    [B,T,H,K], dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``, both sides).
+    ``longest``: the longest sequence's length (no host sync); ``sb_offsets``: ``chunk_offsets(cu_seqlens, chunk *
+    span)`` where the caller has it; ``dv``, ``dgcum``: float32 buffers to add into (returned), else new zeros. Three
+    launches a wave of key superblocks (:func:`waves`: one wave unless the pairs' ``K × K`` slots outgrow
+    ``SCRATCH_BYTES``)."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
     config = launch_config(K, chunk)
@@ -276,12 +291,14 @@ def path_bwd_super_fn(
     precision, carry = precisions(v.dtype, K)
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    plan = waves(NL - 1, N * H * groups * BK * BK * 4)
+    plan = waves(NL - 1, 2 * N * H * groups * BK * BK * 4)  # a pair's E and Π slots
     rows_e = torch.empty(max(e for _, _, e in plan) * N * H * groups * BK * BK, **f32)
+    rows_pi = torch.empty_like(rows_e)
     shape = (cu_seqlens, sb_offsets, T, NSB, NL, tiles, groups)
     for n0, n1, entries in plan:
         path_bwd_super_kv_kernel[((n1 - n0) * groups, N * H)](
-            xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, *shape, n0, entries, scale, HQ=HQ, H=H,
+            xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, *shape, n0, entries, scale,
+            HQ=HQ, H=H,
             K=K, V=V, BK=BK, BV=BV, BT=BT, BG=triton.next_power_of_2(HQ // H), TPP=tpp, USE_G=gcum is not None,
             IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, **launch,
         )  # fmt: skip

@@ -50,8 +50,8 @@ def path_query_terms_kernel(
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WRITE_XH: tl.constexpr,
 ):  # fmt: skip
     """``q [*, HQ, K]``, ``w, mw [*, H, K]`` (``mw`` = ``M W`` per chunk, float32) -> ``x_out [*, HQ, K]`` float32,
-    the queries carried to their chunk's start, and with ``WRITE_XH`` ``xh_out`` the same carried on to the start of
-    their superblock of ``SPAN`` chunks. Grid ``(chunks, N * HQ)``."""
+    the queries carried to their chunk's start, and with ``WRITE_XH`` ``xh_out`` (its own dtype) the same carried on
+    to the start of their superblock of ``SPAN`` chunks. Grid ``(chunks, N * HQ)``."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hq = i_nh // HQ, i_nh % HQ
     i_h = i_hq // (HQ // H)
@@ -81,7 +81,7 @@ def path_query_terms_kernel(
             b_wm = tl.load(w + p_mkv, mask=m_k, other=0.0).to(tl.float32)
             b_mwm = tl.load(mw + p_mkv, mask=m_k, other=0.0)
             b_x = b_x - tl.dot(tl.dot(b_x, tl.trans(b_wm), input_precision=PRECISION), b_mwm, input_precision=PRECISION)
-        tl.store(xh_out + p_x, b_x, mask=m_tk)
+        tl.store(xh_out + p_x, b_x.to(xh_out.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit
@@ -337,13 +337,14 @@ def path_local_bwd_kernel(
 def query_terms_fn(
     q: torch.Tensor, w: torch.Tensor, mw: torch.Tensor, cu_seqlens: torch.Tensor | None, chunk: int, span: int | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(x, xh)`` float32 ``[B, T, HQ, K]`` (``xh`` None without superblocks, ``span`` None) of contiguous ``q``,
-    ``w`` and the prepare kernel's ``mw``. No host sync: the grid covers ``T`` for every sequence."""
+    """``(x, xh)`` ``[B, T, HQ, K]`` of contiguous ``q``, ``w`` and the prepare kernel's ``mw``: ``x`` float32, ``xh``
+    in ``q``'s dtype (None without superblocks, ``span`` None: the sweep between superblocks, its only reader, takes
+    it as 16-bit operands, half the bytes it reads a pair). No host sync: the grid covers ``T`` for every sequence."""
     B, T, HQ, K = q.shape
     H = w.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     x = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    xh = None if span is None else torch.empty_like(x)
+    xh = None if span is None else torch.empty_like(q)
     path_query_terms_kernel[(triton.cdiv(T, chunk), N * HQ)](
         q, w, mw, x, xh, cu_seqlens, T, 1 if span is None else span, HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk,
         IS_VARLEN=cu_seqlens is not None, PRECISION=precisions(q.dtype, K)[1], WRITE_XH=span is not None,
