@@ -134,7 +134,26 @@ def test_sweep_formulas_float64(L, HQ, H, S, gate):
         assert_close(name, a, e, 1e-12)
 
 
-@pytest.mark.parametrize("tiles_per_program", [0, 1], ids=["program-a-superblock", "program-a-tile"])
+def test_program_groups_fill_one_wave(monkeypatch):
+    """Left open, the programs a key superblock are the most (a power of two dividing its tiles) whose slots fit one
+    wave: 2 at T = 4k, B = 8, 16 heads, D = 64 (28 pairs of 4 MiB), 4 with half the heads, 1 at 16k (496 pairs)."""
+    from attnkit.ops.path.triton import backward_super
+
+    assert backward_super.SCRATCH_BYTES == 1 << 28
+    pair = 2 * 8 * 16 * 64 * 64 * 4  # E and Π, every head of B = 8, H = 16
+    assert backward_super.program_groups(8, 8, pair) == 2
+    assert backward_super.program_groups(8, 8, pair // 2) == 4
+    assert backward_super.program_groups(8, 8, 1) == 8  # never more than the tiles
+    assert backward_super.program_groups(6, 8, 1) == 2  # a power of two that divides them
+    assert backward_super.program_groups(8, 32, pair // 8) == 1
+    assert backward_super.program_groups(8, 1, pair) == 8  # one superblock: no pairs, nothing to store
+    monkeypatch.setattr(backward_super, "SCRATCH_BYTES", 1)
+    assert backward_super.program_groups(8, 8, pair) == 1
+
+
+@pytest.mark.parametrize(
+    "tiles_per_program", [0, 1, 2], ids=["groups-left-open", "program-a-tile", "program-a-superblock"]
+)
 @pytest.mark.parametrize("budget", [None, 1], ids=["one-wave", "a-row-a-wave"])
 @pytest.mark.parametrize(
     "K, offsets",
@@ -145,7 +164,9 @@ def test_sweep_kernels_match_autograd(monkeypatch, tiles_per_program, budget, K,
     """:func:`path_bwd_super_fn` (the three kernels, float32 under the interpreter) against autograd through the
     pairs' logits in float64: ``dq̂``, ``dk̂``, ``dV``, ``dΣ`` and both sides of the gates' gradient, over superblocks
     of two 8-row tiles (six superblocks in 100 tokens, partial last ones), GQA, a dense batch of two or packed
-    sequences with an empty and a short one; one wave or a row a wave, one program a superblock or a tile."""
+    sequences with an empty and a short one; one wave or a row a wave, one program a superblock or a tile, or as
+    many as :func:`backward_super.program_groups` gives (a tile a program in one wave, a superblock a program in a row
+    a wave)."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import backward_super
     from attnkit.ops.path.triton.prepare import chunk_offsets

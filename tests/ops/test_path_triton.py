@@ -557,8 +557,9 @@ def test_carry_precisions(monkeypatch):
 @pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])
 def test_query_terms_carry_in_float32_and_store_the_superblock_start_in_the_inputs_dtype(offsets):
     """The queries carried to their superblock's start (the sweep between superblocks reads them as 16-bit operands)
-    come in ``q``'s dtype: a float16 run's are the float32 run's, rounded; the queries carried to their chunk's start
-    stay float32 and match the float32 run's to float16 rounding of the inputs."""
+    come in ``q``'s dtype: a float16 run's are the float32 run's, rounded (exactly under the interpreter, whose dots
+    are exact in both runs; on a GPU the float16 run's carries are 3xTF32, the float32 run's exact); the queries
+    carried to their chunk's start stay float32."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import local, prepare
 
@@ -578,9 +579,11 @@ def test_query_terms_carry_in_float32_and_store_the_superblock_start_in_the_inpu
         outs.append(local.query_terms_fn(qq, ww, mw, cu, chunk, 2))
     (x16, xh16), (x32, xh32) = outs
     assert x16.dtype == x32.dtype == xh32.dtype == torch.float32 and xh16.dtype == torch.float16
-    assert_close("x", x16, x32, 1e-6)
-    assert_close("xh", xh16.float(), xh32.to(torch.float16).float(), 1e-6)
+    assert_close("x", x16, x32, 1e-6 if DEVICE == "cpu" else 1e-5)
+    assert_close("xh", xh16.float(), xh32, 1e-3)  # float16 rounding
     assert not torch.equal(xh32, xh32.to(torch.float16).float())  # the float32 run's are not float16 values
+    if DEVICE == "cpu":
+        assert torch.equal(xh16, xh32.to(torch.float16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots are wrong under the interpreter")

@@ -44,15 +44,15 @@ SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (fl
 
 def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
     """``tile`` (rows of a query or key tile), ``tiles_per_program`` (the key tiles one program of the sweep takes in
-    turn, 0 for all of a superblock's: fewer means more programs, each with its own ``E`` slots, so more scratch and
-    more waves), ``num_warps`` and ``num_stages`` of the between-superblock kernels. They need no chunk structure, only
-    ``q̂``, ``k̂`` per token and ``Σ`` per superblock, so their tile is free of the backward's chunk (it must divide the
+    turn: fewer means more programs, each with its own ``E`` and ``Π`` slots, so more scratch and more waves),
+    ``num_warps`` and ``num_stages`` of the between-superblock kernels. They need no chunk structure, only ``q̂``,
+    ``k̂`` per token and ``Σ`` per superblock, so their tile is free of the backward's chunk (it must divide the
     superblock). Defaults: the chunk and the chunk kernels' warps, three stages of software pipelining above K = 64
-    and none up to it (what the checkpointed design this sweep replaced ran best with on the H200), one program a
-    superblock (the least scratch: two ``K × K`` matrices, ``E`` and ``Π``, a pair of superblocks and head). Compiled
-    for sm_90a with Triton 3.6 (bf16 inputs), the sweep kernel needs 64 KB of shared memory at K = 64 (64-row tiles)
-    and 96 KB at K = 128 (32-row tiles; 144 KB with 64 rows), and spills 608 and 424 bytes a thread (244 at K = 64
-    with eight warps). ``benchmarks/path_tune.py --super-only`` times the alternatives."""
+    and none up to it, and ``tiles_per_program`` 0, which leaves it to :func:`program_groups` (as many programs a
+    superblock as keep one wave). On the H200 at T = 4k, D = 64 (PaTH-FoX, ``path_tune.py --super-only``), two
+    stages and eight warps were slower (26.2 and 28.8 ms against 25.8). Compiled for sm_90a with Triton 3.6 (bf16
+    inputs), the sweep kernel needs 64 KB of shared memory at K = 64 (64-row tiles) and 96 KB at K = 128 (32-row
+    tiles; 144 KB with 64 rows), and spills 608 and 424 bytes a thread (244 at K = 64 with eight warps)."""
     stages = 3 if key_dim > 64 else 1
     return dict(tile=chunk, tiles_per_program=0, num_warps=backward.backward_config(key_dim)[1], num_stages=stages)
 
@@ -222,6 +222,20 @@ def path_bwd_super_sig_kernel(
     tl.store(p_dsig, tl.load(p_dsig) + b_acc)
 
 
+def program_groups(tiles: int, superblocks: int, pair_bytes: int) -> int:
+    """Programs a key superblock of ``tiles`` tiles when ``launch_config`` leaves it open (``tiles_per_program`` 0): the
+    most, a power of two dividing ``tiles``, whose slots for every pair of the ``superblocks`` (``pair_bytes`` a pair
+    and program group) fit one wave of ``SCRATCH_BYTES``, else one. More programs fill the machine at short ``T`` (8
+    rows of key superblocks at 4k): on the H200 at T = 4k, D = 64, PaTH-FoX forward+backward took 25.8 ms with one
+    program a superblock, 24.6 with four (two tiles each) and 24.5 with eight (one tile each); at long ``T`` they would
+    multiply the waves."""
+    pairs = superblocks * (superblocks - 1) // 2
+    groups = 1
+    while tiles % (2 * groups) == 0 and pairs * pair_bytes * 2 * groups <= SCRATCH_BYTES:
+        groups *= 2
+    return groups
+
+
 def waves(rows: int, entry_bytes: int) -> list[tuple[int, int, int]]:
     """Consecutive rows ``[n0, n1)`` of the first ``rows`` key superblocks of ``rows + 1`` (row ``n`` of
     ``rows − n`` entries, one for each later superblock), each wave's entries within ``SCRATCH_BYTES`` (at least one
@@ -272,11 +286,13 @@ def path_bwd_super_fn(
     if length % BT:
         raise ValueError(f"launch_config: a tile of {BT} rows does not divide a superblock of {length} positions")
     tiles = length // BT  # a superblock's tiles
-    tpp = config["tiles_per_program"] or tiles
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    NL = triton.cdiv(longest, length)  # superblocks of the longest sequence
+    pair_bytes = 2 * N * H * BK * BK * 4  # a pair's E and Π slots, every head, one program group
+    tpp = config["tiles_per_program"] or tiles // program_groups(tiles, NL, pair_bytes)
     if tiles % tpp:
         raise ValueError(f"launch_config: {tpp} tiles a program do not divide a superblock of {tiles} tiles")
     groups = tiles // tpp
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if sb_offsets is None:
         sb_offsets = chunk_offsets(cu_seqlens, length)
     NSB = triton.cdiv(T, length)
@@ -285,13 +301,12 @@ def path_bwd_super_fn(
     dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
     dsig = torch.zeros_like(sig)
     dgcum = torch.zeros(B, T, HQ, **f32) if dgcum is None else dgcum
-    NL = triton.cdiv(longest, length)  # superblocks of the longest sequence
     if NL < 2:
         return dxh, dkh, dv, dsig, dgcum
     precision, carry = precisions(v.dtype, K)
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    plan = waves(NL - 1, 2 * N * H * groups * BK * BK * 4)  # a pair's E and Π slots
+    plan = waves(NL - 1, pair_bytes * groups)
     rows_e = torch.empty(max(e for _, _, e in plan) * N * H * groups * BK * BK, **f32)
     rows_pi = torch.empty_like(rows_e)
     shape = (cu_seqlens, sb_offsets, T, NSB, NL, tiles, groups)
