@@ -51,8 +51,12 @@ BWD = [(64, 4, None), (64, 8, None), (32, 4, None), (32, 8, None), (16, 4, None)
 # (where the chunk is 32) asks for more shared memory than an H200 block has, so it is not among them.
 SUPER = [
     (None, None, None, None), (None, 1, None, None), (None, 2, None, None), (None, None, None, 1),
-    (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2),
+    (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2), (32, None, None, None),
 ]  # fmt: skip
+# The sweep's dq̂ (backward_super.DQ_BY_ATOMICS, True the default): False moves it to a query-major kernel without
+# atomics, timed with the default launch after the SUPER rows. 32-row tiles at K = 64 (SUPER's last row) take 28 KB
+# of shared memory and spill 104 bytes a thread (64 KB and 608 with 64 rows; sm_90a, Triton 3.6).
+SUPER_DQ = [False]
 # --carry-only: the forward, then forward+backward, with every carry in 3xTF32, in one TF32 pass and in three bf16
 # passes (prepare.CARRY_16BIT, the default for bfloat16 at K = 64 and 128), with beta drawn from (1.5, 2) as issue 3's
 # accuracy bar asks.
@@ -183,13 +187,20 @@ def time_cell(
         finally:
             backward_super.launch_config = launch
         cell["super"].append(setting | row)
+    for dq_by_atomics in SUPER_DQ if sup else []:
+        saved, backward_super.DQ_BY_ATOMICS = backward_super.DQ_BY_ATOMICS, dq_by_atomics
+        try:
+            row = time_grads(f"D={D} T={T} super dq_by_atomics={dq_by_atomics}", x, do, default, device)
+        finally:
+            backward_super.DQ_BY_ATOMICS = saved
+        cell["super"].append(dict(dq_by_atomics=dq_by_atomics) | row)
     return cell
 
 
 SETTINGS = (
     ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows", "superblock")),
     ("bwd", ("chunk", "num_warps", "key_tile")),
-    ("super", ("tile", "tiles_per_program", "num_warps", "num_stages")),
+    ("super", ("tile", "tiles_per_program", "num_warps", "num_stages", "dq_by_atomics")),
 )
 
 

@@ -94,7 +94,8 @@ for step in $steps; do
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
         pathsuper)  # PaTH: tile, warps and stages of the between-superblock backward kernels at 32k, D = 64 and 128
-            timeout 300 python3 benchmarks/path_tune.py --super-only --seq-lens 32768 --head-dims ${SUPER_DIMS:-64 128} \
+            timeout 300 python3 benchmarks/path_tune.py --super-only --seq-lens ${SUPER_SEQ_LENS:-32768} \
+                --head-dims ${SUPER_DIMS:-64 128} \
                 --out "$OUT" \
                 > "$OUT/pathsuper.log" 2>&1 ;;
         pathacc)  # PaTH: the accuracy bar, bf16 to 32k first (the float32 cells' float64 references take minutes: at

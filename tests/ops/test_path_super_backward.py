@@ -167,6 +167,26 @@ def test_sweep_kernels_match_autograd(monkeypatch, tiles_per_program, budget, K,
     sequences with an empty and a short one; one wave or a row a wave, one program a superblock or a tile, or as
     many as :func:`backward_super.program_groups` gives (a tile a program in one wave, a superblock a program in a row
     a wave)."""
+    check_sweep(monkeypatch, tiles_per_program, budget, K, offsets)
+
+
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-wave", "a-row-a-wave"])
+@pytest.mark.parametrize(
+    "K, offsets",
+    [(16, None), (24, None), (80, None), (16, [0, 5, 5, 40, 100])],
+    ids=["K16", "K24-padded", "K80-split-products", "varlen"],
+)
+def test_sweep_with_query_major_dq(monkeypatch, budget, K, offsets):
+    """The same with ``dq̂`` from :func:`backward_super.path_bwd_super_q_kernel` (one program per query tile and head,
+    no atomics) instead of the key-major sweep's atomic adds (``DQ_BY_ATOMICS = False``)."""
+    from attnkit.ops.path.triton import backward_super
+
+    monkeypatch.setattr(backward_super, "DQ_BY_ATOMICS", False)
+    check_sweep(monkeypatch, 0, budget, K, offsets)
+
+
+def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets):
+    """The body of the sweep tests: the kernels' five gradients against autograd through the pairs' logits."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import backward_super
     from attnkit.ops.path.triton.prepare import chunk_offsets

@@ -20,6 +20,10 @@ whose scratch fits ``SCRATCH_BYTES`` (``README.md`` beside the op derives the fo
   product a step) ``Z_{n,p} = Π_{n,p} F_{n,p}``, in place again.
 - ``path_bwd_super_sig_kernel``, one program per (superblock ``p``, key/value head): ``dΣ_p += Σ_n Z_{n,p}`` over the
   wave's rows (plain adds: the program owns ``dΣ_p``).
+- With ``DQ_BY_ATOMICS = False``, ``path_bwd_super_q_kernel`` gives ``dq̂`` instead of the sweep's atomic adds: one
+  program per (query tile, query head) carries the query and ``Π_{n,s}ᵀ`` across the earlier superblocks right to
+  left, recomputing the logits and ``dS`` of each pair (two more products a pair, no atomics; FLA's backward splits
+  ``dq`` the same way). Tested under the interpreter, not yet timed (``path_tune.py --super-only``).
 
 The logits ``q̂ yᵀ``, ``dS y`` and ``dSᵀ q̂`` take 16-bit operands for 16-bit inputs (``q̂`` is stored in the inputs'
 dtype, ``y`` rounded to it: the forward rounds both the same way for its logits between superblocks), and every
@@ -33,12 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import seq_bounds
+from attnkit.ops.common.triton_seq import launch_grid, locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim
 from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
+DQ_BY_ATOMICS = True  # dq̂ by float32 atomics in the key-major sweep; False: path_bwd_super_q_kernel (not yet timed)
 SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (float32 K × K each a pair and group)
 
 
@@ -69,7 +74,7 @@ def path_bwd_super_kv_kernel(
     GROUPS, n0, WE, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, TPP: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, ADD_DX: tl.constexpr = True,
 ):  # fmt: skip
     """``xh [*, HQ, K]`` (queries carried to their superblock's start, in ``do``'s dtype or float32), ``kh [*, H, K]``
     float32 (keys carried to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32,
@@ -78,7 +83,8 @@ def path_bwd_super_kv_kernel(
     float32 (each program group's share of ``E_{n,s}``, written; ``rows_pi``, of the same shape, holds the program's
     ``Π_{n,s}``). Grid ``(rows of this wave × GROUPS, N * H)``: program
     ``(r · GROUPS + u, ·)`` takes key superblock ``n0 + r``'s tiles ``u · TPP … u · TPP + TPP − 1`` (``R`` tiles a
-    superblock, ``NL`` superblocks in the longest sequence, ``NSB`` rows of ``sig`` a dense sequence)."""
+    superblock, ``NL`` superblocks in the longest sequence, ``NSB`` rows of ``sig`` a dense sequence). Without
+    ``ADD_DX`` it leaves ``dxh`` to :func:`path_bwd_super_q_kernel`."""
     i_ru, i_nh = tl.program_id(0), tl.program_id(1)
     i_r, i_u = i_ru // GROUPS, i_ru % GROUPS
     n = n0 + i_r
@@ -122,7 +128,7 @@ def path_bwd_super_kv_kernel(
             for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
                 b_dy, b_dv, b_dg = key_chunk_grads(
                     xh, do, lse, delta, gcum, dgcum, dxh, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t,
-                    o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, True,
+                    o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, ADD_DX,
                 )  # fmt: skip
                 b_dys += b_dy
             b_dys *= scale
@@ -137,6 +143,74 @@ def path_bwd_super_kv_kernel(
                 tl.store(p_c, b_e)
         store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
         tl.debug_barrier()  # the next tile reads the E slots this one wrote
+
+
+@triton.jit
+def path_bwd_super_q_kernel(
+    xh, kh, v, sig, gcum, do, lse, delta, dxh, cu_seqlens, q_offsets, sb_offsets, T, NSB, R, N, scale,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, PRECISION: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``dxh [*, HQ, K]`` float32 (written) of the pairs between superblocks, query-major: one program per (query tile
+    ``c`` of superblock ``s``, query head) walks the earlier superblocks ``n = s − 1, …, 0`` carrying the query,
+    ``u = q̂ Π_{n,s}`` (``u ← u Σ_nᵀ``), and ``Π_{n,s}ᵀ`` (``Πᵀ ← Σ_n Πᵀ``, ``K × K``): ``dq̂ = scale · Σ_n (Σ_{m ∈ n}
+    dS_m k̂_m) Π_{n,s}ᵀ``, with ``dS`` recomputed from ``u k̂ᵀ`` (16-bit operands for 16-bit inputs, as the key-major
+    sweep's logits) and no atomics. Inputs as :func:`path_bwd_super_kv_kernel`'s; ``q_offsets``: the first tile of
+    each packed sequence (``block_offsets``), the grid ``(tiles of the batch + N, HQ)`` (packed, the last programs
+    first) or ``(tiles of the longest sequence, N * HQ)``."""
+    if IS_VARLEN:
+        i_n, i_c = locate_block(q_offsets, tl.num_programs(0) - 1 - tl.program_id(0), N, LOG_N)
+        if i_n >= N:
+            return
+        i_hq = tl.program_id(1)
+    else:
+        i_c = tl.num_programs(0) - 1 - tl.program_id(0)
+        i_n, i_hq = tl.program_id(1) // HQ, tl.program_id(1) % HQ
+    i_h = i_hq // (HQ // H)
+    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
+    s = i_c // R
+    if s == 0 or i_c * BT >= L:
+        return
+    sb0 = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN)
+    o_t = tl.arange(0, BT)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
+    p_kk = o_k[:, None] * BK + o_k[None, :]
+    o_i = i_c * BT + o_t
+    m_i = o_i < L
+    p_i = bos + o_i.to(tl.int64)
+    p_q = p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
+    b_u = tl.load(xh + p_q, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
+    b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
+    b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
+    b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
+    b_gq = tl.zeros([BT], dtype=tl.float32)
+    if USE_G:
+        b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
+    b_pit = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)  # Π_{s−1,s}ᵀ = I
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_back in range(0, s):
+        n = s - 1 - i_back
+        b_u16 = b_u.to(do.dtype.element_ty)
+        b_g = tl.zeros([BT, BK], dtype=tl.float32)
+        for jj in range(0, R):  # superblock n lies before the query's: its tiles are complete
+            p_j = bos + ((n * R + jj) * BT + o_t).to(tl.int64)
+            b_k = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+            b_k = b_k.to(do.dtype.element_ty)
+            b_v = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+            b_s = tl.dot(b_u16, tl.trans(b_k), input_precision=PRECISION) * scale
+            if USE_G:
+                b_s = b_s + b_gq[:, None] - tl.load(gcum + p_j * HQ + i_hq)[None, :]
+            b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_ds = b_p * (tl.dot(b_do, tl.trans(b_v.to(b_do.dtype)), input_precision=PRECISION) - b_delta[:, None])
+            b_g += tl.dot(b_ds.to(b_do.dtype), b_k, input_precision=PRECISION)
+        b_dq += tl.dot(b_g, b_pit, input_precision=CARRY_PRECISION)
+        if n > 0:  # u ← u Σ_nᵀ, Πᵀ ← Σ_n Πᵀ
+            b_sig = tl.load(sig + ((sb0 + n) * H + i_h) * (BK * BK) + p_kk)
+            b_u = tl.dot(b_u, tl.trans(b_sig), input_precision=CARRY_PRECISION)
+            b_pit = tl.dot(b_sig, b_pit, input_precision=CARRY_PRECISION)
+    tl.store(dxh + p_q, b_dq * scale, mask=m_i[:, None] & m_k)
 
 
 @triton.jit
@@ -315,7 +389,7 @@ def path_bwd_super_fn(
             xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, *shape, n0, entries, scale,
             HQ=HQ, H=H,
             K=K, V=V, BK=BK, BV=BV, BT=BT, BG=triton.next_power_of_2(HQ // H), TPP=tpp, USE_G=gcum is not None,
-            IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, **launch,
+            IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, ADD_DX=DQ_BY_ATOMICS, **launch,
         )  # fmt: skip
         if NL < 3:  # no superblock lies between two others: Σ has no gradient here
             continue
@@ -325,4 +399,11 @@ def path_bwd_super_fn(
         path_bwd_super_sig_kernel[(NL, N * H)](
             dsig, rows_e, *shape, n0, n1, entries, H=H, BK=BK, BT=BT, IS_VARLEN=varlen, **launch
         )
+    if not DQ_BY_ATOMICS:
+        grid, q_offsets, _, log_n = launch_grid(cu_seqlens, B, T, HQ, BT)
+        path_bwd_super_q_kernel[grid](
+            xh, kh, v, sig, gcum, do, lse, delta, dxh, cu_seqlens, q_offsets, sb_offsets, T, NSB, tiles, N, scale,
+            HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=varlen, LOG_N=log_n,
+            PRECISION=precision, CARRY_PRECISION=carry, **launch,
+        )  # fmt: skip
     return dxh, dkh, dv, dsig, dgcum
