@@ -46,9 +46,10 @@ SPAN = [256, 512, 1024]
 # product; None keeps carries_key_tile's rule.
 BWD = [(64, 4, None), (64, 8, None), (32, 4, None), (32, 8, None), (16, 4, None), (64, 4, True), (32, 8, True)]
 # (tile, tiles_per_program, num_warps, num_stages) of the between-superblock sweep (backward_super.launch_config);
-# None keeps the default's, so the first row is the default itself (one program a key superblock). tiles_per_program
-# 1 or 2: more programs, each with its own rows of E (more scratch, so more waves at 32k). A 64-row tile at K = 128
-# (where the chunk is 32) asks for more shared memory than an H200 block has, so it is not among them.
+# None keeps the default's, so the first row is the default itself (backward_super.program_groups picks the programs
+# a key superblock). tiles_per_program 1 or 2: more programs, each with its own rows of E and Π (more scratch, so more
+# waves at 32k). A 64-row tile at K = 128 (where the chunk is 32) asks for more shared memory than an H200 block has,
+# so it is not among them.
 SUPER = [
     (None, None, None, None), (None, 1, None, None), (None, 2, None, None), (None, None, None, 1),
     (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2), (32, None, None, None),
