@@ -8,8 +8,10 @@
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
+#                              [reproduce]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
-#   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone;
+#   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
+#   (issue 20's full-scale reports, a piece a call: see the step);
 #   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`;
 #   `pathacc pathsuper`; `pathvs` alone;
 #   `pathgrid` alone; `train` alone; `foxtests fox`
@@ -154,11 +156,40 @@ for step in $steps; do
             timeout 90 python3 benchmarks/decode.py --out "$OUT" --name decode_h200 > "$OUT/decode.log" 2>&1 ;;
         tune)
             timeout 400 python3 benchmarks/tapa_tune.py --out "$OUT" > "$OUT/tune.log" 2>&1 ;;
+        reproduce)  # issue 20: `attnkit reproduce ${REPRO_PAPERS:-vla} --scale full`, a piece a call. Its cells (a
+            # JSON file each) and report live in reports/<paper>/, which travels with the tree; REPRO_CACHE names a
+            # tarball this step returned, unpacked there first when the tree lacks it. The models are tiny and
+            # launch-bound, so REPRO_JOBS (default: one a core) processes share the GPU, each on one CPU thread
+            # (run_cells gives each cpu_count() // jobs). No cell starts after REPRO_LIMIT - REPRO_DRAIN seconds
+            # (the drain: a cell's time, so the running ones finish); the limit kills what still runs, which loses
+            # only those cells (a record is written by a rename), and --report-only then writes the report from the
+            # finished ones (after a crash too). It all comes back as $OUT/reproduce_<paper>.tgz: here,
+            # `tar xzf reproduce_vla.tgz -C reports`, then commit reports/<paper>/. Kept models of chained cells
+            # (TAPA, PaTH) stay behind: a later call reruns a parent only for a child still to run. REPRO_CELLS
+            # narrows the cells (a --cells pattern).
+            papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
+            [ -n "${REPRO_CACHE:-}" ] && mkdir -p reports && tar xzf "$REPRO_CACHE" -C reports --skip-old-files
+            start=$(( limit > 2 * drain ? limit - drain : limit / 2 ))
+            repro=(python3 -m attnkit reproduce "$papers" --scale full --out reports --resume
+                   --jobs "${REPRO_JOBS:-$(nproc)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"})
+            : > "$OUT/reproduce.log"  # then appended to: the killed run's stragglers write on at their own offset
+            timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
+                >> "$OUT/reproduce.log" 2>&1
+            echo "== attnkit reproduce exited $? (124: killed at $limit s)" >> "$OUT/reproduce.log"
+            if ! grep -qE '^attnkit reproduce: [0-9]+ s$' "$OUT/reproduce.log"; then  # killed or crashed: no report
+                timeout 120 "${repro[@]}" --report-only >> "$OUT/reproduce.log" 2>&1
+            fi
+            dirs=$(for d in $([ "$papers" = all ] && echo path tapa vla || echo "$papers"); do
+                [ -d "reports/$d" ] && echo "$d"; done)
+            [ -n "$dirs" ] && tar czf "$OUT/reproduce_$papers.tgz" --exclude='*/cells/models' --exclude='.tmp-*' \
+                -C reports $dirs
+            grep -cE '^\[[0-9]+/[0-9]+\]' "$OUT/reproduce.log" | sed 's/^/cells finished or failed this call: /'
+            grep -E '^wrote .*report.md' "$OUT/reproduce.log" | tail -3 ;;
         *) echo "unknown step $step" ;;
     esac
 done
 for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
-    pathcarry pathsolve pathspan train flex decode tune tapaseries; do
+    pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -215,3 +215,39 @@ def test_jobs_default_to_one_single_threaded_process_per_core_on_a_cpu(tmp_path,
     assert default_jobs("cpu") == min(cells_mod.cpu_count(), AUTO_JOBS) >= 1
     assert main(["reproduce", "vla", "--out", str(tmp_path), "--jobs", "-1"]) == 2
     assert "--jobs" in capsys.readouterr().err
+
+
+def test_a_partial_full_run_reports_its_finished_cells_and_the_rest_as_not_run(tmp_path):
+    """What a GPU call that its time limit killed leaves (``run_gpu.sh reproduce``): some cells' records and no
+    report. ``--report-only`` writes the report from them and runs nothing."""
+    module = PAPERS["vla"]
+    cells_dir = str(tmp_path / "vla" / "cells")
+    declared, _ = declared_cells(module.experiments("full"), cells_dir)
+    finished = [c for c in declared if c.experiment == "mqar" and " n4 " in c.label]
+    finished.append(next(c for c in declared if c.experiment == "state_norm"))
+    for cell in finished:
+        if cell.kind == "train":
+            curve = [{"event": "eval", "split": "validation", "step": 4000, "validation": {"accuracy": 0.95}}]
+            result = fake_record(0.95, 0.97)["result"] | {"test": {"n4": {"accuracy": 0.97}}, "events": curve}
+        else:
+            norms = {m: {str(t): float(t) for t in cell.params["lengths"]} for m in cell.params["mixers"]}
+            result = {"status": "ok", "norms": norms}
+        identity = {"experiment": cell.experiment, "label": cell.label, "kind": cell.kind, "key": cell.key}
+        record = {"cell": identity, "params": cell.params, "result": result, "wall_s": 60.0, "device": "NVIDIA H200"}
+        cells_mod._write_atomic(cells_mod.cell_path(cells_dir, cell), record)
+
+    args = ["reproduce", "vla", "--scale", "full", "--out", str(tmp_path), "--jobs", "2"]
+    assert main([*args, "--report-only"]) == 0
+    assert len(os.listdir(cells_dir)) == len(finished)  # nothing ran
+    data = json.loads((tmp_path / "vla" / "report.json").read_text())
+    assert (data["run"]["ran"], data["run"]["cached"]) == (0, len(finished))
+    assert data["run"]["skipped"] == len(declared) - len(finished)
+    report = (tmp_path / "vla" / "report.md").read_text()
+    table = claims_table(report)
+    assert all(verdict.startswith("**NOT RUN**: ") and "not run" in verdict for verdict in table.values()), table
+    assert "| vla | n4 | 0.95 | 0.95 | 0.95 | 0.95 | 0.0003 | n4 0.97 ± 0 |" in report
+    assert "| vla | n8 | pending | pending | pending | pending | — | — |" in report
+    assert "1 of 3 finished" in report and f"{len(declared) - len(finished)} left for later" in report
+    assert "cell devices: NVIDIA H200" in report
+    for png in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):
+        assert (tmp_path / "vla" / png).stat().st_size > 0

@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-minutes", type=float, default=0.0, help="start no cell after this many minutes (0: no limit)"
     )
     parser.add_argument("--list", action="store_true", help="list the cells and whether each has finished; run none")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write the report from the finished cells and run none (the rest are NOT RUN): after a run that a time "
+        "limit killed",
+    )
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             if waiting := waiting_count(experiments, cells):
                 print(f"waiting {paper} {waiting} cells of chained experiments, declared once their parents finish")
             continue
-        if finished and not args.resume:
+        if finished and not (args.resume or args.report_only):
             print(
                 f"attnkit reproduce: {cells_dir} already holds {len(finished)} finished cells of this scale: pass "
                 "--resume to reuse them (they are never rerun), or choose another --out",
@@ -127,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     t0 = time.time()
     deadline = t0 + 60 * args.max_minutes if args.max_minutes > 0 else None
+    if args.report_only:  # a deadline already past: no cell starts, and the unfinished ones are left for later
+        deadline = 0.0
     failed = 0
     for paper, (experiments, cells_dir) in plans.items():
         summary = RunSummary()
