@@ -14,7 +14,7 @@ from torch import nn
 from attnkit.ops.baselines import delta_rule, linear_attention
 from attnkit.ops.baselines.delta_rule import delta_rule_step
 from attnkit.ops.baselines.linear import linear_attention_step
-from attnkit.ops.common.validation import check_scalar, resolve_backend
+from attnkit.ops.common.validation import check_scalar
 
 from .base import State, TokenMixer
 
@@ -55,9 +55,10 @@ class LinearAttention(TokenMixer):
         return q, k, v
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        resolve_backend(self.backend, "linear_attention", x.device)
         q, k, v = self._qkv(x)
-        o, (S, n) = linear_attention(q, k, v, eps=self.eps, output_final_state=True, cu_seqlens=cu_seqlens)
+        o, (S, n) = linear_attention(
+            q, k, v, eps=self.eps, output_final_state=True, cu_seqlens=cu_seqlens, backend=self.backend
+        )
         return self.o_proj(o.flatten(2)), {}, {"S": S, "n": n}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
@@ -110,9 +111,10 @@ class DeltaNetAttention(TokenMixer):
         return q, k, v, beta
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        resolve_backend(self.backend, "delta_rule", x.device)
         q, k, v, beta = self._qkvb(x)
-        o, S = delta_rule(q, k, v, beta, scale=self.scale, output_final_state=True, cu_seqlens=cu_seqlens)
+        o, S = delta_rule(
+            q, k, v, beta, scale=self.scale, output_final_state=True, cu_seqlens=cu_seqlens, backend=self.backend
+        )
         return self.o_proj(o.flatten(2)), {}, {"S": S}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:

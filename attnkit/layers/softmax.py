@@ -38,7 +38,8 @@ class SoftmaxAttention(TokenMixer):
         use_forget_gate: FoX: ``g = logsigmoid(linear(x))`` per query head (with bias), logit
             ``scale·qᵀk + G_i − G_j``.
         layer_idx: index of the layer in a model (for the model's cache), or None.
-        backend: ``"auto" | "torch" | "triton"``, validated; the softmax op picks SDPA by itself.
+        backend: ``"auto" | "torch" | "triton"``, passed to :func:`softmax_attention` (``"auto"`` runs SDPA
+            without a gate, the FoX kernels on CUDA with one).
     """
 
     cache_keys = ("k", "v")
@@ -116,7 +117,7 @@ class SoftmaxAttention(TokenMixer):
             else:
                 lengths = torch.repeat_interleave(seq_lengths, seq_lengths)[None]
             q, k = self._rotate(q, k, positions, lengths)
-        o = softmax_attention(q, k, v, g, cu_seqlens=cu_seqlens)
+        o = softmax_attention(q, k, v, g, cu_seqlens=cu_seqlens, backend=self.backend)
         token_state = {"k": k, "v": v}
         if g is not None:
             token_state["g"] = segment_cumsum(g, cu_seqlens)

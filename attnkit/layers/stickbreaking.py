@@ -49,7 +49,13 @@ class StickBreakingAttention(TokenMixer):
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
         q, k, v = self.qkv(x)
         o = stickbreaking_attention(
-            q, k, v, attend_current=self.attend_current, cu_seqlens=cu_seqlens, block_size=self.block_size
+            q,
+            k,
+            v,
+            attend_current=self.attend_current,
+            cu_seqlens=cu_seqlens,
+            block_size=self.block_size,
+            backend=self.backend,
         )
         return self.o_proj(o.flatten(2)), {"k": k, "v": v}, {}
 

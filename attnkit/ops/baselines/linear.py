@@ -6,7 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.ops.common.utils import compute_dtype, run_segments
-from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, check_state, check_step_qkv
+from attnkit.ops.common.validation import (
+    check_cu_seqlens,
+    check_qkv,
+    check_scalar,
+    check_state,
+    check_step_qkv,
+    resolve_backend,
+)
 
 CHUNK_SIZE = 64
 
@@ -71,6 +78,7 @@ def linear_attention(
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Causal linear attention: ``S_t = S_{t-1} + v_t k_tᵀ``, ``n_t = n_{t-1} + k_t``,
     ``o_t = S_t q_t / max(n_tᵀ q_t, eps)`` (or ``S_t q_t`` when ``normalize`` is false).
@@ -82,6 +90,8 @@ def linear_attention(
         initial_state: ``(S [N, H, V, K], n [N, H, K])`` in float32 or float64, or ``None`` (zeros).
         output_final_state: return the state after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``).
+        backend: ``"auto"`` or ``"torch"`` (chunk-parallel PyTorch); ``"triton"`` raises
+            ``NotImplementedError``: linear attention has no kernel yet.
 
     Returns:
         ``o [B, T, HQ, V]`` in ``v.dtype`` and ``(S, n)`` in float32 (float64 for float64 inputs) or ``None``.
@@ -90,6 +100,7 @@ def linear_attention(
     B, T, H, K = k.shape
     V = v.shape[-1]
     eps = check_scalar("eps", eps, low=0.0)
+    resolve_backend(backend, "linear_attention", q.device)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K), (N, H, K)), q.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from attnkit.ops.common.utils import segment_bounds
-from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar
+from attnkit.ops.common.validation import check_cu_seqlens, check_qkv, check_scalar, resolve_backend
 from attnkit.ops.stickbreaking.decoding import check_attend_current, stickbreaking_decode_step
 from attnkit.ops.stickbreaking.torch_impl import BLOCK_SIZE, stickbreaking_dense
 
@@ -23,6 +23,7 @@ def stickbreaking_attention(
     attend_current: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     block_size: int = BLOCK_SIZE,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Causal stick-breaking attention with GQA: no softmax and no position encoding.
 
@@ -41,6 +42,8 @@ def stickbreaking_attention(
         attend_current: let a query read its own key (the authors' code's option; off in the paper).
         cu_seqlens: ``[N+1]`` int32/int64 offsets of packed sequences (``B == 1``); each restarts.
         block_size: positions per query block and per key block, ``>= 1``.
+        backend: ``"auto"`` or ``"torch"`` (blockwise PyTorch); ``"triton"`` raises ``NotImplementedError``:
+            stick-breaking attention has no kernel.
 
     Returns:
         ``o [B, T, HQ, V]`` in ``v.dtype``; float32 inside (float64 for float64 inputs).
@@ -49,6 +52,7 @@ def stickbreaking_attention(
     B, T, HQ, K = q.shape
     scale = K**-0.5 if scale is None else check_scalar("scale", scale, low=0.0)
     check_attend_current(attend_current)
+    resolve_backend(backend, "stickbreaking_attention", q.device)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: expected an integer >= 1, got {block_size!r}")
     if cu_seqlens is not None:

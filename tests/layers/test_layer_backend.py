@@ -1,0 +1,57 @@
+"""Every mixer's layer hands its ``backend`` to its op: a layer built with ``backend="torch"`` must not run the kernels
+that ``"auto"`` would pick on CUDA, and ``"triton"`` must reach them (the softmax, linear, DeltaNet and
+stick-breaking layers once dropped it, so that their ops always saw ``"auto"``)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from attnkit import layers
+from attnkit.layers import LinearAttention, StickBreakingAttention
+from attnkit.models.configuration import MIXER_LAYERS, MIXERS
+
+# mixer -> (the layer's module, the op its prefill calls)
+OPS = {
+    "path": ("path", "path_attention"),
+    "path_fox": ("path", "path_attention"),
+    "tapa": ("tapa", "tapa_attention"),
+    "vla": ("vla", "vla_attention"),
+    "rope": ("softmax", "softmax_attention"),
+    "nope": ("softmax", "softmax_attention"),
+    "fox": ("softmax", "softmax_attention"),
+    "linear": ("linear", "linear_attention"),
+    "deltanet": ("linear", "delta_rule"),
+    "stickbreaking": ("stickbreaking", "stickbreaking_attention"),
+}
+
+
+def test_every_mixer_is_listed():
+    assert set(OPS) == set(MIXERS)
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_layer_passes_its_backend_to_the_op(monkeypatch, mixer):
+    module_name, op_name = OPS[mixer]
+    module = importlib.import_module(f"attnkit.layers.{module_name}")
+    op = getattr(module, op_name)
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("backend"))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(module, op_name, spy)
+    cls_name, fixed, _ = MIXER_LAYERS[mixer]
+    layer = getattr(layers, cls_name)(32, 2, **fixed, backend="torch")
+    layer(torch.randn(2, 5, 32))
+    assert seen == ["torch"]
+
+
+@pytest.mark.parametrize("cls", [LinearAttention, StickBreakingAttention], ids=["linear", "stickbreaking"])
+def test_layers_without_kernels_refuse_triton(cls):
+    layer = cls(32, 2, backend="triton")
+    with pytest.raises(NotImplementedError, match="Triton backend is not implemented"):
+        layer(torch.randn(1, 3, 32))
