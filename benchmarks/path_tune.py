@@ -13,8 +13,12 @@ sweep on tiny shapes under ``TRITON_INTERPRET=1`` with wall-clock timing (the te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -27,7 +31,7 @@ from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import path_attention  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
-from attnkit.ops.path.triton import backward, backward_super, prepare  # noqa: E402
+from attnkit.ops.path.triton import backward, backward_super, local, prepare  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
 from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 
@@ -62,6 +66,34 @@ SUPER_DQ = [False]
 # passes (prepare.CARRY_16BIT, the default for bfloat16 at K = 64 and 128), with beta drawn from (1.5, 2) as issue 3's
 # accuracy bar asks.
 CARRY = ["tf32x3", "tf32", "bf16x3"]
+# --local-only: (label, {(module, attribute): value}) — the chunk-local adjoint's gradient products in bf16 (the
+# default) or one TF32 pass (local.LOCAL_GRADS_16BIT), the backward's carries inside superblocks in one TF32 pass
+# (prepare.INNER_CARRY_16BIT), the logits' and gradients' products of the kernels between chunks inside superblocks on
+# 16-bit operands (backward.INNER_LOW_GRAD), their query kernel keeping every carried query (backward.INNER_EVERY),
+# the sweep's products a (key tile, superblock) pair in one TF32 pass (backward_super.PAIR_16BIT);
+# each timed forward+backward and held to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2),
+# unit float32 w, B = 1, H = 2) at the same T.
+INNER = {(backward, "INNER_LOW_GRAD"): True, (prepare, "INNER_CARRY_16BIT"): "tf32", (backward, "INNER_EVERY"): 1}
+LOCAL = [
+    ("default", {}), ("inner 16-bit products", {(backward, "INNER_LOW_GRAD"): True}),
+    ("inner carry tf32", {(prepare, "INNER_CARRY_16BIT"): "tf32"}),
+    ("inner checkpoints every chunk", {(backward, "INNER_EVERY"): 1}), ("all three inner", INNER),
+    ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
+    ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
+]  # fmt: skip
+
+
+@contextlib.contextmanager
+def patched(settings: dict):
+    """The module attributes of a ``LOCAL`` setting, put back on exit."""
+    saved = {(module, name): getattr(module, name) for module, name in settings}
+    try:
+        for (module, name), value in settings.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
 
 
 def bench(fn, device: torch.device) -> float:
@@ -198,10 +230,78 @@ def time_cell(
     return cell
 
 
+def local_cell(D: int, T: int, device: torch.device, jobs: int = 1, only: list[int] | None = None) -> dict:
+    """``--local-only``: each ``LOCAL`` setting's forward+backward time (bf16, 32768 tokens) and its output's and
+    gradients' error from the PyTorch backend (``errs``, path_accuracy's inputs in bf16, ``err`` the largest); on the
+    CPU float32 through the interpreter, where every setting is exact. Each setting compiles the backward's kernels
+    afresh, for minutes on the H200's host: with ``jobs`` > 1 the settings' errors and first runs go to that many
+    processes at once (:func:`local_errors`), whose kernels Triton's disk cache hands to this process, which then
+    times them one after another. ``only``: the settings' indices (the child processes' ``--local-settings``)."""
+    H = max(1, 1024 // D) if device.type == "cuda" else 2
+    B = max(1, 32768 // T) if device.type == "cuda" else 1
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 dot is wrong
+    picked = list(range(len(LOCAL))) if only is None else only
+    errors = local_errors(D, T, device, picked, jobs)
+    x = {n: t.to(device=device, dtype=dtype) for n, t in make_inputs("path_fox", B, T, H, D).items()}
+    do = torch.randn(B, T, H, D, device=device, dtype=dtype)
+    cell = dict(D=D, T=T, B=B, H=H, local=[])
+    for i in picked:
+        label, settings = LOCAL[i]
+        row = dict(setting=label, **errors[i])
+        with patched(settings):
+            if row["error"] is None:
+                if only is not None:  # a child process: compile the timing's shapes, leave the timing to the parent
+                    grads_of(x, do)
+                else:
+                    row["ms"] = bench(lambda: grads_of(x, do), device)
+        cell["local"].append(row)
+        shown = " ".join(f"{n} {e:.1e}" for n, e in row.get("errs", {}).items())
+        print(f"  fwd+bwd D={D} T={T} {label}: {row.get('ms', float('nan')):.3f} ms {shown} {row['error'] or ''}")
+    return cell
+
+
+def local_errors(D: int, T: int, device: torch.device, picked: list[int], jobs: int) -> dict[int, dict]:
+    """``{setting: {error, errs, err}}`` of ``LOCAL``'s settings against the PyTorch backend, in this process
+    (``jobs`` 1) or in ``jobs`` child processes at once, each running ``--local-settings`` for its share."""
+    if jobs > 1 and len(picked) > 1:
+        rows, shares = {}, [picked[j::jobs] for j in range(min(jobs, len(picked)))]
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = []
+            for j, share in enumerate(shares):
+                argv = [sys.executable, __file__, "--local-only", "--seq-lens", str(T), "--head-dims", str(D)]
+                argv += ["--device", str(device), "--out", f"{tmp}/{j}", "--local-settings", *map(str, share)]
+                procs.append(subprocess.Popen(argv))
+            for j, (proc, share) in enumerate(zip(procs, shares)):
+                proc.wait()
+                path = Path(tmp) / str(j) / "path_tune.json"
+                got = json.loads(path.read_text())["cells"][0]["local"] if path.exists() else []
+                for i, row in zip(share, got):
+                    rows[i] = {k: row[k] for k in ("error", "errs", "err") if k in row}
+                for i in share[len(got) :]:
+                    rows[i] = dict(error=f"child process exited with {proc.returncode}")
+        return rows
+    from benchmarks.path_accuracy import NAMES, inputs, run
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    *xs, do = inputs(T, D, 2, device)
+    xs[:3] = [t.to(dtype) for t in xs[:3]]
+    ref = run([t.float() for t in xs], do, "torch")
+    rows = {}
+    for i in picked:
+        with patched(LOCAL[i][1]):
+            got, error = attempt(lambda: run(xs, do.to(dtype), "triton"))
+        rows[i] = dict(error=error)
+        if got is not None:
+            errs = {n: rel_rms(a.float(), e) for n, a, e in zip(NAMES, got, ref)}
+            rows[i].update(errs=errs, err=max(errs.values()))
+    return rows
+
+
 SETTINGS = (
     ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows", "superblock")),
     ("bwd", ("chunk", "num_warps", "key_tile")),
     ("super", ("tile", "tiles_per_program", "num_warps", "num_stages", "dq_by_atomics")),
+    ("local", ("setting",)),
 )
 
 
@@ -221,9 +321,13 @@ def table(cells: list[dict]) -> str:
                     if kind == "bwd" and knob in row:
                         setting = f"{knob}={row[knob]}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
+                if kind == "local" and "errs" in row:
+                    result = f"{row['ms']:.3f} ms, from the PyTorch backend " + " ".join(
+                        f"{n} {e:.1e}" for n, e in row["errs"].items()
+                    )
                 if "err_torch" in row:
                     result += f" ({row['err_torch']:.1e} from the PyTorch backend)"
-                label = {"fwd": "fwd", "bwd": "fwd+bwd", "super": "fwd+bwd super"}[kind]
+                label = {"fwd": "fwd", "bwd": "fwd+bwd", "super": "fwd+bwd super", "local": "fwd+bwd local"}[kind]
                 lines.append(f"  {label} {setting}: {result}")
     return "\n".join(lines)
 
@@ -244,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--span-only", action="store_true", help="only the superblocks' span in positions (SPAN), fwd and fwd+bwd"
     )
+    parser.add_argument(
+        "--local-only", action="store_true", help="only the local adjoint's and inner carries' precisions (LOCAL)"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="--local-only: processes compiling the settings at once")
+    parser.add_argument("--local-settings", type=int, nargs="+", help=argparse.SUPPRESS)  # a --jobs child's share
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -261,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             solve = [None, *solve] if args.solve_only else solve
             knobs = [("SOLVE_ROWS", rows) for rows in solve] + [("SUPERBLOCK", p) for p in SPAN if args.span_only]
             grads = args.solve_only or args.span_only
+            if args.local_only:
+                cells.append(local_cell(D, T, device, args.jobs, args.local_settings))
+                write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
+                continue
             cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, knobs, grads))
             write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
     print(table(cells))

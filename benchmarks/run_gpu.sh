@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
-#                              [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
+#                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #                              [reproduce]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
@@ -110,6 +110,12 @@ for step in $steps; do
         pathspan)  # PaTH: superblocks of 256, 512 (default) or 1024 positions, forward and forward+backward
             timeout 300 python3 benchmarks/path_tune.py --span-only --seq-lens ${SPAN_SEQ_LENS:-4096} \
                 --head-dims ${SPAN_DIMS:-64 128} --out "$OUT" > "$OUT/pathspan.log" 2>&1 ;;
+        pathlocal)  # PaTH: path_tune.py's LOCAL settings (the local adjoint's gradient products, the carries and
+            # products of the kernels inside superblocks, the sweep's pair products): time and error from the PyTorch
+            # backend at 4k, D = 64. The settings compile in one process each, at once (serially each took minutes on
+            # the H200, 2026-12-02), then this process times them
+            timeout 480 python3 benchmarks/path_tune.py --local-only --jobs 7 --seq-lens ${LOCAL_SEQ_LENS:-4096} \
+                --head-dims ${LOCAL_DIMS:-64} --out "$OUT" > "$OUT/pathlocal.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32, one TF32 pass or 3 bf16 passes (default), time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens ${CARRY_SEQ_LENS:-32768} \
                 --head-dims ${CARRY_DIMS:-64 128} --out "$OUT" \
@@ -189,7 +195,7 @@ for step in $steps; do
     esac
 done
 for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
-    pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
+    pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -76,3 +76,25 @@ def test_span_only_on_cpu(tmp_path, capsys):
 
     assert prepare.SUPERBLOCK == 512
     assert "fwd+bwd superblock=256:" in capsys.readouterr().out
+
+
+def test_local_only_on_cpu(tmp_path, capsys):
+    """--local-only: forward+backward with each local-adjoint and inner-carry precision, every output and gradient held
+    to the PyTorch backend (under the interpreter every setting is exact) in two child processes (--jobs 2), timed
+    here, and the settings put back."""
+    argv = ["--device", "cpu", "--local-only", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
+    argv += ["--jobs", "2"]
+    assert path_tune.main(argv) == 0
+    cell = json.loads((tmp_path / "path_tune.json").read_text())["cells"][0]
+    assert [r["setting"] for r in cell["local"]] == [label for label, *_ in path_tune.LOCAL]
+    for row in cell["local"]:
+        assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-4
+        assert set(row["errs"]) == {"o", "dq", "dk", "dv", "dw", "dbeta", "dg"}
+    from attnkit.ops.path.triton import backward, local, prepare
+
+    assert local.LOCAL_GRADS_16BIT == "bf16" and prepare.INNER_CARRY_16BIT is None and not backward.INNER_LOW_GRAD
+    assert backward.INNER_EVERY is None
+    from attnkit.ops.path.triton import backward_super
+
+    assert backward_super.PAIR_16BIT is None
+    assert "fwd+bwd local setting=inner 16-bit products:" in capsys.readouterr().out

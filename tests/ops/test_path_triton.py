@@ -309,6 +309,48 @@ def test_triton_backend_float16_gradients(side_dtype):
         assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
 
 
+@pytest.mark.parametrize("key_tile", [False, True], ids=["key-product", "key-tile"])
+def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
+    """``backward.INNER_LOW_GRAD``: the kernels between chunks inside superblocks (three superblocks of three chunks,
+    a partial last one; the key side as the ``K × K`` product or the carried key tile) take their logits' and
+    gradients' products on float16 operands: every gradient within float16's bars of the PyTorch backend, and not
+    the float32-operand backward's numbers (the rounding is there)."""
+    from attnkit.ops.path.triton import backward, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
+    monkeypatch.setattr(backward, "carries_key_tile", lambda key_dim: key_tile)
+    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 130, 4, 2, 16, 24, gate=True, dtype=torch.float32))
+    q, k, v = (x.half() for x in (q, k, v))
+    do = torch.randn(1, 130, 4, 24, device=DEVICE).half()
+    expected = backend_grads([x.float() for x in (q, k, v, w, beta, g)], do.float(), "torch")
+    rounded_later = backend_grads([q, k, v, w, beta, g], do, "triton")
+    monkeypatch.setattr(backward, "INNER_LOW_GRAD", True)
+    actual = backend_grads([q, k, v, w, beta, g], do, "triton")
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(actual[1:], rounded_later[1:]))
+
+
+@pytest.mark.parametrize("every", [1, 4], ids=["every-chunk", "one-segment"])
+def test_inner_checkpoints(monkeypatch, every):
+    """``backward.INNER_EVERY``: the query kernel inside superblocks of four chunks keeps every carried query (no
+    recomputation) or one checkpoint for the whole superblock (its default rule takes two): the forward and every
+    gradient against the PyTorch backend, packed with an empty sequence, GQA."""
+    from attnkit.ops.path.triton import backward, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 4)
+    monkeypatch.setattr(backward, "INNER_EVERY", every)
+    rule = []  # the default rule, which the setting replaces
+    monkeypatch.setattr(backward, "checkpoint_every", lambda chunks: rule.append(chunks) or 2)
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 150, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=1.5)]
+    cu = torch.tensor([0, 20, 20, 150], device=DEVICE)
+    do = torch.randn(1, 150, 4, 16, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a, e, 1e-5)
+    assert rule == []
+
+
 def test_triton_backend_rejects_what_the_kernels_do_not_take():
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 8, 2, 2, 16, 16, gate=True, dtype=torch.float64))
     with pytest.raises(ValueError, match="^backend: .*float64"):
@@ -427,7 +469,9 @@ def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves):
     offsets = chunk_offsets(cu, C), chunk_offsets(cu, C * span)
     local.super_terms_bwd_fn(x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu, C, span, torch.float32, *offsets)
 
-    expected_dx, expected_dkt = torch.zeros_like(x, dtype=torch.float64), torch.zeros_like(kt, dtype=torch.float64)
+    # the references live on the CPU, where autograd computes them in float64
+    expected_dx = torch.zeros(x.shape, dtype=torch.float64)
+    expected_dkt = torch.zeros(kt.shape, dtype=torch.float64)
     expected_da = torch.zeros(rows_c, H, K, K, dtype=torch.float64)
     row_c = row_sb = 0
     for b, lo, hi in seqs:
@@ -552,6 +596,30 @@ def test_carry_precisions(monkeypatch):
     assert prepare.precisions(torch.bfloat16, 32) == prepare.precisions(torch.bfloat16, 256) == ("tf32", "tf32x3")
     assert prepare.precisions(torch.float16, 64) == ("tf32", "tf32x3")
     assert prepare.precisions(torch.float32, 128) == ("ieee", "ieee")
+
+
+def test_local_adjoint_precisions(monkeypatch):
+    """The chunk-local adjoint's (logits, gradients) products on a GPU: bfloat16 inputs at K <= 64 take bf16 operands
+    in the gradients' products (measured on the H200), everything else the attention products' one TF32 pass, float32
+    inputs exact; the backward's carries inside superblocks follow the carries unless ``INNER_CARRY_16BIT`` names one.
+    Under the interpreter everything is exact."""
+    from attnkit.ops.path.triton import local, prepare
+
+    assert local.local_precisions(torch.bfloat16, 64) == ("tf32", "tf32")
+    assert prepare.inner_carry(torch.bfloat16, 64) == "ieee"
+    monkeypatch.setattr(local, "interpreting", lambda: False)
+    monkeypatch.setattr(prepare, "interpreting", lambda: False)
+    assert local.LOCAL_GRADS_16BIT == "bf16"
+    assert local.local_precisions(torch.bfloat16, 64) == local.local_precisions(torch.bfloat16, 48) == ("tf32", "bf16")
+    assert local.local_precisions(torch.bfloat16, 128) == local.local_precisions(torch.float16, 64) == ("tf32", "tf32")
+    assert local.local_precisions(torch.float32, 64) == ("ieee", "ieee")
+    monkeypatch.setattr(local, "LOCAL_GRADS_16BIT", None)
+    assert local.local_precisions(torch.bfloat16, 64) == ("tf32", "tf32")
+    assert prepare.INNER_CARRY_16BIT is None
+    assert prepare.inner_carry(torch.bfloat16, 64) == "bf16x3"
+    monkeypatch.setattr(prepare, "INNER_CARRY_16BIT", "tf32")
+    assert prepare.inner_carry(torch.bfloat16, 64) == "tf32"
+    assert prepare.inner_carry(torch.float32, 64) == "ieee"
 
 
 @pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])

@@ -136,7 +136,8 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=chunk,
         IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk), **config,
     )  # fmt: skip
-    x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None)
+    inner = prepare.inner_carry(q.dtype, K) if supers else None  # the carries inside superblocks
+    x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner)
     delta = output_delta(o, do)
     gcum = None if g is None else g.float().cumsum(1).contiguous()
     dv, dgcum = torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, **f32)
@@ -156,13 +157,14 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         inputs = (x, kt, v, w, m, mw, gcum, do, lse, delta)
         flat = [t if t is None or i == 4 else t.reshape(1, B * T, *t.shape[2:]) for i, t in enumerate(inputs)]
         dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
-            *flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V), dgcum.view(1, B * T, HQ)
+            *flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V), dgcum.view(1, B * T, HQ),
+            inner, backward.INNER_LOW_GRAD, backward.INNER_EVERY,
         )
         dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
         if da.numel() == 0:  # the kernels between chunks gave dM, dW: the superblocks' dA goes on its own
             da = torch.zeros(rows, H, block_dim(K), block_dim(K), **f32)
         local.super_terms_bwd_fn(
-            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk, span, q.dtype, offsets, sb_offsets
+            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk, span, q.dtype, offsets, sb_offsets, inner
         )
         del dxh, dkh, dsig
     else:

@@ -36,6 +36,15 @@ from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
 SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
+# The kernels between chunks inside superblocks take their logits' and gradients' products (x yᵀ, dSᵀ x, dS K̃) on
+# operands rounded to the inputs' 16-bit dtype, as the sweep between superblocks does and as the forward rounds its
+# logits (path_fwd_fn: x and K̃ in the keys' dtype); False: float32 operands in the products' precision (one TF32 pass).
+# Not yet timed (benchmarks/path_tune.py --local-only).
+INNER_LOW_GRAD = False
+# Key chunks per checkpoint segment of the query kernel inside superblocks (None: checkpoint_every's rule, 3 for the
+# 8 chunks of a superblock at K = 64). 1 keeps every carried query (9 scratch tiles a program instead of 6) and
+# recomputes none: ~2 carries a chunk pair instead of ~2.7. Not yet timed (benchmarks/path_tune.py --local-only).
+INNER_EVERY: int | None = None
 
 
 def checkpoint_every(chunks: int) -> int:
@@ -178,7 +187,7 @@ def path_bwd_kv_kernel(
     x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, cu_seqlens, T, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    CARRY_PRECISION: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False,
 ):  # fmt: skip
     """``x [*, HQ, K]`` float32 (queries carried to their chunk's start), ``kt [*, H, K]`` float32, ``v [*, H, V]``,
     ``w [*, H, K]``, ``mw [*, H, K]`` float32 (``M W`` per chunk), ``gcum [*, HQ]``, ``do [*, HQ, V]``,
@@ -208,7 +217,7 @@ def path_bwd_kv_kernel(
         b_y = tl.dot(b_kt, tl.trans(b_pi), input_precision=CARRY_PRECISION)
         b_dy, b_dv, b_dg = key_chunk_grads(
             x, do, lse, delta, gcum, dgcum, None, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
-            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
+            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, LOW_GRAD,
         )  # fmt: skip
         b_dkt += tl.dot(b_dy * scale, b_pi, input_precision=CARRY_PRECISION)
         # Π ← A_c Π = Π − W_cᵀ ((M_c W_c) Π); the padding rows of a last chunk have w = 0 (identity).
@@ -226,7 +235,7 @@ def path_bwd_kv_tile_kernel(
     x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, scratch, cu_seqlens, T, m_base, EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    CARRY_PRECISION: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`path_bwd_kv_kernel`'s outputs for head dims whose ``K × K`` product does not fit on chip
     (:func:`carries_key_tile`): a program carries its key chunk ``y = K̃_m Πᵀ`` (``BT × BK``) to the right instead,
@@ -282,7 +291,7 @@ def path_bwd_kv_tile_kernel(
                 b_gam = carry_across(b_gam, w, mw, bos, i_c, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
             b_dy, b_dv, b_dg = key_chunk_grads(
                 x, do, lse, delta, gcum, dgcum, None, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
-                o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION,
+                o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, LOW_GRAD,
             )  # fmt: skip
             b_gam += b_dy * scale
     store_key_chunk_grads(dkt, dv, dgcum, b_gam, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
@@ -310,7 +319,7 @@ def path_bwd_q_kernel(
     c_base, EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    CARRY_PRECISION: tl.constexpr, DA: tl.constexpr,
+    CARRY_PRECISION: tl.constexpr, DA: tl.constexpr, LOW_GRAD: tl.constexpr = False,
 ):  # fmt: skip
     """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]`` (stored) and, by atomic adds,
     either (``DA``) ``da [chunks, H, BK, BK]``, the gradient of each chunk's carry ``A_m``, or ``dw [*, H, K]`` and
@@ -391,13 +400,19 @@ def path_bwd_q_kernel(
                     tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
                     b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
                                     input_precision=CARRY_PRECISION)  # fmt: skip
-            b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
+            if LOW_GRAD:  # the logits and dS K̃ on 16-bit operands, as key_chunk_grads's LOW_GRAD
+                b_s = tl.dot(b_l.to(b_do.dtype), tl.trans(b_kt.to(b_do.dtype)), input_precision=PRECISION) * scale
+            else:
+                b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
             if USE_G:
                 b_s = b_s + b_gq[:, None] - b_gk[None, :]
             b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
             b_ds = b_p * (b_dp - b_delta[:, None])
-            b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
+            if LOW_GRAD:
+                b_gam += tl.dot(b_ds.to(b_do.dtype), b_kt.to(b_do.dtype), input_precision=PRECISION) * scale
+            else:
+                b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
     tl.store(dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
 
 
@@ -419,10 +434,16 @@ def path_bwd_between_fn(
     offsets: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     dgcum: torch.Tensor | None = None,
+    carry_precision: str | None = None,
+    low_grad: bool = False,
+    every: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of the logits between chunks (``longest``: the longest sequence's length, known to the caller,
     so that the launch reads nothing back from the device; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)`` where
-    the caller has it; ``dv``, ``dgcum``: float32 buffers to add into, else new zeros). ``x [B,T,HQ,K]``,
+    the caller has it; ``dv``, ``dgcum``: float32 buffers to add into, else new zeros; ``carry_precision``: the
+    carries' ``input_precision``, default ``precisions(v.dtype, K)[1]``; ``low_grad``: the logits' and gradients'
+    products on operands rounded to ``do``'s dtype, as the sweep between superblocks takes them; ``every``: the
+    query kernel's key chunks per checkpoint segment, default :func:`checkpoint_every`'s). ``x [B,T,HQ,K]``,
     ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
@@ -450,11 +471,12 @@ def path_bwd_between_fn(
     if n_long < 2:
         return dkt, dv, dx, dw, dm, da, dgcum
     precision, carry = precisions(v.dtype, K)
+    carry = carry_precision or carry
     launch = dict(num_warps=backward_config(K)[1], num_stages=1)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
-                  PRECISION=precision, CARRY_PRECISION=carry, **launch)  # fmt: skip
+                  PRECISION=precision, CARRY_PRECISION=carry, LOW_GRAD=low_grad, **launch)  # fmt: skip
     # Chunks in waves: a program keeps its carried tile at every segment's end plus one segment.
-    every = checkpoint_every(n_long)
+    every = every or checkpoint_every(n_long)
     slots = triton.cdiv(n_long, every) + every
     BG = triton.next_power_of_2(HQ // H)
 

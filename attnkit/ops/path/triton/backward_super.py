@@ -45,6 +45,11 @@ from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisio
 
 DQ_BY_ATOMICS = True  # dq̂ by float32 atomics in the key-major sweep; False: path_bwd_super_q_kernel (not yet timed)
 SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (float32 K × K each a pair and group)
+# The sweep's three products a (key tile, later superblock) pair for 16-bit inputs on a GPU: the key carried to the
+# superblock, y = k̂ Π_{n,s}ᵀ (rounded to the inputs' dtype for the logits at once), dk̂ += dY Π_{n,s} and the row
+# E_{n,s} += dYᵀ k̂. None: the carries' precision (three bf16 passes); "tf32": one pass. The chain Π ← Σᵀ Π, which
+# compounds over the superblocks, keeps the carries'. Not yet timed (benchmarks/path_tune.py --local-only).
+PAIR_16BIT: str | None = None
 
 
 def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
@@ -75,6 +80,7 @@ def path_bwd_super_kv_kernel(
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, TPP: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, ADD_DX: tl.constexpr = True,
+    PAIR_PRECISION: tl.constexpr = "tf32x3",
 ):  # fmt: skip
     """``xh [*, HQ, K]`` (queries carried to their superblock's start, in ``do``'s dtype or float32), ``kh [*, H, K]``
     float32 (keys carried to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32,
@@ -123,7 +129,7 @@ def path_bwd_super_kv_kernel(
             p_ps = p_pi + (s - n - 1) * (BK * BK) + p_kk
             # k̂ at superblock s's start, in the products' dtype: the logits and dS y take 16-bit operands, as the
             # forward's logits between superblocks do.
-            b_y = tl.dot(b_kh, tl.trans(tl.load(p_ps)), input_precision=CARRY_PRECISION).to(do.dtype.element_ty)
+            b_y = tl.dot(b_kh, tl.trans(tl.load(p_ps)), input_precision=PAIR_PRECISION).to(do.dtype.element_ty)
             b_dys = tl.zeros([BT, BK], dtype=tl.float32)
             for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
                 b_dy, b_dv, b_dg = key_chunk_grads(
@@ -132,11 +138,11 @@ def path_bwd_super_kv_kernel(
                 )  # fmt: skip
                 b_dys += b_dy
             b_dys *= scale
-            b_dkh += tl.dot(b_dys, tl.load(p_ps), input_precision=CARRY_PRECISION)
+            b_dkh += tl.dot(b_dys, tl.load(p_ps), input_precision=PAIR_PRECISION)
             for cb in tl.static_range(BK // BC):
                 o_c = cb * BC + tl.arange(0, BC)
                 b_kc = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_c[None, :], mask=(o_c < K)[None, :], other=0.0)
-                b_e = tl.dot(tl.trans(b_dys), b_kc, input_precision=CARRY_PRECISION)
+                b_e = tl.dot(tl.trans(b_dys), b_kc, input_precision=PAIR_PRECISION)
                 p_c = p_s + o_k[:, None] * BK + o_c[None, :]
                 if t > 0:
                     b_e += tl.load(p_c)
@@ -378,6 +384,7 @@ def path_bwd_super_fn(
     if NL < 2:
         return dxh, dkh, dv, dsig, dgcum
     precision, carry = precisions(v.dtype, K)
+    pair = carry if carry == "ieee" or PAIR_16BIT is None else PAIR_16BIT  # exact inputs, the interpreter: exact
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     plan = waves(NL - 1, pair_bytes * groups)
@@ -389,7 +396,8 @@ def path_bwd_super_fn(
             xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, *shape, n0, entries, scale,
             HQ=HQ, H=H,
             K=K, V=V, BK=BK, BV=BV, BT=BT, BG=triton.next_power_of_2(HQ // H), TPP=tpp, USE_G=gcum is not None,
-            IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, ADD_DX=DQ_BY_ATOMICS, **launch,
+            IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, ADD_DX=DQ_BY_ATOMICS,
+            PAIR_PRECISION=pair, **launch,
         )  # fmt: skip
         if NL < 3:  # no superblock lies between two others: Σ has no gradient here
             continue

@@ -33,6 +33,16 @@ from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton.prepare import first_chunk, precisions
 
 SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
+# The chunk-local adjoint's gradient products (the query-head loop, the carries' dA) for 16-bit inputs: "bf16" rounds
+# both operands to bfloat16, one tensor-core pass at twice TF32's rate on half the shared memory; None keeps the
+# attention products' precision (one TF32 pass). At K = C = 64 (sm_90a, Triton 3.6) the kernel takes 112 KB of
+# shared memory with them in bf16, two programs an SM, against 208 KB, one. On the H200 (T = 4k, D = 64, PaTH-FoX,
+# 32768 tokens) forward+backward went from 24.5 to 21.4 ms and the largest error from the PyTorch backend (beta in
+# (1.5, 2), unit float32 w) from 3.9e-3 to 4.6e-3 (benchmarks/results/path_h200.md, "The local adjoint's precision").
+# The products that recompute the diagonal block's logits and take the UT transform's adjoint stay in TF32. It applies
+# where its accuracy was measured: bfloat16 inputs at K <= 64 (at K = 128 the kernel took 2.80 ms with it, 3.20 in
+# TF32 at 78d152a, but its real-size GPU test did not finish within the call).
+LOCAL_GRADS_16BIT: str | None = "bf16"
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -203,6 +213,17 @@ def unit_upper_solve(b_gram, b_beta, b_rhs, BT: tl.constexpr):
 
 
 @triton.jit
+def mm(a, b, PRECISION: tl.constexpr):
+    """``a @ b`` with float32 accumulation: ``PRECISION`` "bf16" rounds both operands to bfloat16 (one tensor-core
+    pass on 16-bit operands, half the shared memory of float32 ones), anything else is ``tl.dot``'s
+    ``input_precision``."""
+    if PRECISION == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def load_rows(t, p_t, i_h, o_d, m_t, HD: tl.constexpr, D: tl.constexpr):
     """Rows ``p_t`` of head ``i_h`` of ``t [*, heads, D]`` (``HD`` = heads · D) as float32, zeros where masked.
     The kernel below loads its operands again where each phase uses them: one value would keep its shared-memory
@@ -216,7 +237,7 @@ def path_local_bwd_kernel(
     cu_seqlens, chunk_offsets, T, NC, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, DA: tl.constexpr, DM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Each chunk's diagonal block and the adjoint of its local terms (module docstring). Inputs ``q, do [*, HQ, ·]``,
     ``k, v, w [*, H, ·]``, ``beta [*, H]``, the prepare kernel's ``m [chunks, H, BT, BT]``, ``gcum, lse, delta
@@ -250,22 +271,22 @@ def path_local_bwd_kernel(
     b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
     b_k = load_rows(k, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
     b_m = tl.load(p_mm)
-    b_vk = tl.where(rows > cols, tl.dot(b_w, tl.trans(b_k), input_precision=PRECISION), 0.0)
-    b_z = tl.dot(b_m, b_vk, input_precision=PRECISION)
+    b_vk = tl.where(rows > cols, mm(b_w, tl.trans(b_k), PRECISION), 0.0)
+    b_z = mm(b_m, b_vk, PRECISION)
     b_dkt = tl.load(dkt + p_kv, mask=m_tk, other=0.0)
     b_dk = b_dkt
-    b_dw = -tl.dot(b_z, b_dkt, input_precision=PRECISION)
-    b_dz = -tl.dot(b_w, tl.trans(b_dkt), input_precision=PRECISION)
-    b_dvk = tl.dot(tl.trans(b_m), b_dz, input_precision=PRECISION)
-    b_dm = tl.dot(b_dz, tl.trans(b_vk), input_precision=PRECISION)
+    b_dw = -mm(b_z, b_dkt, GRAD_PRECISION)
+    b_dz = -mm(b_w, tl.trans(b_dkt), GRAD_PRECISION)
+    b_dvk = mm(tl.trans(b_m), b_dz, GRAD_PRECISION)
+    b_dm = mm(b_dz, tl.trans(b_vk), GRAD_PRECISION)
     if DA:
         b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
         b_m = tl.load(p_mm)
         b_da = tl.load(da + (i_chunk * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :])
-        b_wda = tl.dot(b_w, b_da, input_precision=PRECISION)
-        b_dm -= tl.dot(b_wda, tl.trans(b_w), input_precision=PRECISION)
-        b_dw -= tl.dot(tl.dot(b_m, b_w, input_precision=PRECISION), tl.trans(b_da), input_precision=PRECISION)
-        b_dw -= tl.dot(tl.trans(b_m), b_wda, input_precision=PRECISION)
+        b_wda = mm(b_w, b_da, GRAD_PRECISION)
+        b_dm -= mm(b_wda, tl.trans(b_w), GRAD_PRECISION)
+        b_dw -= mm(mm(b_m, b_w, GRAD_PRECISION), tl.trans(b_da), GRAD_PRECISION)
+        b_dw -= mm(tl.trans(b_m), b_wda, GRAD_PRECISION)
     if DM:
         b_dm += tl.load(dm + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols)
         b_dw += tl.load(dw_in + p_kv, mask=m_tk, other=0.0)
@@ -283,8 +304,8 @@ def path_local_bwd_kernel(
         b_lse = tl.load(lse + p_t * HQ + i_hq, mask=m_t, other=0.0)
         b_delta = tl.load(delta + p_t * HQ + i_hq, mask=m_t, other=0.0)
         # The diagonal block: S = scale (Q Kᵀ − U Z) (+ G_i − G_j), U = tril(Q Wᵀ).
-        b_u = tl.where(rows >= cols, tl.dot(b_q, tl.trans(b_w), input_precision=PRECISION), 0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) - tl.dot(b_u, b_z, input_precision=PRECISION)
+        b_u = tl.where(rows >= cols, mm(b_q, tl.trans(b_w), PRECISION), 0.0)
+        b_s = mm(b_q, tl.trans(b_k), PRECISION) - mm(b_u, b_z, PRECISION)
         b_s = b_s * scale
         if USE_G:
             b_g = tl.load(gcum + p_t * HQ + i_hq, mask=m_t, other=0.0)
@@ -298,35 +319,35 @@ def path_local_bwd_kernel(
             p_g = dgcum + p_t * HQ + i_hq
             tl.store(p_g, tl.load(p_g, mask=m_t, other=0.0) + tl.sum(b_ds, 1) - tl.sum(b_ds, 0), mask=m_t)
         # x = Q − U M W and the logits' U M Vk: R = dx Wᵀ + scale dS Vkᵀ carries both to U and M.
-        b_r = tl.dot(b_dx, tl.trans(b_w), input_precision=PRECISION)
-        b_r += tl.dot(b_ds, tl.trans(b_vk), input_precision=PRECISION) * scale
-        b_dm -= tl.dot(tl.trans(b_u), b_r, input_precision=PRECISION)
-        b_du = tl.where(rows >= cols, -tl.dot(b_r, tl.trans(b_m), input_precision=PRECISION), 0.0)
-        b_mu = tl.dot(tl.trans(b_m), tl.trans(b_u), input_precision=PRECISION)  # Mᵀ Uᵀ
-        b_dw += tl.dot(tl.trans(b_du), b_q, input_precision=PRECISION)
-        b_dw -= tl.dot(b_mu, b_dx, input_precision=PRECISION)
-        b_dvk -= tl.dot(b_mu, b_ds, input_precision=PRECISION) * scale
-        b_dq = b_dx + tl.dot(b_ds, b_k, input_precision=PRECISION) * scale
-        b_dq += tl.dot(b_du, b_w, input_precision=PRECISION)
+        b_r = mm(b_dx, tl.trans(b_w), GRAD_PRECISION)
+        b_r += mm(b_ds, tl.trans(b_vk), GRAD_PRECISION) * scale
+        b_dm -= mm(tl.trans(b_u), b_r, GRAD_PRECISION)
+        b_du = tl.where(rows >= cols, -mm(b_r, tl.trans(b_m), GRAD_PRECISION), 0.0)
+        b_mu = mm(tl.trans(b_m), tl.trans(b_u), GRAD_PRECISION)  # Mᵀ Uᵀ
+        b_dw += mm(tl.trans(b_du), b_q, GRAD_PRECISION)
+        b_dw -= mm(b_mu, b_dx, GRAD_PRECISION)
+        b_dvk -= mm(b_mu, b_ds, GRAD_PRECISION) * scale
+        b_dq = b_dx + mm(b_ds, b_k, GRAD_PRECISION) * scale
+        b_dq += mm(b_du, b_w, GRAD_PRECISION)
         tl.store(dq + p_q, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PRECISION) * scale
+        b_dk += mm(tl.trans(b_ds), b_q, GRAD_PRECISION) * scale
 
     b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
     b_k = load_rows(k, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
     b_dvk = tl.where(rows > cols, b_dvk, 0.0)
-    b_dw += tl.dot(b_dvk, b_k, input_precision=PRECISION)
-    b_dk += tl.dot(tl.trans(b_dvk), b_w, input_precision=PRECISION)
+    b_dw += mm(b_dvk, b_k, GRAD_PRECISION)
+    b_dk += mm(tl.trans(b_dvk), b_w, GRAD_PRECISION)
     # The UT transform M = L⁻¹ diag(β), L = I + diag(β) N, N = strict_tril(W Wᵀ): with Q = L⁻ᵀ dM,
     # dN = −strict_tril(diag(β) Q Mᵀ) and dβ_i = Σ_j ((I − N M) ∘ Q)_ij.
-    b_gram = tl.dot(b_w, tl.trans(b_w), input_precision=PRECISION)
+    b_gram = mm(b_w, tl.trans(b_w), PRECISION)
     b_qm = unit_upper_solve(b_gram, b_beta, b_dm, BT)
     b_m = tl.load(p_mm)
-    b_dn = tl.where(rows > cols, -b_beta[:, None] * tl.dot(b_qm, tl.trans(b_m), input_precision=PRECISION), 0.0)
+    b_dn = tl.where(rows > cols, -b_beta[:, None] * mm(b_qm, tl.trans(b_m), PRECISION), 0.0)
     b_n = tl.where(rows > cols, b_gram, 0.0)
-    b_inm = tl.where(rows == cols, 1.0, 0.0) - tl.dot(b_n, b_m, input_precision=PRECISION)
+    b_inm = tl.where(rows == cols, 1.0, 0.0) - mm(b_n, b_m, PRECISION)
     b_dbeta = tl.sum(b_inm * b_qm, 1)
     b_w = load_rows(w, p_t, i_h, o_k, m_t, H * K, K).to(tl.float32)
-    b_dw += tl.dot(b_dn + tl.trans(b_dn), b_w, input_precision=PRECISION)
+    b_dw += mm(b_dn + tl.trans(b_dn), b_w, PRECISION)
     tl.store(dk + p_kv, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dw + p_kv, b_dw.to(dw.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + p_t * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
@@ -335,11 +356,18 @@ def path_local_bwd_kernel(
 
 
 def query_terms_fn(
-    q: torch.Tensor, w: torch.Tensor, mw: torch.Tensor, cu_seqlens: torch.Tensor | None, chunk: int, span: int | None
+    q: torch.Tensor,
+    w: torch.Tensor,
+    mw: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    chunk: int,
+    span: int | None,
+    precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x, xh)`` ``[B, T, HQ, K]`` of contiguous ``q``, ``w`` and the prepare kernel's ``mw``: ``x`` float32, ``xh``
     in ``q``'s dtype (None without superblocks, ``span`` None: the sweep between superblocks, its only reader, takes
-    it as 16-bit operands, half the bytes it reads a pair). No host sync: the grid covers ``T`` for every sequence."""
+    it as 16-bit operands, half the bytes it reads a pair). ``precision``: the carries' (default
+    ``precisions(q.dtype, K)[1]``). No host sync: the grid covers ``T`` for every sequence."""
     B, T, HQ, K = q.shape
     H = w.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -347,7 +375,7 @@ def query_terms_fn(
     xh = None if span is None else torch.empty_like(q)
     path_query_terms_kernel[(triton.cdiv(T, chunk), N * HQ)](
         q, w, mw, x, xh, cu_seqlens, T, 1 if span is None else span, HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk,
-        IS_VARLEN=cu_seqlens is not None, PRECISION=precisions(q.dtype, K)[1], WRITE_XH=span is not None,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=precision or precisions(q.dtype, K)[1], WRITE_XH=span is not None,
         **launch_config(K),
     )  # fmt: skip
     return x, xh
@@ -370,9 +398,11 @@ def super_terms_bwd_fn(
     dtype: torch.dtype,
     offsets: torch.Tensor | None,
     sb_offsets: torch.Tensor | None,
+    precision: str | None = None,
 ) -> None:
     """Adds the superblock-local terms' adjoint into ``dx``, ``dkt`` and ``da`` (in place; shapes as
-    :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision;
+    :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision
+    unless ``precision`` names one;
     ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks. The superblocks go
     in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``: one
     wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads, however many sequences a packed batch holds."""
@@ -390,9 +420,18 @@ def super_terms_bwd_fn(
             x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, offsets, sb_offsets, T, triton.cdiv(T, chunk),
             triton.cdiv(T, chunk * span), span, r0, N,
             HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
-            LOG_N=max(1, N.bit_length()) if cu_seqlens is not None else 1, PRECISION=precisions(dtype, K)[1],
-            **launch_config(K),
+            LOG_N=max(1, N.bit_length()) if cu_seqlens is not None else 1,
+            PRECISION=precision or precisions(dtype, K)[1], **launch_config(K),
         )  # fmt: skip
+
+
+def local_precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
+    """``(logits, gradients)``: the chunk-local adjoint's products' precisions for inputs of ``dtype`` (module
+    comment of ``LOCAL_GRADS_16BIT``). Exact for float32 inputs and under the interpreter, whose bf16 dot is wrong."""
+    precision = precisions(dtype, key_dim)[0]
+    exact = precision == "ieee" or interpreting()
+    measured = dtype == torch.bfloat16 and block_dim(key_dim) <= 64
+    return precision, (LOCAL_GRADS_16BIT or precision) if measured and not exact else precision
 
 
 def local_bwd_fn(
@@ -423,8 +462,9 @@ def local_bwd_fn(
     None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks into ``dv`` and ``dgcum`` in
     place.
 
-    The kernel's products take the attention products' precision: one TF32 pass for 16-bit inputs, exact for
-    float32 ones. Nothing here accumulates across chunks, unlike the carries (3×TF32), and the 3×TF32 form spilled
+    The kernel's products take :func:`local_precisions`: the attention products' precision (one TF32 pass for
+    16-bit inputs, exact for float32 ones), and for bfloat16 inputs at ``K <= 64`` bf16 operands in the gradients'
+    products. Nothing here accumulates across chunks, unlike the carries (3×TF32), and the 3×TF32 form spilled
     7.9 KB of registers a thread at K = C = 64 and 66 KB at K = 128 (1.5 and 2.7 KB in one pass; Triton 3.6,
     sm_90a). On the H200 a whole step with every carry in one TF32 pass stayed within 3.9e-3 of 3×TF32 at 4k
     (``benchmarks/results/path_h200.md``, "Carry precision")."""
@@ -432,11 +472,12 @@ def local_bwd_fn(
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dq, dk, dw, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w), torch.empty_like(beta)
+    precision, grads = local_precisions(q.dtype, K)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
         cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
-        IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precisions(q.dtype, K)[0],
-        **launch_config(K),
+        IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precision,
+        GRAD_PRECISION=grads, **launch_config(K),
     )  # fmt: skip
     return dq, dk, dw, dbeta

@@ -196,6 +196,20 @@ def precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
     return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else carry)
 
 
+# The backward's carries inside a superblock (at most SUPERBLOCK positions, so their rounding does not accumulate over
+# T as the carries between superblocks' does): the queries carried to their superblock's start, the chunk-by-chunk
+# kernels and the superblock-local adjoint. None: as every other carry (precisions); "tf32" one TF32 pass.
+INNER_CARRY_16BIT: str | None = None
+
+
+def inner_carry(dtype: torch.dtype, key_dim: int) -> str:
+    """``input_precision`` of the backward's carries inside superblocks (``INNER_CARRY_16BIT`` for 16-bit inputs
+    on a GPU, else the carries' own)."""
+    carry = precisions(dtype, key_dim)[1]
+    exact = carry == "ieee" or interpreting()
+    return carry if exact or INNER_CARRY_16BIT is None else INNER_CARRY_16BIT
+
+
 def chunk_offsets(cu_seqlens: torch.Tensor | None, chunk: int) -> torch.Tensor | None:
     """The first chunk of each packed sequence cut into chunks of ``chunk`` positions, ``[N+1]`` int32 (the last
     entry the total), computed on the device (no host sync); None without ``cu_seqlens``."""
