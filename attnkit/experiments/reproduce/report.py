@@ -60,9 +60,18 @@ def _pyplot():
     return plt
 
 
-def _number(name: str) -> float | None:
-    found = re.findall(r"\d+", name)
-    return float(found[-1]) if found else None
+_LENGTH_SET = re.compile(r"(?:L|len)(\d+)(?:_|$)")
+
+
+def by_length(sets: dict[str, dict[str, Stat]], metric: str) -> list[tuple[int, float]]:
+    """``(length, metric)`` for each length the test sets name (``L{n}``, ``len{n}``), sorted by length; the sets of
+    one length (a passkey grid's depths, ``L{n}_d{δ}``) give their mean. Other sets are left out."""
+    found: dict[int, list[float]] = {}
+    for name, metrics in sets.items():
+        match = _LENGTH_SET.match(name)
+        if match and metric in metrics:
+            found.setdefault(int(match.group(1)), []).append(metrics[metric].mean)
+    return sorted((n, sum(v) / len(v)) for n, v in found.items())
 
 
 def plot_sweep(result: SweepResult, folder: str) -> list[str]:
@@ -108,10 +117,10 @@ def plot_sweep(result: SweepResult, folder: str) -> list[str]:
         for (model, _), choice in chosen.items():
             groups = {"": choice.test, **{f"+{v}": sets for v, sets in choice.variants.items()}}
             for suffix, sets in groups.items():
-                points = sorted((_number(n), m[sweep.metric]) for n, m in sets.items() if sweep.metric in m)
+                points = by_length(sets, sweep.metric)
                 if points:
                     xs.update(p[0] for p in points)
-                    ax.plot([p[0] for p in points], [p[1].mean for p in points], marker="o", label=model + suffix)
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=model + suffix)
         ax.set(xlabel=sweep.test_x_label, ylabel=f"test {sweep.metric}", xscale="log")
         _style(ax, sweep.title, sorted(xs))
         fig.tight_layout()
