@@ -1,5 +1,5 @@
-"""The report's plots of ``attnkit reproduce``, read back from the saved figures' data (``plot_sweep`` on hand-made
-sweep results)."""
+"""The report of ``attnkit reproduce``: its plots, read back from the figures' data (``plot_sweep`` on hand-made sweep
+results), and its claims table's rows for the papers' own settings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import pytest
 
 from attnkit.experiments.reproduce import path, report, tapa
 from attnkit.experiments.reproduce.sweep import Stat, summarise
+from attnkit.experiments.reproduce.verdicts import judge, with_paper_scale
 
+from .test_reproduce import claims_table
 from .test_reproduce_criteria import fill
 
 
@@ -48,3 +50,29 @@ def test_a_passkey_grid_is_plotted_against_its_lengths(paper, name, tmp_path, mo
         assert list(line.get_xdata()) == [L, 2 * L, 4 * L]
         assert list(line.get_ydata()) == pytest.approx([0.75, 0.375, 0.1875])
     plt.close("all")
+
+
+ORIGINALS = {path: ("P5", "P6", "P7", "P8"), tapa: ("T1", "T2", "T3", "T4")}
+
+
+@pytest.mark.parametrize("paper", list(ORIGINALS), ids=["path", "tapa"])
+def test_each_scaled_down_analog_keeps_the_papers_setting_as_a_not_run_row(paper, tmp_path):
+    """Where the paper's setting needs weights or a scale we do not have, the report shows the original claim beside
+    its analog, NOT RUN with the reason."""
+    outcomes = {claim.id: judge(claim, {}) for claim in paper.CLAIMS}
+    run = {"command": "test", "devices": [], "ran": 0, "cached": 0, "failed": 0, "skipped": 0, "wall_s": 0, "jobs": 1}
+    text = open(report.write_report(str(tmp_path), paper, "full", {}, outcomes, run)).read()
+    table = claims_table(text)
+    ids = list(table)
+    for analog in ORIGINALS[paper]:
+        original = f"{analog}-paper"
+        assert ids.index(original) == ids.index(analog) + 1, ids
+        assert table[original].startswith("**NOT RUN**: ") and f"the scaled-down analog is {analog}" in table[original]
+        assert "GPU" in table[original]
+        assert f"- **{original}**: Not run: " in text
+    assert sum(claim.decide is None for claim in paper.CLAIMS) == len(ORIGINALS[paper])
+
+
+def test_paper_scale_rows_name_claims_that_exist():
+    with pytest.raises(ValueError, match="not claims here"):
+        with_paper_scale(path.ANALOGS, {"P42": ("somewhere", "no reason")})

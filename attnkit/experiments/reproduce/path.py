@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .sweep import Budget, Stat, Sweep
-from .verdicts import Claim, Decision, clearly_above, fmt
+from .verdicts import Claim, Decision, clearly_above, fmt, with_paper_scale
 
 TITLE = "PaTH: position encoding by accumulated Householder transformations (arXiv 2505.16381)"
 SCALE_NOTES = {
@@ -364,8 +364,12 @@ def _conversion(results: dict[str, Any]) -> Decision:
 
 
 SHORT = "A budget far below the paper's: the models have not learned the task yet."
+PRETRAINING = (
+    "pretraining 760M-parameter models on 50B tokens takes thousands of GPU-hours; this project has minutes of one "
+    "H200 a session"
+)
 
-CLAIMS = [
+ANALOGS = [
     Claim(
         id="P1",
         claim="PaTH solves flip-flop language modelling (1 layer, 2 heads) where RoPE and FoX do not",
@@ -468,3 +472,21 @@ CLAIMS = [
         "weights are not available offline), and held-out perplexity for the downstream benchmarks.",
     ),
 ]
+
+# the settings of the paper that need weights or a scale we do not have: NOT RUN rows beside their analogs
+CLAIMS = with_paper_scale(
+    ANALOGS,
+    {
+        "P5": ("760M models trained at 4k on 50B tokens, perplexity to 64k", PRETRAINING),
+        "P6": ("760M models on 50B tokens, perplexity to 64k on PG-19 and CodeParrot", PRETRAINING),
+        "P7": (
+            "RULER, BABILong and PhoneBook, zero-shot, on the 760M LMs",
+            PRETRAINING + ", and the benchmarks' data needs a download",
+        ),
+        "P8": (
+            "SmolLM2-1.7B and Qwen2.5-7B converted, trained on, scored on GSM-8K, HumanEval and MBPP",
+            "the pretrained weights and the benchmarks need a download (none is made offline), and training a 1.7B-7B "
+            "model on after the conversion takes far more GPU time than this project has",
+        ),
+    },
+)

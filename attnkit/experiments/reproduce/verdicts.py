@@ -47,6 +47,33 @@ class Claim:
             raise ValueError(f"claim {self.id}: a claim without decide needs its not_run reason")
 
 
+def at_paper_scale(analog: Claim, setting: str, reason: str) -> Claim:
+    """The NOT RUN row of a claim in the paper's own ``setting`` (its models, data and scale), kept beside
+    ``analog``, the scaled-down analog that runs here; ``reason``: why the original cannot run."""
+    return Claim(
+        id=f"{analog.id}-paper",
+        claim=f"{analog.claim}: in the paper's setting ({setting})",
+        published=analog.published,
+        criterion=f"Not run: {reason}. {analog.id} runs the scaled-down analog of the same protocol, with its own "
+        "criterion.",
+        not_run=f"{reason}; the scaled-down analog is {analog.id}",
+        trained=analog.trained,
+    )
+
+
+def with_paper_scale(analogs: list[Claim], originals: dict[str, tuple[str, str]]) -> list[Claim]:
+    """``analogs`` with, after each one that ``originals`` names (claim id -> (the paper's setting, why it cannot
+    run)), the NOT RUN row of the claim in the paper's own setting."""
+    unknown = set(originals) - {c.id for c in analogs}
+    if unknown:
+        raise ValueError(f"originals: {sorted(unknown)} are not claims here")
+    return [
+        row
+        for claim in analogs
+        for row in (claim, *([at_paper_scale(claim, *originals[claim.id])] if claim.id in originals else []))
+    ]
+
+
 @dataclass(frozen=True)
 class Outcome:
     verdict: str
