@@ -1,4 +1,4 @@
-"""The criteria of the claims this change decides (TAPA T1, PaTH P7 and P8), on hand-made results: each verdict the
+"""The criteria of claims (TAPA T1, PaTH P1, P2, P7 and P8), on hand-made results: each verdict the criterion names is
 criterion names is reached where it says, and nowhere else."""
 
 from __future__ import annotations
@@ -169,3 +169,52 @@ def test_phase_ablation_and_no_normalisation_verdicts():
     assert vla._no_normalisation({"no_normalisation": overflow, "state_norm": bounded})[0] == "CONFIRMED"
     assert vla._no_normalisation({"no_normalisation": overflow, "state_norm": growing})[0] == "PARTIAL"
     assert vla._no_normalisation({"no_normalisation": flat, "state_norm": bounded})[0] == "REFUTED"
+
+
+FLIPFLOP_PATH = {"in_distribution": 0.0, "sparse": 0.001, "dense": 0.0}
+
+
+@pytest.mark.parametrize(
+    "rope,fox,verdict",
+    [
+        ((0.07, 0.40), (0.08, 0.36), "CONFIRMED"),
+        ((0.07, 0.40), (0.0, 0.02), "PARTIAL"),  # FoX solves it too, though not as well as PaTH: not confirmed
+        ((0.07, 0.40), (0.0, 0.0), "REFUTED"),  # FoX matches PaTH: the claim says FoX does not solve it
+    ],
+    ids=["both-fail", "fox-close", "fox-matches"],
+)
+def test_p1_rope_and_fox_must_both_fail_flip_flop(rope, fox, verdict):
+    sweep, records = next(e for e in path.experiments("smoke") if e.name == "flipflop"), {}
+    errors = {"rope": rope, "fox": fox, "path_fox": (0.0, 0.0)}
+
+    def test(model, set_name, seed):
+        if model == "path":
+            return FLIPFLOP_PATH[set_name]
+        return 0.0 if set_name == "dense" else errors[model][set_name == "sparse"]
+
+    fill(sweep, records, test)
+    got, reason, ours = path._flipflop({"flipflop": summarise(sweep, records)})
+    assert got == verdict, reason
+    assert "; fox sparse " in ours
+
+
+@pytest.mark.parametrize(
+    "fewest,verdict",
+    [
+        ({"path": 1, "rope": 2, "fox": 2}, "CONFIRMED"),
+        ({"path": 1, "rope": 2, "fox": 1}, "PARTIAL"),  # FoX needs no more layers than PaTH
+        ({"path": 2, "rope": 2, "fox": 1}, "REFUTED"),
+        ({"path": None, "rope": None, "fox": None}, "INCONCLUSIVE"),
+    ],
+    ids=["fewer-than-both", "fox-as-few", "never-fewer", "untrained"],
+)
+def test_p2_path_must_need_fewer_layers_than_rope_and_fox(fewest, verdict):
+    """``fewest``: mixer -> the fewest layers reaching > 90% (None: no depth run does)."""
+    sweep, records = next(e for e in path.experiments("smoke") if e.name == "words"), {}
+    for cell in sweep.cells():
+        mixer, depth = cell.label.split()[0], cell.params["config"]["num_layers"]
+        solved = fewest.get(mixer) is not None and depth >= fewest[mixer]
+        records[cell.name] = record(sweep.metric, 0.5, {"test": 0.95 if solved else 0.1})
+    got, reason, ours = path._words({"words": summarise(sweep, records)})
+    assert got == verdict, reason
+    assert "fox A5 k8:" in ours

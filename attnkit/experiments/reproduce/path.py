@@ -180,6 +180,9 @@ def experiments(scale: str) -> list:
     ]
 
 
+FLIPFLOP_RIVALS = ("rope", "fox")
+
+
 def _flipflop(results: dict[str, Any]) -> Decision:
     r = results["flipflop"]
     setting = next(iter(r.sweep.settings))
@@ -189,11 +192,16 @@ def _flipflop(results: dict[str, Any]) -> Decision:
     if best >= 0.1:
         return "INCONCLUSIVE", f"no model's in-distribution read error is below 10% (best {100 * best:.3g}%)", ours
     path_ok = stats["path in_distribution"].mean < 0.01 and stats["path sparse"].mean < 0.01
-    if path_ok and stats["rope sparse"].mean > 0.05:
-        return "CONFIRMED", "PaTH < 1% in-distribution and sparse; RoPE > 5% sparse", ours
-    if all(stats[f"rope {s}"].mean <= stats[f"path {s}"].mean for s in ("in_distribution", "sparse")):
-        return "REFUTED", "RoPE's error is no higher than PaTH's in-distribution and sparse", ours
-    return "PARTIAL", "PaTH ahead of RoPE, not at the published levels", ours
+    if path_ok and all(stats[f"{m} sparse"].mean > 0.05 for m in FLIPFLOP_RIVALS):
+        return "CONFIRMED", "PaTH < 1% in-distribution and sparse; RoPE and FoX > 5% sparse", ours
+    matched = [
+        m
+        for m in FLIPFLOP_RIVALS
+        if all(stats[f"{m} {s}"].mean <= stats[f"path {s}"].mean for s in ("in_distribution", "sparse"))
+    ]
+    if matched:
+        return "REFUTED", f"{' and '.join(matched)}'s error is no higher than PaTH's in-distribution and sparse", ours
+    return "PARTIAL", "PaTH ahead of RoPE and FoX, not at the published levels", ours
 
 
 def _fewest_layers(r, mixer: str, setting: str) -> int | None:
@@ -208,16 +216,20 @@ def _words(results: dict[str, Any]) -> Decision:
     depth = {(m, s): _fewest_layers(r, m, s) for s in r.sweep.settings for m in ("path", "rope", "fox")}
     deepest = max(model["arch"]["num_layers"] for model in r.sweep.models.values())
     ours = "; ".join(f"{m} {s}: {d or '> ' + str(deepest)}" for (m, s), d in depth.items()) + " layers"
-    decided = [s for s in r.sweep.settings if depth[("path", s)] or depth[("rope", s)]]
-    if not decided:
-        return "INCONCLUSIVE", "neither PaTH nor RoPE reached 90% at any depth run: the budget trained neither", ours
     inf = deepest + 1
-    fewer = [s for s in decided if (depth[("path", s)] or inf) < (depth[("rope", s)] or inf)]
-    if len(fewer) == len(decided):
-        return "CONFIRMED", "PaTH needs fewer layers than RoPE wherever either reaches 90%", ours
-    if not fewer:
-        return "REFUTED", "PaTH never needs fewer layers than RoPE", ours
-    return "PARTIAL", f"PaTH needs fewer layers at {', '.join(fewer)} only", ours
+    fewer, decided = {}, {}
+    for rival in ("rope", "fox"):
+        decided[rival] = [s for s in r.sweep.settings if depth[("path", s)] or depth[(rival, s)]]
+        fewer[rival] = [s for s in decided[rival] if (depth[("path", s)] or inf) < (depth[(rival, s)] or inf)]
+    if not any(decided.values()):
+        why = "none of PaTH, RoPE and FoX reached 90% at any depth run: the budget trained none"
+        return "INCONCLUSIVE", why, ours
+    if all(fewer[m] == decided[m] for m in fewer):
+        return "CONFIRMED", "PaTH needs fewer layers than RoPE and FoX wherever PaTH or the rival reaches 90%", ours
+    if not any(fewer.values()):
+        return "REFUTED", "PaTH never needs fewer layers than RoPE or FoX", ours
+    where = "; ".join(f"than {m} at {', '.join(fewer[m]) or 'no setting'} of {len(decided[m])}" for m in fewer)
+    return "PARTIAL", f"PaTH needs fewer layers {where}", ours
 
 
 def _mqrar(results: dict[str, Any]) -> Decision:
@@ -376,8 +388,8 @@ ANALOGS = [
         published="read error % (in-distribution / sparse / dense): PaTH 0 / 0.0001 / 0; RoPE 6.9 / 40.3 / 0.01; "
         "FoX 8.3 / 36.3 / 0",
         criterion="Budget check: some model's in-distribution read error < 10%, else INCONCLUSIVE. CONFIRMED if "
-        "PaTH's in-distribution and sparse errors are < 1% and RoPE's sparse error > 5%; REFUTED if RoPE's errors "
-        "are ≤ PaTH's in-distribution and sparse; PARTIAL otherwise.",
+        "PaTH's in-distribution and sparse errors are < 1% and RoPE's and FoX's sparse errors > 5%; REFUTED if "
+        "RoPE's or FoX's errors are ≤ PaTH's both in-distribution and sparse; PARTIAL otherwise.",
         experiments=("flipflop",),
         decide=_flipflop,
         cause=SHORT,
@@ -388,8 +400,9 @@ ANALOGS = [
         published="PaTH needs fewer layers than RoPE, stick-breaking and FoX (Fig. 2); the others need depth "
         "growing with k",
         criterion="Fewest layers (of those run, 1-4) reaching > 90% test sequence accuracy, per mixer and k. Budget "
-        "check: PaTH or RoPE reaches it somewhere, else INCONCLUSIVE. CONFIRMED if PaTH needs fewer layers than RoPE "
-        "at every setting where either reaches it; REFUTED if at none; PARTIAL otherwise.",
+        "check: PaTH, RoPE or FoX reaches it somewhere, else INCONCLUSIVE. CONFIRMED if PaTH needs fewer layers than "
+        "RoPE at every setting where PaTH or RoPE reaches it, and fewer than FoX at every setting where PaTH or FoX "
+        "does; REFUTED if it needs fewer than neither at any setting; PARTIAL otherwise.",
         experiments=("words",),
         decide=_words,
         cause=SHORT,
