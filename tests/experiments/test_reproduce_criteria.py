@@ -1,5 +1,5 @@
 """The criteria of claims (TAPA T1, PaTH P1, P2, P7 and P8), on hand-made results: each verdict the criterion names is
-criterion names is reached where it says, and nowhere else."""
+reached where it says, and nowhere else."""
 
 from __future__ import annotations
 
