@@ -1,12 +1,13 @@
 """The report of ``attnkit reproduce``: its plots, read back from the figures' data (``plot_sweep`` on hand-made sweep
-results), and its claims table's rows for the papers' own settings."""
+results), its claims table's rows for the papers' own settings, and VLA's Proposition 2 on trained states."""
 
 from __future__ import annotations
 
 import pytest
 
-from attnkit.experiments.reproduce import path, report, tapa
-from attnkit.experiments.reproduce.sweep import Stat, summarise
+from attnkit.experiments.reproduce import cells as cells_mod
+from attnkit.experiments.reproduce import path, report, tapa, vla
+from attnkit.experiments.reproduce.sweep import Budget, Stat, Sweep, summarise
 from attnkit.experiments.reproduce.verdicts import judge, with_paper_scale
 
 from .test_reproduce import claims_table
@@ -76,3 +77,44 @@ def test_each_scaled_down_analog_keeps_the_papers_setting_as_a_not_run_row(paper
 def test_paper_scale_rows_name_claims_that_exist():
     with pytest.raises(ValueError, match="not claims here"):
         with_paper_scale(path.ANALOGS, {"P42": ("somewhere", "no reason")})
+
+
+def test_a_trained_vla_cell_probes_proposition2_and_v10_reads_it(tmp_path):
+    """The mqar sweep's VLA cells measure ``I − α̂ k̂ᵀ`` on their trained model (the issue asks for random and trained
+    states); V10 judges both and says which it had."""
+    sweep = next(e for e in vla.experiments("smoke") if e.name == "mqar")
+    assert sweep.models["vla"]["probes"] == vla.TRAINED_PROP2 and "probes" not in sweep.models["deltanet"]
+    tiny = Sweep(
+        name="toy",
+        title="toy",
+        task="mqar_vla",
+        models={"vla": {"mixer": "vla", "probes": {"proposition2": {"batch": 2, "tol": vla.PROP2_TOL}}}},
+        settings={"n2": {"num_kv_pairs": 2}},
+        budget=Budget(steps=2, batch_size=4, evals=1),
+        lrs=(1e-3, 3e-3, 1e-2),
+        seeds=(0,),
+        metric="accuracy",
+        task_options={"test_size": 4, "validation_size": 4},
+        arch={"hidden_size": 16, "num_layers": 2, "num_heads": 2},
+    )
+    cell = tiny.cells()[0]
+    stats = cells_mod.run_cell(cell, str(tmp_path), device="cpu")["result"]["probes"]["proposition2"]
+    assert stats["count"] == 2 * 7 * 2 * 2  # sequences × T = 3n + 1 × heads × layers
+    assert stats["radius_is_one"] and stats["norm_max"] > 1 + vla.PROP2_TOL
+
+    random = {"norm_max": 1.06, "norm_median": 1.03, "radius_min": 1.0, "radius_max": 1.0, "frac_norm_above_1": 1.0,
+              "cos_min": 0.5, "closed_form_error": 1e-15, "count": 10, "radius_is_one": True}  # fmt: skip
+    probe = type("R", (), {"complete": lambda self: [{"random": random}]})()
+    records = {c.name: fake_vla_record(stats) for c in sweep.cells()}
+    results = {"proposition2": probe, "mqar": summarise(sweep, records)}
+    verdict, reason, ours = vla._proposition2(results)
+    assert verdict == "REFUTED" and "random inputs and trained states" in reason
+    assert f"norm max {stats['norm_max']:.6g}" in ours.split(" | ")[1] and "trained VLA (mqar, n4, n8)" in ours
+    verdict, reason, ours = vla._proposition2({"proposition2": probe, "mqar": summarise(sweep, {})})
+    assert verdict == "REFUTED" and "random inputs only: no trained states yet" in reason
+
+
+def fake_vla_record(prop2: dict) -> dict:
+    result = {"status": "ok", "final_loss": 1.0, "events": [], "variants": {}, "probes": {"proposition2": prop2}}
+    result.update(validation={"validation": {"accuracy": 0.5}}, test={"n": {"accuracy": 0.5}})
+    return {"result": result, "wall_s": 1.0}

@@ -226,6 +226,11 @@ def _run_train(params: dict, device: str, init_from: str | None = None, keep: st
         if keep is not None:
             _keep_model(run_dir, keep)
     task = get_task(config.task, seed=config.seed, **config.task_options)
+    if "probes" in params:
+        from .probes import TRAINED_PROBES
+
+        asked = params["probes"]
+        extra["probes"] = {name: TRAINED_PROBES[name](result.model, task, **kw) for name, kw in asked.items()}
     return {
         "status": "ok",
         "test": result.metrics,

@@ -33,7 +33,20 @@ def proposition2(batch: int, seq_len: int, num_heads: int, head_dim: int, lam0: 
     return {"seed": seed, "random": stats["random"]}
 
 
+def trained_proposition2(model: Any, task: Any, batch: int, tol: float) -> dict:
+    """``transition_stats`` of ``I − α̂ k̂ᵀ`` in every VLA layer of a trained ``model``, on the first ``batch``
+    sequences of ``task``'s first test set (``attnkit.experiments.vla_proposition.model_gates``)."""
+    from ..vla_proposition import model_gates, transition_stats
+
+    input_ids = next(iter(task.test_sets().values()))[0][:batch]
+    model = model.to("cpu").eval()
+    return transition_stats(*model_gates(model, input_ids), tol=tol)
+
+
 PROBES: dict[str, Callable[..., dict]] = {"state_norm": state_norm, "proposition2": proposition2}
+# probes of a trained model, asked for by a sweep's model entry (``"probes"``) and run by its train cell:
+# ``fn(model, task, **kwargs)``
+TRAINED_PROBES: dict[str, Callable[..., dict]] = {"proposition2": trained_proposition2}
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,7 +24,7 @@ from typing import Any
 from .cells import Cell
 
 # what a model's entry may set: what it is (mixer, options, depth), never how long or how fast it trains
-MODEL_KEYS = frozenset({"mixer", "model_options", "variants", "arch", "from"})
+MODEL_KEYS = frozenset({"mixer", "model_options", "variants", "arch", "from", "probes"})
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads")
 
 
@@ -83,7 +83,8 @@ class Sweep:
 
     ``models``: label -> ``{"mixer", "model_options", "variants", "arch"}`` (``variants``: name -> mixer keyword
     overrides, evaluated on the trained weights, e.g. RoPE with PI scaling; ``arch``: overrides of the sweep's
-    ``arch``, e.g. the number of layers; ``from``: in a chained sweep, the parent's model it continues).
+    ``arch``, e.g. the number of layers; ``from``: in a chained sweep, the parent's model it continues; ``probes``:
+    name -> keyword arguments of the ``probes.TRAINED_PROBES`` measured on the trained model, kept per seed).
     ``settings``: label -> the task
     options that vary (``task_options`` are shared). ``metric``: the task metric used both to choose the
     learning rate (on the validation split) and to report (on the test sets). ``x`` / ``x_label``: where each
@@ -179,6 +180,8 @@ class Sweep:
             "seed": seed,
         }
         params = {"config": config, "variants": spec.get("variants", {})}
+        if "probes" in spec:
+            params["probes"] = spec["probes"]
         parent_cell = None
         if self.parent is not None:
             if parent is None:
@@ -229,6 +232,7 @@ class Choice:
     seq_len: int | None = None
     diverged: list[float] = field(default_factory=list)  # learning rates with a non-finite loss
     parent_lr: float | None = None  # chained sweeps: the learning rate of the parent this model continues
+    probes: dict[str, list[dict]] = field(default_factory=dict)  # trained-model probes: name -> per seed
     waiting: str = ""  # chained sweeps: why the parent has not chosen it yet
     parent_diverged: bool = False  # ... because every learning rate of the parent diverged
 
@@ -368,6 +372,7 @@ def summarise(sweep: Sweep, records: dict[str, dict]) -> SweepResult:
                 names = chosen[0].get("variants", {})
                 choice.variants = {v: _stats([r["variants"][v] for r in chosen]) for v in names}
                 choice.curves = [_curve(r, sweep.metric) for r in by_lr[lr]]
+                choice.probes = {p: [r["probes"][p] for r in chosen] for p in chosen[0].get("probes", {})}
                 choice.seq_len = chosen[0].get("seq_len")
             choices[(model, setting)] = choice
     total = len(sweep.settings) * len(sweep.models) * len(sweep.lrs) * len(sweep.seeds)

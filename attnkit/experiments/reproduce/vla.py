@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from .probes import Probe
-from .sweep import Budget, Stat, Sweep
+from .sweep import Budget, Missing, Stat, Sweep
 from .verdicts import Claim, Decision, clearly_above, fmt
 
 TITLE = "VLA: variational linear attention (arXiv 2605.11196)"
@@ -42,15 +42,28 @@ _SCALE = {
 }
 
 
+# Proposition 2 on trained states: measured on each trained VLA model of the MQAR sweep, on 32 test sequences
+TRAINED_PROP2 = {"proposition2": {"batch": 32, "tol": PROP2_TOL}}
+
+
 def _mqar_sweep(
-    name: str, title: str, scale: str, models: list[str], settings: dict, x: dict, x_label: str, note: str
+    name: str,
+    title: str,
+    scale: str,
+    models: list[str],
+    settings: dict,
+    x: dict,
+    x_label: str,
+    note: str,
+    probes: dict | None = None,
 ) -> Sweep:
+    """``probes``: the trained-model probes of the VLA model (``sweep.Sweep``'s ``probes``)."""
     s = _SCALE[scale]
     return Sweep(
         name=name,
         title=title,
         task="mqar_vla",
-        models={m: MODELS[m] for m in models},
+        models={m: {**MODELS[m], "probes": probes} if probes and m == "vla" else MODELS[m] for m in models},
         settings=settings,
         budget=s["budget"],
         lrs=s["lrs"],
@@ -79,7 +92,8 @@ def experiments(scale: str) -> list:
             {f"n{n}": {"num_kv_pairs": n} for n in ns},
             {f"n{n}": n for n in ns},
             "key-value pairs n",
-            "T = 3n + 1; softmax is RoPE attention.",
+            "T = 3n + 1; softmax is RoPE attention. Each trained VLA model is probed for Proposition 2 (V10).",
+            probes=TRAINED_PROP2,
         ),
         _mqar_sweep(
             "retention",
@@ -154,8 +168,8 @@ def experiments(scale: str) -> list:
             params={"batch": 4, "seq_len": 256, "num_heads": 4, "head_dim": HEAD_DIM, "lam0": 0.1, "tol": PROP2_TOL},
             seeds=(0,) if scale == "smoke" else (0, 1, 2),
             note="attnkit.experiments.vla_proposition.check_proposition2: the k̂ and α̂ the VLA op computes, in "
-            "float64, for k = elu(x) + 1 of standard normal x; norm by SVD, radius by eigenvalues. Random inputs "
-            "only: the train cells keep no weights, so no trained VLA model is at hand.",
+            "float64, for k = elu(x) + 1 of standard normal x; norm by SVD, radius by eigenvalues. The trained "
+            "states are probed by the mqar sweep's VLA cells (V10 in the claims table).",
         ),
     ]
 
@@ -293,22 +307,45 @@ def _no_normalisation(results: dict[str, Any]) -> Decision:
     return "PARTIAL", shape + " (the normalised state grows too)", ours
 
 
+def _transitions(where: str, stats: list[dict]) -> str:
+    norm, radius = max(s["norm_max"] for s in stats), max(s["radius_max"] for s in stats)
+    above = max(s["frac_norm_above_1"] for s in stats)
+    return (
+        f"{where}, {sum(s['count'] for s in stats)} transitions: norm max {norm:.6g} (median "
+        f"{stats[0]['norm_median']:.6g}, {100 * above:.3g}% > 1 + {PROP2_TOL:g}); radius "
+        f"{min(s['radius_min'] for s in stats):.9g} to {radius:.9g}; α̂ᵀk̂ ≥ {min(s['cos_min'] for s in stats):.3g}; "
+        f"closed form off by ≤ {max(s['closed_form_error'] for s in stats):.2g}"
+    )
+
+
+def _trained_transitions(results: dict[str, Any]) -> tuple[list[dict], str]:
+    """The Proposition 2 statistics of the trained VLA models of ``mqar`` (each setting's chosen learning rate,
+    every seed) and their text; none, and why, while those models have not all been trained."""
+    r = results.get("mqar")
+    if r is None:
+        return [], "no trained states: mqar is not run at this scale"
+    stats = []
+    try:
+        for setting in r.sweep.settings:
+            stats += r.choice("vla", setting).probes["proposition2"]
+    except (Missing, KeyError) as err:
+        return [], f"no trained states yet ({err})"
+    return stats, _transitions(f"trained VLA (mqar, {', '.join(r.sweep.settings)})", stats)
+
+
 def _proposition2(results: dict[str, Any]) -> Decision:
-    stats = [r["random"] for r in results["proposition2"].complete()]
+    random = [r["random"] for r in results["proposition2"].complete()]
+    trained, trained_text = _trained_transitions(results)
+    ours = _transitions("random inputs", random) + " | " + trained_text
+    which = "random inputs and trained states" if trained else f"random inputs only: {trained_text}"
+    stats = random + trained
     norm, radius = max(s["norm_max"] for s in stats), max(s["radius_max"] for s in stats)
     radius_low = min(s["radius_min"] for s in stats)
-    above = max(s["frac_norm_above_1"] for s in stats)
-    ours = (
-        f"random inputs, {sum(s['count'] for s in stats)} transitions: norm max {norm:.6g} (median "
-        f"{stats[0]['norm_median']:.6g}, {100 * above:.3g}% > 1 + {PROP2_TOL:g}); radius {radius_low:.9g} to "
-        f"{radius:.9g}; α̂ᵀk̂ ≥ {min(s['cos_min'] for s in stats):.3g}; closed form off by ≤ "
-        f"{max(s['closed_form_error'] for s in stats):.2g}"
-    )
     radius_one = all(s["radius_is_one"] for s in stats)
     if norm <= 1 + PROP2_TOL:
-        return "CONFIRMED", f"spectral norm ≤ 1 + {PROP2_TOL:g} for every transition (random inputs only)", ours
+        return "CONFIRMED", f"spectral norm ≤ 1 + {PROP2_TOL:g} for every transition ({which})", ours
     if radius_one:
-        why = f"spectral norm up to {norm:.4g} > 1 while the radius is 1 within {PROP2_TOL:g} (random inputs only)"
+        why = f"spectral norm up to {norm:.4g} > 1 while the radius is 1 within {PROP2_TOL:g} ({which})"
         return "REFUTED", why, ours
     why = f"norm up to {norm:.4g} but the radius is off 1 too ({radius_low:.6g} to {radius:.6g}): the gates are not "
     return "INCONCLUSIVE", why + "as the proposition assumes", ours
@@ -454,8 +491,9 @@ CLAIMS = [
         claim="Proposition 2: the Jacobian I − α̂ k̂ᵀ has spectral norm 1 (the text); in general only its spectral "
         "radius is 1",
         published="spectral norm exactly 1 for every T and d_h (paper's text)",
-        criterion=f"On random inputs (the train cells keep no weights, so no trained model is probed), the largest "
-        f"spectral norm and the spectral radius of I − α̂ k̂ᵀ over every token and head, tol = {PROP2_TOL:g}: "
+        criterion=f"On random inputs, and on the states of the trained VLA models of mqar (each n's chosen learning "
+        "rate, every seed, on 32 test sequences; random inputs alone until they are trained), the largest "
+        f"spectral norm and the spectral radius of I − α̂ k̂ᵀ over every token, head and layer, tol = {PROP2_TOL:g}: "
         "CONFIRMED if the norm is ≤ 1 + tol for every transition; REFUTED if it exceeds 1 + tol while every radius "
         "is 1 within tol; INCONCLUSIVE if the radius is off 1 too.",
         experiments=("proposition2",),
