@@ -118,3 +118,20 @@ def fake_vla_record(prop2: dict) -> dict:
     result = {"status": "ok", "final_loss": 1.0, "events": [], "variants": {}, "probes": {"proposition2": prop2}}
     result.update(validation={"validation": {"accuracy": 0.5}}, test={"n": {"accuracy": 0.5}})
     return {"result": result, "wall_s": 1.0}
+
+
+def test_a_passkey_grid_is_tabled_by_length_and_depth():
+    sweep = next(e for e in tapa.experiments("smoke") if e.name == "passkey")
+    L = next(iter(sweep.settings.values()))["seq_len"]
+    records: dict = {}
+    fill(sweep, records, lambda model, set_name, seed: _depth(set_name) if model == "tapa" else 0.0)
+    lines = report._sweep_section(summarise(sweep, records), [])
+    header = next(i for i, line in enumerate(lines) if line.startswith("| model | setting | length |"))
+    assert lines[header].endswith(" | ".join(f"δ={d / 10:g}" for d in range(11)) + " |")
+    rows = lines[header + 2 : header + 8]
+    assert [row.split(" | ")[:3] for row in rows] == [
+        ["| " + m, f"L{L}", str(n * L)] for m in ("tapa", "rope") for n in (1, 2, 4)
+    ]
+    assert rows[0].endswith("| 0 | 0.1 | 0.2 | 0.3 | 0.4 | 0.5 | 0.6 | 0.7 | 0.8 | 0.9 | 1 |")
+    assert rows[3].endswith(" | 0" * 11 + " |")
+    assert not report._grid_lines(summarise(next(e for e in tapa.experiments("smoke") if e.name == "zero_shot"), {}))

@@ -217,7 +217,33 @@ def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
         )
         lines.append(f"| {model} | {setting} | {scores} | {choice.lr:g} | {_cell(tests)} |")
     lines.append("")
+    lines += _grid_lines(result)
     lines += [f"![{name}]({name})" for name in plots]
+    return lines + [""]
+
+
+_GRID_SET = re.compile(r"L(\d+)_d([0-9.]+)$")
+
+
+def _grid_lines(result: SweepResult) -> list[str]:
+    """A passkey grid's test sets (``L{n}_d{δ}``) as a table of each chosen model's test metric, a row per length
+    and a column per needle depth; nothing for other sweeps."""
+    metric, rows = result.sweep.metric, {}
+    for (model, setting), choice in result.choices.items():
+        for name, metrics in choice.test.items():
+            match = _GRID_SET.match(name)
+            if match and metric in metrics:
+                key = (model, setting, int(match.group(1)))
+                rows.setdefault(key, {})[float(match.group(2))] = metrics[metric].mean
+    if not rows:
+        return []
+    depths = sorted({d for row in rows.values() for d in row})
+    lines = [f"Test {metric} by haystack length (rows) and needle depth (columns), mean over seeds:", ""]
+    lines += ["| model | setting | length | " + " | ".join(f"δ={d:g}" for d in depths) + " |"]
+    lines += ["|---|---|---|" + "---|" * len(depths)]
+    for (model, setting, length), row in rows.items():
+        cells = " | ".join(f"{row[d]:.3g}" if d in row else "—" for d in depths)
+        lines.append(f"| {model} | {setting} | {length} | {cells} |")
     return lines + [""]
 
 
