@@ -27,6 +27,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# Triton's compiled kernels (the PaTH backward's take minutes to compile on that host) in .triton_cache, which comes
+# back as $OUT/triton_cache.tgz: unpacked here into .triton_cache (ignored by git) and carried into the next call
+# (carry: [".whl", ".triton_cache"]), it spares that call every kernel whose source and specialisation it holds.
+export TRITON_CACHE_DIR=$PWD/.triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
 steps=${*:-vlatests vlaprof vla vlaacc}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 
@@ -137,9 +142,10 @@ for step in $steps; do
                 --seq-lens ${PATH_SEQ_LENS:-1024 4096 16384} --grad-check-max-t 0 --out "$OUT" \
                 --name ops_path_grid_h200 > "$OUT/pathgrid.log" 2>&1 ;;
         train)  # the model-level training step (issue 16's and 17's bars): attnkit's mixers, FLA's models as anchors
-            timeout 400 python3 benchmarks/train_throughput.py --mixers ${TRAIN_MIXERS:-rope path path_fox} \
-                --seq-lens ${TRAIN_SEQ_LENS:-4096 16384} --fla --out "$OUT/train_throughput_h200.json" \
-                > "$OUT/train.log" 2>&1 ;;
+            # (TRAIN_FLA= leaves them out); TRAIN_PROFILE=N adds each model's kernels a step, the N largest printed
+            timeout ${TRAIN_LIMIT:-400} python3 benchmarks/train_throughput.py --mixers ${TRAIN_MIXERS:-rope path path_fox} \
+                --seq-lens ${TRAIN_SEQ_LENS:-4096 16384} ${TRAIN_FLA---fla} ${TRAIN_PROFILE:+--profile $TRAIN_PROFILE} \
+                --out "$OUT/train_throughput_h200.json" > "$OUT/train.log" 2>&1 ;;
         vlaprof)
             timeout 150 python3 benchmarks/vla_profile.py --out "$OUT" > "$OUT/vlaprof.log" 2>&1 ;;
         vlaseq)  # the sequential loop at 4k (ops.py stops timing it after its first too-slow length)
@@ -194,6 +200,7 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
+tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton_cache.tgz"
 for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }

@@ -4,6 +4,7 @@
                                           [--tokens 16384] [--layers 4] [--hidden 1024] [--heads 16]
                                           [--vocab 32000] [--steps 5] [--warmup 2] [--backend auto] [--fla]
                                           [--out JSON] [--png PNG] [--device cuda] [--dtype bfloat16]
+                                          [--profile N]
 
 Per (T, mixer): a fresh ``AttnKitForCausalLM`` (``--layers`` layers of ``--hidden`` width, ``--heads`` heads,
 ``--vocab`` tokens) and AdamW (fused on CUDA), ``B = max(1, tokens // T)`` sequences of random token ids with
@@ -140,14 +141,36 @@ def measure(name: str, B: int, T: int, args: argparse.Namespace, device: torch.d
         torch.cuda.reset_peak_memory_stats(device)
     step_ms, loss = time_steps(step, args.steps, device)
     ms = statistics.median(step_ms)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    kernels = step_kernels(step, device) if args.profile else None
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "ms": ms,
         "step_ms": step_ms,
         "tokens_per_s": B * T / (ms / 1e3),
-        "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_mem_bytes": peak,
         "loss": float(loss),
+        **({} if kernels is None else {"kernels": kernels}),
     }
+
+
+def step_kernels(step: Callable[[], torch.Tensor], device: torch.device, steps: int = 2) -> list[dict]:
+    """``--profile``: the GPU kernels of one training step under ``torch.profiler`` (µs a step, grouped by name,
+    largest first; the mean of ``steps`` steps). Their sum against the step's time shows what waits on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+    rows = [
+        {"kernel": e.key[:100], "us": e.device_time_total / steps, "calls": e.count / steps}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r["us"])
 
 
 def run_cell(name: str, B: int, T: int, args: argparse.Namespace, device: torch.device) -> dict:
@@ -165,6 +188,15 @@ def run_cell(name: str, B: int, T: int, args: argparse.Namespace, device: torch.
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def print_kernels(kernels: list[dict] | None, top: int) -> None:
+    """The ``top`` largest kernels of a ``--profile`` row, under their total."""
+    if not kernels:
+        return
+    print(f"  {sum(k['us'] for k in kernels) / 1e3:.2f} ms of GPU kernels a step, {len(kernels)} distinct:")
+    for k in kernels[:top]:
+        print(f"    {k['us']:9.1f} us {k['calls']:5.0f}x  {k['kernel']}")
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -257,12 +289,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run on tiny sizes")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="JSON path")
     parser.add_argument("--png", default=None, help="bar chart path (default: --out with .png)")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="after timing, profile a step's GPU kernels (CUDA): kept in the JSON, the N largest printed",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     for name in ("tokens", "layers", "hidden", "heads", "vocab", "steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup: expected a non-negative integer, got {args.warmup}")
+    if args.warmup < 0 or args.profile < 0:
+        bad = "--warmup" if args.warmup < 0 else "--profile"
+        parser.error(f"{bad}: expected a non-negative integer, got {getattr(args, bad[2:])}")
     if args.hidden % args.heads:
         parser.error(f"--heads: {args.heads} does not divide --hidden {args.hidden}")
     for T in args.seq_lens:
@@ -299,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if row["error"] is None:
                 peak = "" if row["peak_mem_bytes"] is None else f", peak {row['peak_mem_bytes'] / 2**30:.2f} GiB"
                 print(f"  {row['tokens_per_s']:.0f} tokens/s, {row['ms']:.1f} ms a step{peak}", flush=True)
+                print_kernels(row.get("kernels"), args.profile)
             else:
                 print(f"  {row['error']}", flush=True)
             add_ratios(rows)

@@ -22,7 +22,16 @@ def test_parse_args_defaults():
 
 
 @pytest.mark.parametrize(
-    "argv", [["--seq-lens", "3000"], ["--heads", "3"], ["--steps", "0"], ["--mixers", "llama"], ["--backend", "cuda"]]
+    "argv",
+    [
+        ["--seq-lens", "3000"],
+        ["--heads", "3"],
+        ["--steps", "0"],
+        ["--mixers", "llama"],
+        ["--backend", "cuda"],
+        ["--profile", "-1"],
+        ["--warmup", "-1"],
+    ],
 )
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -43,6 +43,7 @@ SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave 
 # where its accuracy was measured: bfloat16 inputs at K <= 64 (at K = 128 the kernel took 2.80 ms with it, 3.20 in
 # TF32 at 78d152a, but its real-size GPU test did not finish within the call).
 LOCAL_GRADS_16BIT: str | None = "bf16"
+LOCAL_GRADS_MAX_DIM = 64  # the widest (padded) key dim it applies to
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -430,7 +431,7 @@ def local_precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
     comment of ``LOCAL_GRADS_16BIT``). Exact for float32 inputs and under the interpreter, whose bf16 dot is wrong."""
     precision = precisions(dtype, key_dim)[0]
     exact = precision == "ieee" or interpreting()
-    measured = dtype == torch.bfloat16 and block_dim(key_dim) <= 64
+    measured = dtype == torch.bfloat16 and block_dim(key_dim) <= LOCAL_GRADS_MAX_DIM
     return precision, (LOCAL_GRADS_16BIT or precision) if measured and not exact else precision
 
 
