@@ -139,7 +139,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     inner = prepare.inner_carry(q.dtype, K) if supers else None  # the carries inside superblocks
     x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner)
     delta = output_delta(o, do)
-    gcum = None if g is None else g.float().cumsum(1).contiguous()
+    gcum = None if g is None else segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32)  # as the forward's
     dv, dgcum = torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, **f32)
     if supers:
         sb_offsets = prepare.chunk_offsets(cu_seqlens, chunk * span)
@@ -159,7 +159,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
             *flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V), dgcum.view(1, B * T, HQ),
             inner, backward.INNER_LOW_GRAD, backward.INNER_EVERY,
-        )
+        )  # fmt: skip
         dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
         if da.numel() == 0:  # the kernels between chunks gave dM, dW: the superblocks' dA goes on its own
             da = torch.zeros(rows, H, block_dim(K), block_dim(K), **f32)

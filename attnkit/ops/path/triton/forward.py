@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnkit.ops.common.triton.scan import segment_cumsum
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton import prepare
@@ -207,9 +208,11 @@ def path_fwd_fn(
         kh, sig, sb_offsets = carry_keys_fn(w, kt, m, cu_seqlens, R, k.dtype, True, carry, launch, T, offsets)
     else:
         kh, sig, sb_offsets = kt, m, offsets  # never read
-    # Gates enter as differences within a sequence, so one cumulative sum over the packed tokens serves all.
+    # Gates enter as differences within a sequence (and lse as G_i plus them): each sequence's own cumulative sum, one
+    # scan kernel (torch's cumsum along T took 0.7 ms at [4, 4096, 16] on the H200), as the backward takes it.
     # Head-major ([HQ, B·T]), so that a chunk's gates are one contiguous load.
-    gcum = g.float().cumsum(1).permute(2, 0, 1).contiguous() if g is not None else None
+    gcum = None if g is None else segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32).permute(2, 0, 1)
+    gcum = None if gcum is None else gcum.contiguous()
     path_fwd_kernel[(grid_chunks, N * HQ)](
         q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
         triton.cdiv(T, BT * R), R, scale,
