@@ -58,6 +58,11 @@ for step in $steps; do
             timeout 150 python3 -m pytest -v -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -v -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
             grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
+        mixertests)  # issue 17's quick GPU checks: DeltaNet's kernels at real sizes (they decide delta_rule's CUDA
+            # default) and every mixer's model under bf16/fp16 autocast on CUDA
+            timeout 200 python3 -m pytest -v -rf --tb=short tests/ops/test_vla_triton.py tests/models/test_autocast.py \
+                -k "deltanet_real_sizes or deltanet_baseline_triton or cuda" > "$OUT/mixertests.log" 2>&1
+            grep -E "passed|failed|FAILED|Error" "$OUT/mixertests.log" | tail -15 ;;
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
             timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
             tail -12 "$OUT/foxtests.log" ;;
