@@ -66,18 +66,17 @@ SUPER_DQ = [False]
 # passes (prepare.CARRY_16BIT, the default for bfloat16 at K = 64 and 128), with beta drawn from (1.5, 2) as issue 3's
 # accuracy bar asks.
 CARRY = ["tf32x3", "tf32", "bf16x3"]
-# --local-only: (label, {(module, attribute): value}) — the chunk-local adjoint's gradient products in bf16 (the
-# default) or one TF32 pass (local.LOCAL_GRADS_16BIT), the backward's carries inside superblocks in one TF32 pass
-# (prepare.INNER_CARRY_16BIT), the logits' and gradients' products of the kernels between chunks inside superblocks on
-# 16-bit operands (backward.INNER_LOW_GRAD), their query kernel keeping every carried query (backward.INNER_EVERY),
-# the sweep's products a (key tile, superblock) pair in one TF32 pass (backward_super.PAIR_16BIT);
-# each timed forward+backward and held to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2),
-# unit float32 w, B = 1, H = 2) at the same T.
-INNER = {(backward, "INNER_LOW_GRAD"): True, (prepare, "INNER_CARRY_16BIT"): "tf32", (backward, "INNER_EVERY"): 1}
+# --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 the
+# chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass and the
+# inner kernels' products on 16-bit operands), then each of them undone (local.LOCAL_GRADS_16BIT,
+# prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD), the inner query kernel keeping every carried query
+# (backward.INNER_EVERY) and the sweep's products a (key tile, superblock) pair in one TF32 pass
+# (backward_super.PAIR_16BIT); each timed forward+backward and held to the PyTorch backend in float32 on
+# path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T.
 LOCAL = [
-    ("default", {}), ("inner 16-bit products", {(backward, "INNER_LOW_GRAD"): True}),
-    ("inner carry tf32", {(prepare, "INNER_CARRY_16BIT"): "tf32"}),
-    ("inner checkpoints every chunk", {(backward, "INNER_EVERY"): 1}), ("all three inner", INNER),
+    ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
+    ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
+    ("inner checkpoints every chunk", {(backward, "INNER_EVERY"): 1}),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
 ]  # fmt: skip

@@ -92,9 +92,9 @@ def test_local_only_on_cpu(tmp_path, capsys):
         assert set(row["errs"]) == {"o", "dq", "dk", "dv", "dw", "dbeta", "dg"}
     from attnkit.ops.path.triton import backward, local, prepare
 
-    assert local.LOCAL_GRADS_16BIT == "bf16" and prepare.INNER_CARRY_16BIT is None and not backward.INNER_LOW_GRAD
-    assert backward.INNER_EVERY is None
+    assert local.LOCAL_GRADS_16BIT == "bf16" and prepare.INNER_CARRY_16BIT == "tf32"
+    assert backward.INNER_LOW_GRAD is None and backward.INNER_EVERY is None
     from attnkit.ops.path.triton import backward_super
 
     assert backward_super.PAIR_16BIT is None
-    assert "fwd+bwd local setting=inner 16-bit products:" in capsys.readouterr().out
+    assert "fwd+bwd local setting=inner products in float32:" in capsys.readouterr().out

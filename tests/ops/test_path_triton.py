@@ -599,27 +599,53 @@ def test_carry_precisions(monkeypatch):
 
 
 def test_local_adjoint_precisions(monkeypatch):
-    """The chunk-local adjoint's (logits, gradients) products on a GPU: bfloat16 inputs at K <= 64 take bf16 operands
-    in the gradients' products (measured on the H200), everything else the attention products' one TF32 pass, float32
-    inputs exact; the backward's carries inside superblocks follow the carries unless ``INNER_CARRY_16BIT`` names one.
-    Under the interpreter everything is exact."""
-    from attnkit.ops.path.triton import local, prepare
+    """The backward's 16-bit settings on a GPU apply where they were measured (``prepare.measured_16bit``: bfloat16
+    inputs at a padded K of 64): the chunk-local adjoint's gradient products on bf16 operands, the carries inside
+    superblocks in one TF32 pass, the inner kernels' products on 16-bit operands; everything else keeps the attention
+    products' one TF32 pass and the carries' own precision, float32 inputs exact. Under the interpreter everything is
+    exact. (bf16 local products at K = 16 and 32 hit an illegal memory access on the H200.)"""
+    from attnkit.ops.path.triton import backward, local, prepare
 
     assert local.local_precisions(torch.bfloat16, 64) == ("tf32", "tf32")
     assert prepare.inner_carry(torch.bfloat16, 64) == "ieee"
-    monkeypatch.setattr(local, "interpreting", lambda: False)
+    assert not prepare.measured_16bit(torch.bfloat16, 64)
     monkeypatch.setattr(prepare, "interpreting", lambda: False)
-    assert local.LOCAL_GRADS_16BIT == "bf16"
+    measured = [prepare.measured_16bit(torch.bfloat16, k) for k in (16, 32, 48, 64, 128)]
+    assert measured == [False, False, True, True, False]
+    assert not prepare.measured_16bit(torch.float16, 64) and not prepare.measured_16bit(torch.float32, 64)
+    assert local.LOCAL_GRADS_16BIT == "bf16" and backward.INNER_LOW_GRAD is None
     assert local.local_precisions(torch.bfloat16, 64) == local.local_precisions(torch.bfloat16, 48) == ("tf32", "bf16")
-    assert local.local_precisions(torch.bfloat16, 128) == local.local_precisions(torch.float16, 64) == ("tf32", "tf32")
+    assert local.local_precisions(torch.bfloat16, 32) == local.local_precisions(torch.bfloat16, 128) == ("tf32", "tf32")
+    assert local.local_precisions(torch.float16, 64) == ("tf32", "tf32")
     assert local.local_precisions(torch.float32, 64) == ("ieee", "ieee")
     monkeypatch.setattr(local, "LOCAL_GRADS_16BIT", None)
     assert local.local_precisions(torch.bfloat16, 64) == ("tf32", "tf32")
-    assert prepare.INNER_CARRY_16BIT is None
-    assert prepare.inner_carry(torch.bfloat16, 64) == "bf16x3"
-    monkeypatch.setattr(prepare, "INNER_CARRY_16BIT", "tf32")
+    assert prepare.INNER_CARRY_16BIT == "tf32"
     assert prepare.inner_carry(torch.bfloat16, 64) == "tf32"
+    assert prepare.inner_carry(torch.bfloat16, 32) == prepare.inner_carry(torch.float16, 64) == "tf32x3"
+    assert prepare.inner_carry(torch.bfloat16, 128) == "bf16x3"
+    monkeypatch.setattr(prepare, "INNER_CARRY_16BIT", None)
+    assert prepare.inner_carry(torch.bfloat16, 64) == "bf16x3"
     assert prepare.inner_carry(torch.float32, 64) == "ieee"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots need a GPU")
+@pytest.mark.parametrize("K", [16, 32, 48, 64])
+def test_bf16_small_head_dims_on_gpu(K):
+    """bf16 inputs at small head dims, short and odd T, float32 ``w`` and bf16 ``beta`` (what a model under bf16
+    autocast hands the op): forward and every gradient against the PyTorch backend. At K = 16 and 32 the local
+    adjoint's bf16 products hit an illegal memory access on the H200 (ninth session)."""
+    inputs = [
+        None if x is None else x.to(DEVICE) for x in make_inputs(2, 77, 4, 2, K, K, gate=True, dtype=torch.float32)
+    ]
+    inputs[:3] = [x.to(torch.bfloat16) for x in inputs[:3]]
+    inputs[4] = inputs[4].to(torch.bfloat16)
+    do = torch.randn(2, 77, 4, K, device=DEVICE).to(torch.bfloat16)
+    actual = backend_grads(inputs, do, "triton")
+    reference = [x.float() for x in inputs[:3]] + [inputs[3], inputs[4].float(), inputs[5]]
+    expected = backend_grads(reference, do.float(), "torch")
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
 
 
 @pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])

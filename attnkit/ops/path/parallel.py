@@ -137,6 +137,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk), **config,
     )  # fmt: skip
     inner = prepare.inner_carry(q.dtype, K) if supers else None  # the carries inside superblocks
+    low_grad = prepare.measured_16bit(q.dtype, K) if backward.INNER_LOW_GRAD is None else backward.INNER_LOW_GRAD
     x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner)
     delta = output_delta(o, do)
     gcum = None if g is None else segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32)  # as the forward's
@@ -158,7 +159,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
         flat = [t if t is None or i == 4 else t.reshape(1, B * T, *t.shape[2:]) for i, t in enumerate(inputs)]
         dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
             *flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V), dgcum.view(1, B * T, HQ),
-            inner, backward.INNER_LOW_GRAD, backward.INNER_EVERY,
+            inner, low_grad, backward.INNER_EVERY,
         )  # fmt: skip
         dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
         if da.numel() == 0:  # the kernels between chunks gave dM, dW: the superblocks' dA goes on its own

@@ -38,12 +38,14 @@ from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisio
 SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
 # The kernels between chunks inside superblocks take their logits' and gradients' products (x yᵀ, dSᵀ x, dS K̃) on
 # operands rounded to the inputs' 16-bit dtype, as the sweep between superblocks does and as the forward rounds its
-# logits (path_fwd_fn: x and K̃ in the keys' dtype); False: float32 operands in the products' precision (one TF32 pass).
-# Not yet timed (benchmarks/path_tune.py --local-only).
-INNER_LOW_GRAD = False
+# logits (path_fwd_fn: x and K̃ in the keys' dtype); False: float32 operands in the products' precision (one TF32 pass);
+# None: True where prepare.measured_16bit. On the H200 (T = 4k, D = 64, PaTH-FoX, 32768 tokens): 20.13 -> 19.40 ms
+# forward+backward alone, 19.0 with prepare.INNER_CARRY_16BIT (benchmarks/results/path_h200.md, ninth session).
+INNER_LOW_GRAD: bool | None = None
 # Key chunks per checkpoint segment of the query kernel inside superblocks (None: checkpoint_every's rule, 3 for the
 # 8 chunks of a superblock at K = 64). 1 keeps every carried query (9 scratch tiles a program instead of 6) and
-# recomputes none: ~2 carries a chunk pair instead of ~2.7. Not yet timed (benchmarks/path_tune.py --local-only).
+# recomputes none: ~2 carries a chunk pair instead of ~2.7. Timed on the H200 (T = 4k, D = 64): 20.06 ms against the
+# default's 20.13, within noise, so the default keeps the smaller scratch.
 INNER_EVERY: int | None = None
 
 

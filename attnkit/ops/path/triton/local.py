@@ -30,7 +30,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import first_chunk, precisions
+from attnkit.ops.path.triton.prepare import first_chunk, measured_16bit, precisions
 
 SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
 # The chunk-local adjoint's gradient products (the query-head loop, the carries' dA) for 16-bit inputs: "bf16" rounds
@@ -40,10 +40,9 @@ SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave 
 # 32768 tokens) forward+backward went from 24.5 to 21.4 ms and the largest error from the PyTorch backend (beta in
 # (1.5, 2), unit float32 w) from 3.9e-3 to 4.6e-3 (benchmarks/results/path_h200.md, "The local adjoint's precision").
 # The products that recompute the diagonal block's logits and take the UT transform's adjoint stay in TF32. It applies
-# where its accuracy was measured: bfloat16 inputs at K <= 64 (at K = 128 the kernel took 2.80 ms with it, 3.20 in
-# TF32 at 78d152a, but its real-size GPU test did not finish within the call).
+# where its accuracy was measured (prepare.measured_16bit: bfloat16 inputs at K = 64; at K = 128 the kernel took 2.80
+# ms with it, 3.20 in TF32 at 78d152a, but its real-size GPU test did not finish within the call).
 LOCAL_GRADS_16BIT: str | None = "bf16"
-LOCAL_GRADS_MAX_DIM = 64  # the widest (padded) key dim it applies to
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -430,9 +429,7 @@ def local_precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
     """``(logits, gradients)``: the chunk-local adjoint's products' precisions for inputs of ``dtype`` (module
     comment of ``LOCAL_GRADS_16BIT``). Exact for float32 inputs and under the interpreter, whose bf16 dot is wrong."""
     precision = precisions(dtype, key_dim)[0]
-    exact = precision == "ieee" or interpreting()
-    measured = dtype == torch.bfloat16 and block_dim(key_dim) <= LOCAL_GRADS_MAX_DIM
-    return precision, (LOCAL_GRADS_16BIT or precision) if measured and not exact else precision
+    return precision, (LOCAL_GRADS_16BIT or precision) if measured_16bit(dtype, key_dim) else precision
 
 
 def local_bwd_fn(

@@ -198,16 +198,28 @@ def precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
 
 # The backward's carries inside a superblock (at most SUPERBLOCK positions, so their rounding does not accumulate over
 # T as the carries between superblocks' does): the queries carried to their superblock's start, the chunk-by-chunk
-# kernels and the superblock-local adjoint. None: as every other carry (precisions); "tf32" one TF32 pass.
-INNER_CARRY_16BIT: str | None = None
+# kernels and the superblock-local adjoint. None: as every other carry (precisions); "tf32" one TF32 pass, where
+# measured_16bit. With backward.INNER_LOW_GRAD, PaTH-FoX forward+backward went from 20.13 to 19.0 ms on the H200 (T =
+# 4k, D = 64, 32768 tokens) and the largest error from the PyTorch backend (beta in (1.5, 2), unit float32 w) from
+# 4.6e-3 to 4.7e-3 (benchmarks/results/path_h200.md, ninth session).
+INNER_CARRY_16BIT: str | None = "tf32"
+# The (padded) key dim at which the backward's 16-bit settings (this, backward.INNER_LOW_GRAD, local.LOCAL_GRADS_16BIT)
+# were measured for bfloat16 inputs on the H200. Below it the local adjoint's bf16 products hit an illegal memory
+# access on the H200 (K = 16 and 32, Triton 3.6, ninth session); at K = 128 their accuracy is not yet measured.
+MEASURED_DIM = 64
+
+
+def measured_16bit(dtype: torch.dtype, key_dim: int) -> bool:
+    """Whether the backward's 16-bit settings apply: bfloat16 inputs at a padded key dim of ``MEASURED_DIM``, on a
+    GPU (the interpreter's bf16 dot is wrong)."""
+    return dtype == torch.bfloat16 and block_dim(key_dim) == MEASURED_DIM and not interpreting()
 
 
 def inner_carry(dtype: torch.dtype, key_dim: int) -> str:
-    """``input_precision`` of the backward's carries inside superblocks (``INNER_CARRY_16BIT`` for 16-bit inputs
-    on a GPU, else the carries' own)."""
+    """``input_precision`` of the backward's carries inside superblocks (``INNER_CARRY_16BIT`` where
+    :func:`measured_16bit`, else the carries' own)."""
     carry = precisions(dtype, key_dim)[1]
-    exact = carry == "ieee" or interpreting()
-    return carry if exact or INNER_CARRY_16BIT is None else INNER_CARRY_16BIT
+    return INNER_CARRY_16BIT if INNER_CARRY_16BIT and measured_16bit(dtype, key_dim) else carry
 
 
 def chunk_offsets(cu_seqlens: torch.Tensor | None, chunk: int) -> torch.Tensor | None:
