@@ -17,6 +17,10 @@ from attnkit.ops.common.validation import (
 )
 
 CHUNK_SIZE = 64
+# "auto" takes the fused kernels for CUDA tensors: they pass their real-size GPU tests (T = 4k at K = 64 and 128, packed
+# 8k; test_vla_triton.py::test_deltanet_real_sizes_on_gpu, on an H200 in the ninth session), and the PyTorch backend
+# is the CPU path.
+AUTO_TRITON = True
 
 __all__ = ["delta_rule"]
 
@@ -74,7 +78,7 @@ def delta_rule(
         initial_state: ``S [N, H, V, K]`` in float32 or float64, or ``None`` (zeros).
         output_final_state: return ``S`` after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``).
-        backend: ``"auto"`` (PyTorch until the kernels have run on a GPU), ``"torch"`` or ``"triton"`` (the
+        backend: ``"auto"`` (the kernels for CUDA tensors, PyTorch otherwise), ``"torch"`` or ``"triton"`` (the
             fused generalised delta rule shared with VLA; float16 / bfloat16 / float32, head dims up to 128).
 
     Returns:
@@ -91,7 +95,7 @@ def delta_rule(
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K),), q.device)
     dims = dict(head_dims=(K, V), max_head_dim=TRITON_MAX_HEAD_DIM)
     backend = resolve_backend(
-        backend, "delta_rule", q.device, has_triton=True, auto_triton=False, dtype=q.dtype, **dims
+        backend, "delta_rule", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
     )
     use_triton = backend == "triton"
 
