@@ -4,6 +4,11 @@ Per token: ``w`` = L2-normalised ``silu(conv(W_up W_down x))`` per key/value hea
 causal depthwise convolution over the ``H*K`` output of the low-rank projection (the placement of FLA's
 ``PaTHAttention``, so every channel of ``w`` mixes a few neighbouring tokens); ``beta = 2·sigmoid(linear(x))``
 in float32, optionally capped at ``beta_max``; for PaTH-FoX ``g = logsigmoid(linear(x))`` per query head.
+Where the attention runs its Triton kernels (:func:`attnkit.ops.path.path_backend`), the prefill computes ``w`` from
+the projection's output in one fused op, forward and backward (``attnkit::path_direction``,
+``ops/path/triton/direction.py``: the convolution restarted per sequence, ``silu`` and the normalisation, float32
+inside) instead of a dozen elementwise PyTorch launches on ``[B, T, H*K]`` float32 tensors; the decoding step keeps
+the PyTorch formula (one token).
 
 The decoding cache holds per token the keys carried to the newest position (``path_carry_keys``), the values
 and, for PaTH-FoX, the cumulative gate ``G`` (float32); per sequence it holds the last ``conv_size − 1``
@@ -19,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit.ops.common.validation import check_scalar
-from attnkit.ops.path import path_attention, path_carry_keys, path_decode_step, path_decode_step_
+from attnkit.ops.path import path_attention, path_backend, path_carry_keys, path_decode_step, path_decode_step_
 
 from .base import State, TokenMixer, check_int, segment_cumsum, sequence_lengths, token_positions
 
@@ -40,7 +45,8 @@ class PaTHAttention(TokenMixer):
         beta_max: None, or a cap on ``beta`` in ``(0, 2]`` (``2 − 1e-3`` is the paper's remedy for the bf16
             instability of long products of near-reflections).
         layer_idx: index of the layer in a model (for the model's cache), or None.
-        backend: ``"auto" | "torch" | "triton"``, passed to :func:`attnkit.ops.path_attention`.
+        backend: ``"auto" | "torch" | "triton"``, passed to :func:`attnkit.ops.path_attention`; where that runs
+            its Triton kernels, the prefill's ``w`` comes from the fused ``attnkit::path_direction`` too.
     """
 
     cache_keys = ("k", "v", "conv")
@@ -95,18 +101,29 @@ class PaTHAttention(TokenMixer):
         B, T, _ = conv_out.shape
         return F.normalize(F.silu(conv_out.float()).view(B, T, self.num_kv_heads, self.head_dim), dim=-1)
 
-    def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x)
-        u = self.w_up(self.w_down(x))  # [B, T, H*D]
-        # causal conv restarted per sequence: tap i reads the token i back, if that is in the same sequence
-        positions = token_positions(x, cu_seqlens)
+    def _conv_direction(self, u: torch.Tensor, cu_seqlens: torch.Tensor | None, fused: bool) -> torch.Tensor:
+        """``u [B, T, H*D]`` -> unit ``w [B, T, H, D]`` (float32) through the causal convolution restarted at every
+        sequence; ``fused``: in one op (``attnkit::path_direction``, Triton), else in PyTorch."""
         weight = self.w_conv.weight[:, 0]  # [C, W]; column W-1 multiplies the current token
+        if fused:
+            # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
+            from attnkit.ops.path.triton.direction import path_direction
+
+            return path_direction(u, weight, self.num_kv_heads, cu_seqlens)
+        # tap i reads the token i back, if that is in the same sequence
+        T = u.shape[1]
+        positions = token_positions(u, cu_seqlens)
         conv = u * weight[:, -1]
         for i in range(1, self.conv_size):
             shifted = F.pad(u, (0, 0, i, 0))[:, :T]
             conv = conv + shifted * weight[:, -1 - i] * (positions >= i)[..., None]
-        w = self._direction(conv)
+        return self._direction(conv)
+
+    def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        u = self.w_up(self.w_down(x))  # [B, T, H*D]
+        w = self._conv_direction(u, cu_seqlens, fused=path_backend(self.backend, q, v) == "triton")
         beta, g = self._gates(x)
         o = path_attention(q, k, v, w, beta, g, cu_seqlens=cu_seqlens, backend=self.backend)
 

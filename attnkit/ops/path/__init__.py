@@ -17,7 +17,17 @@ AUTO_TRITON = True
 # carries its key chunk instead of a K × K product).
 TRITON_MAX_HEAD_DIM = 256
 
-__all__ = ["path_attention", "path_carry_keys", "path_decode_step", "path_decode_step_"]
+__all__ = ["path_attention", "path_backend", "path_carry_keys", "path_decode_step", "path_decode_step_"]
+
+
+def path_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"``: the backend :func:`path_attention` runs for queries ``q [B, T, HQ, K]`` and values
+    ``v [B, T, H, V]`` when asked for ``backend`` (its errors, for a ``"triton"`` it cannot honour, too). Layers ask it
+    whether to fuse their own glue around the attention."""
+    dims = dict(head_dims=(q.shape[-1], v.shape[-1]), max_head_dim=TRITON_MAX_HEAD_DIM)
+    return resolve_backend(
+        backend, "path_attention", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
+    )
 
 
 def path_attention(
@@ -66,10 +76,7 @@ def path_attention(
     scale = K**-0.5 if scale is None else check_scalar("scale", scale)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, B, T, q.device)
-    dims = dict(head_dims=(K, v.shape[-1]), max_head_dim=TRITON_MAX_HEAD_DIM)
-    use = resolve_backend(
-        backend, "path_attention", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
-    )
+    use = path_backend(backend, q, v)
     if T == 0 or B == 0:  # empty, but on the inputs' graph, so that a backward through it gives empty gradients
         inputs = (q, k, v, w, beta) + (() if g is None else (g,))
         return v.new_zeros(B, T, HQ, v.shape[-1]) + sum(x.sum() for x in inputs).to(v.dtype)
