@@ -70,7 +70,8 @@ CARRY = ["tf32x3", "tf32", "bf16x3"]
 # chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass and the
 # inner kernels' products on 16-bit operands), then each of them undone (local.LOCAL_GRADS_16BIT,
 # prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD), the inner query kernel keeping every carried query
-# (backward.INNER_EVERY) and the sweep's products a (key tile, superblock) pair in one TF32 pass
+# (backward.INNER_EVERY), the local adjoint's L⁻ᵀ dM by two products instead of its back substitution
+# (local.LOCAL_SOLVE) and the sweep's products a (key tile, superblock) pair in one TF32 pass
 # (backward_super.PAIR_16BIT); each timed forward+backward and held to the PyTorch backend in float32 on
 # path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T.
 LOCAL = [
@@ -78,6 +79,8 @@ LOCAL = [
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
     ("inner checkpoints every chunk", {(backward, "INNER_EVERY"): 1}),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
+    ("local solve by products bf16x3", {(local, "LOCAL_SOLVE"): "bf16x3"}),
+    ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
 ]  # fmt: skip
 

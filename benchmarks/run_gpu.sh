@@ -124,7 +124,7 @@ for step in $steps; do
             # products of the kernels inside superblocks, the sweep's pair products): time and error from the PyTorch
             # backend at 4k, D = 64. The settings compile in one process each, at once (serially each took minutes on
             # the H200, 2026-12-02), then this process times them
-            timeout ${LOCAL_LIMIT:-480} python3 benchmarks/path_tune.py --local-only --jobs 7 --seq-lens ${LOCAL_SEQ_LENS:-4096} \
+            timeout ${LOCAL_LIMIT:-480} python3 benchmarks/path_tune.py --local-only --jobs 8 --seq-lens ${LOCAL_SEQ_LENS:-4096} \
                 --head-dims ${LOCAL_DIMS:-64} --out "$OUT" > "$OUT/pathlocal.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32, one TF32 pass or 3 bf16 passes (default), time and error
             timeout 240 python3 benchmarks/path_tune.py --carry-only --seq-lens ${CARRY_SEQ_LENS:-32768} \

@@ -351,6 +351,35 @@ def test_inner_checkpoints(monkeypatch, every):
     assert rule == []
 
 
+@pytest.mark.parametrize(
+    "offsets, beta_low", [(None, 1.99), ([0, 20, 20, 150], 1.5)], ids=["near-reflections", "varlen"]
+)
+def test_local_solve_by_products(monkeypatch, offsets, beta_low):
+    """``local.LOCAL_SOLVE``: the UT transform's adjoint ``L⁻ᵀ dM`` as ``dM − Nᵀ (Mᵀ dM)`` (``L⁻¹ = I − M N``)
+    instead of the back substitution: the kernel is launched with it (exact ``ieee`` products for float32 inputs),
+    and the forward and every gradient match the PyTorch backend (ten chunks of ``beta`` near 2; packed with an
+    empty sequence, GQA)."""
+    from attnkit.ops.path.triton import local
+
+    launches = []
+    kernel = local.path_local_bwd_kernel
+
+    class Spy:  # the kernel's launches, their constexprs recorded
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs["SOLVE"]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(local, "path_local_bwd_kernel", Spy())
+    monkeypatch.setattr(local, "LOCAL_SOLVE", "bf16x3")
+    T = 160 if offsets is None else offsets[-1]
+    inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=beta_low)]
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    do = torch.randn(1, T, 4, 16, device=DEVICE)
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a, e, 1e-5)
+    assert launches == ["ieee"]
+
+
 def test_triton_backend_rejects_what_the_kernels_do_not_take():
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 8, 2, 2, 16, 16, gate=True, dtype=torch.float64))
     with pytest.raises(ValueError, match="^backend: .*float64"):

@@ -43,6 +43,17 @@ SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave 
 # where its accuracy was measured (prepare.measured_16bit: bfloat16 inputs at K = 64; at K = 128 the kernel took 2.80
 # ms with it, 3.20 in TF32 at 78d152a, but its real-size GPU test did not finish within the call).
 LOCAL_GRADS_16BIT: str | None = "bf16"
+# The UT transform's adjoint needs Q = L⁻ᵀ dM (L = I + diag(β) N, N = strict_tril(W Wᵀ)). None: a back substitution,
+# BT dependent steps with two cross-thread reductions each over the [BT, BT] tile (latency the kernel cannot hide:
+# one or two programs an SM). A precision ("bf16x3", "tf32"): two products from L⁻¹ = I − M N (L⁻¹ L = I; M = L⁻¹
+# diag(β) is the prepare kernel's), Q = dM − Nᵀ (Mᵀ dM), in that precision (exact for float32 inputs and under the
+# interpreter). In one TF32 pass, or in bf16, a float64 emulation on nearly parallel w with beta in (1.5, 2) (cond(L)
+# 136–641) put Q, dβ and dN 1.8e-3 to 2.8e-2 off (path_h200.md, eighth session); bf16x3 keeps about 16 bits of each
+# operand. Compiled for sm_90a (Triton 3.6, K = 64, bf16 inputs, this file's defaults) the kernel keeps its 112 KB of
+# shared memory (two programs an SM; 128 KB before Mᵀ was loaded transposed for the first product) and goes from about
+# 28.8k to 7.4k instructions a thread (the substitution's 63 steps of 362 were 79 % of them), spilling 1748 bytes a
+# thread against 1472. Off by default, not yet timed: benchmarks/path_tune.py --local-only.
+LOCAL_SOLVE: str | None = None
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -237,7 +248,7 @@ def path_local_bwd_kernel(
     cu_seqlens, chunk_offsets, T, NC, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, DA: tl.constexpr, DM: tl.constexpr,
-    PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, SOLVE: tl.constexpr = "substitution",
 ):  # fmt: skip
     """Each chunk's diagonal block and the adjoint of its local terms (module docstring). Inputs ``q, do [*, HQ, ·]``,
     ``k, v, w [*, H, ·]``, ``beta [*, H]``, the prepare kernel's ``m [chunks, H, BT, BT]``, ``gcum, lse, delta
@@ -245,7 +256,8 @@ def path_local_bwd_kernel(
     ``da [chunks, H, BK, BK]`` (the carries') and with ``DM`` ``dm [chunks, H, BT, BT]`` and ``dw_in [*, H, K]`` (the
     carries' gradient as its projections). Writes ``dq [*, HQ, K]``, ``dk, dw [*, H, K]``, ``dbeta [*, H]`` (float32)
     and adds the diagonal blocks' ``dV`` into ``dv [*, H, V]`` and, with ``USE_G``, their row and column sums of
-    ``dS`` into ``dgcum [*, HQ]``. Grid ``(chunks, N * H)``."""
+    ``dS`` into ``dgcum [*, HQ]``. ``SOLVE``: ``L⁻ᵀ dM`` by back substitution, or by two products in that precision
+    (``LOCAL_SOLVE``). Grid ``(chunks, N * H)``."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     G: tl.constexpr = HQ // H
@@ -265,6 +277,7 @@ def path_local_bwd_kernel(
     cols = o_t[None, :]
     p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
     p_mm = m + (i_chunk * H + i_h) * (BT * BT) + rows * BT + cols
+    p_mmt = m + (i_chunk * H + i_h) * (BT * BT) + cols * BT + rows  # Mᵀ
     b_beta = tl.load(beta + p_t * H + i_h, mask=m_t, other=0.0).to(tl.float32)
 
     # K̃ = K − Zᵀ W (Z = M Vk, Vk = strict_tril(W Kᵀ)) and the carry A = I − Wᵀ M W.
@@ -339,8 +352,13 @@ def path_local_bwd_kernel(
     b_dk += mm(tl.trans(b_dvk), b_w, GRAD_PRECISION)
     # The UT transform M = L⁻¹ diag(β), L = I + diag(β) N, N = strict_tril(W Wᵀ): with Q = L⁻ᵀ dM,
     # dN = −strict_tril(diag(β) Q Mᵀ) and dβ_i = Σ_j ((I − N M) ∘ Q)_ij.
-    b_gram = mm(b_w, tl.trans(b_w), PRECISION)
-    b_qm = unit_upper_solve(b_gram, b_beta, b_dm, BT)
+    if SOLVE == "substitution":
+        b_gram = mm(b_w, tl.trans(b_w), PRECISION)
+        b_qm = unit_upper_solve(b_gram, b_beta, b_dm, BT)
+    else:  # L⁻¹ = I − M N: Q = dM − Nᵀ (Mᵀ dM) (LOCAL_SOLVE)
+        b_mdm = mm(tl.load(p_mmt), b_dm, SOLVE)  # Mᵀ dM, M loaded transposed
+        b_gram = mm(b_w, tl.trans(b_w), PRECISION)
+        b_qm = b_dm - mm(tl.trans(tl.where(rows > cols, b_gram, 0.0)), b_mdm, SOLVE)
     b_m = tl.load(p_mm)
     b_dn = tl.where(rows > cols, -b_beta[:, None] * mm(b_qm, tl.trans(b_m), PRECISION), 0.0)
     b_n = tl.where(rows > cols, b_gram, 0.0)
@@ -471,11 +489,13 @@ def local_bwd_fn(
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dq, dk, dw, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w), torch.empty_like(beta)
     precision, grads = local_precisions(q.dtype, K)
+    exact = precision == "ieee" or interpreting()  # the interpreter knows no bf16x3
+    solve = "substitution" if LOCAL_SOLVE is None else ("ieee" if exact else LOCAL_SOLVE)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
         cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
         IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precision,
-        GRAD_PRECISION=grads, **launch_config(K),
+        GRAD_PRECISION=grads, SOLVE=solve, **launch_config(K),
     )  # fmt: skip
     return dq, dk, dw, dbeta
