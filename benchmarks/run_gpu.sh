@@ -8,7 +8,7 @@
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
-#                              [reproduce] [mixertests]
+#                              [reproduce] [mixertests] [pathcheck]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
@@ -58,6 +58,12 @@ for step in $steps; do
             timeout 150 python3 -m pytest -v -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -v -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
             grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
+        pathcheck)  # the ninth session's PaTH changes on a GPU: the fused directions w, the models under autocast, and
+            # bf16 at small head dims last (an illegal memory access there would poison the CUDA context of what follows)
+            timeout 240 python3 -m pytest -v -rf --tb=short tests/ops/test_path_direction.py tests/models/test_autocast.py \
+                tests/ops/test_path_triton.py -k "direction or (cuda and path) or small_head_dims" \
+                > "$OUT/pathcheck.log" 2>&1
+            grep -E "passed|failed|FAILED|Error" "$OUT/pathcheck.log" | tail -15 ;;
         mixertests)  # issue 17's quick GPU checks: DeltaNet's kernels at real sizes (they decide delta_rule's CUDA
             # default) and every mixer's model under bf16/fp16 autocast on CUDA
             timeout 200 python3 -m pytest -v -rf --tb=short tests/ops/test_vla_triton.py tests/models/test_autocast.py \
