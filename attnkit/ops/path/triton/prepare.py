@@ -204,8 +204,9 @@ def precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
 # 4.6e-3 to 4.7e-3 (benchmarks/results/path_h200.md, ninth session).
 INNER_CARRY_16BIT: str | None = "tf32"
 # The (padded) key dim at which the backward's 16-bit settings (this, backward.INNER_LOW_GRAD, local.LOCAL_GRADS_16BIT)
-# were measured for bfloat16 inputs on the H200. Below it the local adjoint's bf16 products hit an illegal memory
-# access on the H200 (K = 16 and 32, Triton 3.6, ninth session); at K = 128 their accuracy is not yet measured.
+# were measured for bfloat16 inputs on the H200. Applied at K = 16 and 32 too, bf16 backwards hit an illegal memory
+# access there in the local adjoint (Triton 3.6, ninth session; this rule is not yet run on a GPU: run_gpu.sh
+# pathcheck); at K = 128 their accuracy is not yet measured.
 MEASURED_DIM = 64
 
 
