@@ -43,12 +43,15 @@ from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
 
-DQ_BY_ATOMICS = True  # dq̂ by float32 atomics in the key-major sweep; False: path_bwd_super_q_kernel (not yet timed)
+# dq̂ by float32 atomics in the key-major sweep; False: path_bwd_super_q_kernel, slower on the H200 (PaTH-FoX, T = 4k,
+# D = 64: 25.80 ms against 24.85, eighth session)
+DQ_BY_ATOMICS = True
 SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (float32 K × K each a pair and group)
 # The sweep's three products a (key tile, later superblock) pair for 16-bit inputs on a GPU: the key carried to the
 # superblock, y = k̂ Π_{n,s}ᵀ (rounded to the inputs' dtype for the logits at once), dk̂ += dY Π_{n,s} and the row
 # E_{n,s} += dYᵀ k̂. None: the carries' precision (three bf16 passes); "tf32": one pass. The chain Π ← Σᵀ Π, which
-# compounds over the superblocks, keeps the carries'. Not yet timed (benchmarks/path_tune.py --local-only).
+# compounds over the superblocks, keeps the carries'. Slower on the H200 (PaTH-FoX, T = 4k, D = 64): 21.47 ms against
+# the default's 20.13 (ninth session, benchmarks/path_tune.py --local-only).
 PAIR_16BIT: str | None = None
 
 
