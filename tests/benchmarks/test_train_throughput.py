@@ -86,3 +86,14 @@ def test_smoke_run_on_cpu(tmp_path, monkeypatch, capsys):
     assert all(rows[n]["source"] == "fla" for n in tt.FLA_MODELS) and rows["path"]["source"] == "attnkit"
     table = capsys.readouterr().out
     assert "nope failed at T=32: RuntimeError: boom" in table and "1.00x" in table
+
+
+def test_print_kernels(capsys):
+    """--profile's table: the total of every kernel, then the ``top`` largest only."""
+    kernels = [{"kernel": "big", "us": 1500.0, "calls": 2.0}, {"kernel": "small", "us": 500.0, "calls": 1.0}]
+    tt.print_kernels(kernels, 1)
+    out = capsys.readouterr().out
+    assert "2.00 ms of GPU kernels a step, 2 distinct" in out
+    assert "2x  big" in out and "small" not in out
+    tt.print_kernels([], 5)
+    assert capsys.readouterr().out == ""
