@@ -38,18 +38,25 @@ def kernel_table(fn, leaves: list[torch.Tensor], do: torch.Tensor, steps: int = 
         torch.autograd.backward(fn(), do)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    rows = profile_kernels(lambda: torch.autograd.backward(fn(), do), steps)
+    for t in leaves:
+        t.grad = None
+    return rows, wall_ms
+
+
+def profile_kernels(run, steps: int) -> list[dict]:
+    """The GPU kernels of ``steps`` calls of ``run`` under ``torch.profiler``, grouped by name: µs and calls per call
+    of ``run``, largest first."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            torch.autograd.backward(fn(), do)
+            run()
         torch.cuda.synchronize()
     rows = [
         {"kernel": e.key[:90], "us": e.device_time_total / steps, "calls": e.count // steps}
         for e in prof.key_averages()
         if e.device_time_total > 0
     ]
-    for t in leaves:
-        t.grad = None
-    return sorted(rows, key=lambda r: -r["us"]), wall_ms
+    return sorted(rows, key=lambda r: -r["us"])
 
 
 def print_table(name: str, shape: str, table: list[dict], wall_ms: float | None = None, top: int = 25) -> None:

@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.models import MIXERS, AttnKitConfig, AttnKitForCausalLM  # noqa: E402
+from benchmarks.kernel_profile import profile_kernels  # noqa: E402
 from benchmarks.ops import describe, environment  # noqa: E402
 
 SEQ_LENS = (4096, 16384)
@@ -155,22 +156,9 @@ def measure(name: str, B: int, T: int, args: argparse.Namespace, device: torch.d
 
 
 def step_kernels(step: Callable[[], torch.Tensor], device: torch.device, steps: int = 2) -> list[dict]:
-    """``--profile``: the GPU kernels of one training step under ``torch.profiler`` (µs a step, grouped by name,
-    largest first; the mean of ``steps`` steps). Their sum against the step's time shows what waits on the host."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if device.type != "cuda":
-        return []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize(device)
-    rows = [
-        {"kernel": e.key[:100], "us": e.device_time_total / steps, "calls": e.count / steps}
-        for e in prof.key_averages()
-        if e.device_time_total > 0
-    ]
-    return sorted(rows, key=lambda r: -r["us"])
+    """``--profile``: the GPU kernels of a training step (:func:`benchmarks.kernel_profile.profile_kernels`, the mean
+    of ``steps`` steps); none off CUDA. Their sum against the step's time shows what waits on the host."""
+    return profile_kernels(step, steps) if device.type == "cuda" else []
 
 
 def run_cell(name: str, B: int, T: int, args: argparse.Namespace, device: torch.device) -> dict:
