@@ -211,8 +211,9 @@ def path_fwd_fn(
     # Gates enter as differences within a sequence (and lse as G_i plus them): each sequence's own cumulative sum, one
     # scan kernel (torch's cumsum along T took 0.7 ms at [4, 4096, 16] on the H200), as the backward takes it.
     # Head-major ([HQ, B·T]), so that a chunk's gates are one contiguous load.
-    gcum = None if g is None else segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32).permute(2, 0, 1)
-    gcum = None if gcum is None else gcum.contiguous()
+    gcum = None
+    if g is not None:
+        gcum = segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32).permute(2, 0, 1).contiguous()
     path_fwd_kernel[(grid_chunks, N * HQ)](
         q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
         triton.cdiv(T, BT * R), R, scale,
