@@ -68,10 +68,10 @@ SUPER_DQ = [False]
 CARRY = ["tf32x3", "tf32", "bf16x3"]
 # --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 the
 # chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass and the
-# inner kernels' products on 16-bit operands), then each of them undone (local.LOCAL_GRADS_16BIT,
-# prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD), the inner query kernel keeping every carried query
-# (backward.INNER_EVERY), the local adjoint's L⁻ᵀ dM by two products instead of its back substitution
-# (local.LOCAL_SOLVE) and the sweep's products a (key tile, superblock) pair in one TF32 pass
+# inner kernels' products on 16-bit operands; and everywhere the local adjoint's L⁻ᵀ dM by two products in bf16x3),
+# then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the back
+# substitution for local.LOCAL_SOLVE), the inner query kernel keeping every carried query (backward.INNER_EVERY), the
+# two products in one TF32 pass and the sweep's products a (key tile, superblock) pair in one TF32 pass
 # (backward_super.PAIR_16BIT); each timed forward+backward and held to the PyTorch backend in float32 on
 # path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T.
 LOCAL = [
@@ -79,7 +79,7 @@ LOCAL = [
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
     ("inner checkpoints every chunk", {(backward, "INNER_EVERY"): 1}),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
-    ("local solve by products bf16x3", {(local, "LOCAL_SOLVE"): "bf16x3"}),
+    ("local solve by substitution", {(local, "LOCAL_SOLVE"): None}),
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
 ]  # fmt: skip
@@ -133,8 +133,15 @@ def time_grads(label: str, x: dict[str, torch.Tensor], do: torch.Tensor, default
 
 
 def time_cell(
-    D: int, T: int, device: torch.device, fwd: list, bwd: list, carries: list | None = None, sup: list = (),
-    knobs: list = (), knob_grads: bool = False,
+    D: int,
+    T: int,
+    device: torch.device,
+    fwd: list,
+    bwd: list,
+    carries: list | None = None,
+    sup: list = (),
+    knobs: list = (),
+    knob_grads: bool = False,
 ) -> dict:
     """One (D, T) cell: the forward ``fwd`` configurations, then forward+backward with the backward's ``bwd``
     configurations and the between-superblock kernels' ``sup``, or (``carries`` given) with each carry precision of
@@ -323,9 +330,11 @@ def table(cells: list[dict]) -> str:
                     if kind == "bwd" and knob in row:
                         setting = f"{knob}={row[knob]}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
-                if kind == "local" and "errs" in row:
-                    result = f"{row['ms']:.3f} ms, from the PyTorch backend " + " ".join(
-                        f"{n} {e:.1e}" for n, e in row["errs"].items()
+                if kind == "local" and "errs" in row:  # a --jobs child's rows have errors but no time
+                    result = (
+                        (f"{row['ms']:.3f} ms, " if "ms" in row else "")
+                        + "from the PyTorch backend "
+                        + " ".join(f"{n} {e:.1e}" for n, e in row["errs"].items())
                     )
                 if "err_torch" in row:
                     result += f" ({row['err_torch']:.1e} from the PyTorch backend)"

@@ -93,8 +93,8 @@ def test_local_only_on_cpu(tmp_path, capsys):
     from attnkit.ops.path.triton import backward, local, prepare
 
     assert local.LOCAL_GRADS_16BIT == "bf16" and prepare.INNER_CARRY_16BIT == "tf32"
-    assert backward.INNER_LOW_GRAD is None and backward.INNER_EVERY is None and local.LOCAL_SOLVE is None
+    assert backward.INNER_LOW_GRAD is None and backward.INNER_EVERY is None and local.LOCAL_SOLVE == "bf16x3"
     from attnkit.ops.path.triton import backward_super
 
     assert backward_super.PAIR_16BIT is None
-    assert "fwd+bwd local setting=local solve by products bf16x3:" in capsys.readouterr().out
+    assert "fwd+bwd local setting=local solve by substitution:" in capsys.readouterr().out

@@ -294,10 +294,15 @@ def test_backward_checkpoint_segments(monkeypatch, every):
         assert_close(name, a, e, 1e-6)
 
 
+@pytest.mark.parametrize("below", [64, 0], ids=["default", "kernels-16bit"])
 @pytest.mark.parametrize("side_dtype", [torch.float32, torch.float16], ids=["side-fp32", "side-fp16"])
-def test_triton_backend_float16_gradients(side_dtype):
+def test_triton_backend_float16_gradients(monkeypatch, side_dtype, below):
     """float16 q, k, v (w, beta, g in float32 or float16): every gradient within 1e-2 of the PyTorch backend on the
-    same rounded inputs, in the inputs' dtypes."""
+    same rounded inputs, in the inputs' dtypes; at K = 32 by default through the float32 backward
+    (``parallel.FLOAT32_BELOW``), and through the kernels' own 16-bit path with the fallback off."""
+    from attnkit.ops.path import parallel
+
+    monkeypatch.setattr(parallel, "FLOAT32_BELOW", below)
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 90, 2, 2, 32, 16, gate=True, dtype=torch.float32))
     w, beta, g = (x.to(side_dtype) for x in (w, beta, g))
     q, k, v = (x.half() for x in (q, k, v))
@@ -315,8 +320,10 @@ def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
     a partial last one; the key side as the ``K × K`` product or the carried key tile) take their logits' and
     gradients' products on float16 operands: every gradient within float16's bars of the PyTorch backend, and not
     the float32-operand backward's numbers (the rounding is there)."""
+    from attnkit.ops.path import parallel
     from attnkit.ops.path.triton import backward, prepare
 
+    monkeypatch.setattr(parallel, "FLOAT32_BELOW", 0)  # the kernels' own 16-bit path at K = 16
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
     monkeypatch.setattr(backward, "carries_key_tile", lambda key_dim: key_tile)
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 130, 4, 2, 16, 24, gate=True, dtype=torch.float32))
@@ -352,13 +359,16 @@ def test_inner_checkpoints(monkeypatch, every):
 
 
 @pytest.mark.parametrize(
+    "solve, launched", [("bf16x3", "ieee"), (None, "substitution")], ids=["products", "substitution"]
+)
+@pytest.mark.parametrize(
     "offsets, beta_low", [(None, 1.99), ([0, 20, 20, 150], 1.5)], ids=["near-reflections", "varlen"]
 )
-def test_local_solve_by_products(monkeypatch, offsets, beta_low):
-    """``local.LOCAL_SOLVE``: the UT transform's adjoint ``L⁻ᵀ dM`` as ``dM − Nᵀ (Mᵀ dM)`` (``L⁻¹ = I − M N``)
-    instead of the back substitution: the kernel is launched with it (exact ``ieee`` products for float32 inputs),
-    and the forward and every gradient match the PyTorch backend (ten chunks of ``beta`` near 2; packed with an
-    empty sequence, GQA)."""
+def test_local_solve_by_products(monkeypatch, offsets, beta_low, solve, launched):
+    """``local.LOCAL_SOLVE``: the UT transform's adjoint ``L⁻ᵀ dM`` as ``dM − Nᵀ (Mᵀ dM)`` (``L⁻¹ = I − M N``, the
+    default) or by the back substitution (None): the kernel is launched with it (exact ``ieee`` products for float32
+    inputs), and the forward and every gradient match the PyTorch backend (ten chunks of ``beta`` near 2; packed with
+    an empty sequence, GQA)."""
     from attnkit.ops.path.triton import local
 
     launches = []
@@ -369,7 +379,8 @@ def test_local_solve_by_products(monkeypatch, offsets, beta_low):
             return lambda *args, **kwargs: launches.append(kwargs["SOLVE"]) or kernel[grid](*args, **kwargs)
 
     monkeypatch.setattr(local, "path_local_bwd_kernel", Spy())
-    monkeypatch.setattr(local, "LOCAL_SOLVE", "bf16x3")
+    assert local.LOCAL_SOLVE == "bf16x3"
+    monkeypatch.setattr(local, "LOCAL_SOLVE", solve)
     T = 160 if offsets is None else offsets[-1]
     inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=beta_low)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
@@ -377,7 +388,7 @@ def test_local_solve_by_products(monkeypatch, offsets, beta_low):
     actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
     for name, a, e in zip(GRAD_NAMES, actual, expected):
         assert_close(name, a, e, 1e-5)
-    assert launches == ["ieee"]
+    assert launches == [launched]
 
 
 def test_triton_backend_rejects_what_the_kernels_do_not_take():
@@ -598,8 +609,10 @@ def test_gate_gradient_of_a_first_token_is_zero(monkeypatch, span):
     the same tiles and cancel. float16 inputs, whose rounded output makes ``Δ = dO · O`` miss a row's true
     ``Σ_j P dP``: summed from the columns alone, that error stays in every suffix sum (at T = 32k in bf16 it took
     ``dg`` to 1.3e-1 from the PyTorch backend)."""
+    from attnkit.ops.path import parallel
     from attnkit.ops.path.triton import prepare
 
+    monkeypatch.setattr(parallel, "FLOAT32_BELOW", 0)  # the kernels' own 16-bit path at K = 16
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
     offsets = [0, 40, 41, 130]
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 130, 4, 2, 16, 16, gate=True, dtype=torch.float32))
@@ -658,12 +671,34 @@ def test_local_adjoint_precisions(monkeypatch):
     assert prepare.inner_carry(torch.float32, 64) == "ieee"
 
 
+def test_small_head_dims_16bit_backward_in_float32(monkeypatch):
+    """16-bit inputs at a padded key dim below ``parallel.FLOAT32_BELOW`` (16 and 32) take the backward in float32,
+    the gradients back in the inputs' dtypes; at K = 48 (padded to 64) the kernels take them as they are."""
+    from attnkit.ops.path import parallel
+    from attnkit.ops.path.triton import local
+
+    seen, local_bwd = [], local.local_bwd_fn
+    monkeypatch.setattr(local, "local_bwd_fn", lambda q, *args: seen.append(q.dtype) or local_bwd(q, *args))
+    for K in (16, 32, 48):
+        inputs = [x.to(DEVICE) for x in make_inputs(1, 40, 2, 1, K, 16, gate=True, dtype=torch.float32)]
+        inputs[:3] = [x.to(torch.float16) for x in inputs[:3]]
+        do = torch.randn(1, 40, 2, 16, device=DEVICE).to(torch.float16)
+        actual = backend_grads(inputs, do, "triton")
+        reference = [x.float() for x in inputs[:3]] + inputs[3:]
+        expected = backend_grads(reference, do.float(), "torch")
+        assert [a.dtype for a in actual] == [x.dtype for x in [inputs[2], *inputs]]
+        for name, a, e in zip(GRAD_NAMES, actual, expected):
+            assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
+    assert seen == [torch.float32, torch.float32, torch.float16] and parallel.FLOAT32_BELOW == 64
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots need a GPU")
 @pytest.mark.parametrize("K", [16, 32, 48, 64])
 def test_bf16_small_head_dims_on_gpu(K):
     """bf16 inputs at small head dims, short and odd T, float32 ``w`` and bf16 ``beta`` (what a model under bf16
-    autocast hands the op): forward and every gradient against the PyTorch backend. At K = 16 and 32 the local
-    adjoint's bf16 products hit an illegal memory access on the H200 (ninth session)."""
+    autocast hands the op): forward and every gradient against the PyTorch backend. At K = 16 and 32 the bf16
+    backward hit an illegal memory access on the H200 (ninth session), then gave non-finite dv and dq (tenth), and now
+    runs in float32 there (``parallel.FLOAT32_BELOW``)."""
     inputs = [
         None if x is None else x.to(DEVICE) for x in make_inputs(2, 77, 4, 2, K, K, gate=True, dtype=torch.float32)
     ]

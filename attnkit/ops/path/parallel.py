@@ -21,6 +21,14 @@ from attnkit.ops.path.triton.carry import carry_keys_fn
 from attnkit.ops.path.triton.decode import path_decode_fn
 from attnkit.ops.path.triton.forward import path_fwd_fn
 
+# 16-bit inputs whose padded key dim is below this take the backward in float32 (the inputs cast up, the gradients
+# cast back): on the H200 (Triton 3.6) the bf16 backward at K = 16 and 32 gave non-finite dv and dq, or an illegal
+# memory access, where bf16 at K = 48 and 64 held to the PyTorch backend (test_bf16_small_head_dims_on_gpu).
+# compute-sanitizer put an out-of-bounds shared-memory read inside path_local_bwd_kernel's one-pass TF32 tl.dot at
+# BK = 16: the compiler's layout, not the kernel's indexing; float32 inputs take exact products, no tensor cores
+# (benchmarks/results/path_h200.md, tenth session). 0 turns the fallback off.
+FLOAT32_BELOW = 64
+
 
 @torch.library.custom_op("attnkit::path_decode_", mutates_args=("k_cache",), device_types=("cuda", "cpu"))
 def path_decode_op(
@@ -116,9 +124,14 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     3. the superblock-local terms' adjoint and the chunk-local terms' adjoint with the diagonal blocks
        (``local.py``), which give ``dq, dk, dw, dbeta``.
 
-    Buffers are dropped as soon as the last kernel that reads them has run.
+    16-bit inputs at a padded key dim below ``FLOAT32_BELOW`` take it in float32. Buffers are dropped as soon as the
+    last kernel that reads them has run.
     """
     B, T, HQ, K = q.shape
+    if q.dtype != torch.float32 and block_dim(K) < FLOAT32_BELOW:
+        up = [t if t is None else t.float() for t in (q, k, v, w, beta, o, do)]
+        dq, dk, dv, dw, dbeta, dg = path_bwd_fn(*up[:5], g, cu_seqlens, up[5], lse, up[6], scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv, dw.to(w.dtype), dbeta.to(beta.dtype), dg
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     chunk = backward.backward_config(K)[0]
