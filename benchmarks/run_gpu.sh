@@ -58,10 +58,11 @@ for step in $steps; do
             timeout 150 python3 -m pytest -v -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -v -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
             grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
-        pathcheck)  # the ninth session's PaTH changes on a GPU: the fused directions w, the models under autocast, and
-            # bf16 at small head dims last (an illegal memory access there would poison the CUDA context of what follows)
-            timeout 240 python3 -m pytest -v -rf --tb=short tests/ops/test_path_direction.py tests/models/test_autocast.py \
-                tests/ops/test_path_triton.py -k "direction or (cuda and path) or small_head_dims" \
+        pathcheck)  # the ninth and tenth sessions' PaTH changes on a GPU: the fused directions w, the models under
+            # autocast, bf16 at small head dims (on 8 processes: a cold machine is compile-bound, 240 s serially did not
+            # reach the small head dims in the tenth session; an illegal memory access poisons only its own process)
+            timeout 240 python3 -m pytest -v -rf --tb=short -n 8 --timeout 200 tests/ops/test_path_direction.py \
+                tests/models/test_autocast.py tests/ops/test_path_triton.py -k "direction or (cuda and path) or small_head_dims" \
                 > "$OUT/pathcheck.log" 2>&1
             grep -E "passed|failed|FAILED|Error" "$OUT/pathcheck.log" | tail -15 ;;
         mixertests)  # issue 17's quick GPU checks: DeltaNet's kernels at real sizes (they decide delta_rule's CUDA
