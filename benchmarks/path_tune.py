@@ -52,11 +52,13 @@ BWD = [(64, 4, None), (64, 8, None), (32, 4, None), (32, 8, None), (16, 4, None)
 # (tile, tiles_per_program, num_warps, num_stages) of the between-superblock sweep (backward_super.launch_config);
 # None keeps the default's, so the first row is the default itself (backward_super.program_groups picks the programs
 # a key superblock). tiles_per_program 1 or 2: more programs, each with its own rows of E and Π (more scratch, so more
-# waves at 32k). A 64-row tile at K = 128 (where the chunk is 32) asks for more shared memory than an H200 block has,
-# so it is not among them.
+# waves at 32k). At K = 128 (where the chunk is 32) the default's 32-row tiles on four warps and three stages take
+# 96 KB of shared memory and spill 2.4–2.6 KB a thread (PaTH / PaTH-FoX, bf16; 0.5–0.7 KB at K = 64); 64-row tiles on
+# eight warps and one stage take 144 KB and spill 1.4–1.5 KB (two stages: 169 KB; sm_90a, Triton 3.6, tenth session),
+# the last row.
 SUPER = [
     (None, None, None, None), (None, 1, None, None), (None, 2, None, None), (None, None, None, 1),
-    (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2), (32, None, None, None),
+    (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2), (32, None, None, None), (64, None, 8, 1),
 ]  # fmt: skip
 # The sweep's dq̂ (backward_super.DQ_BY_ATOMICS, True the default): False moves it to a query-major kernel without
 # atomics, timed with the default launch after the SUPER rows. 32-row tiles at K = 64 (SUPER's last row) take 28 KB

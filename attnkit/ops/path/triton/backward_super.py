@@ -64,8 +64,9 @@ def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
     and none up to it, and ``tiles_per_program`` 0, which leaves it to :func:`program_groups` (as many programs a
     superblock as keep one wave). On the H200 at T = 4k, D = 64 (PaTH-FoX, ``path_tune.py --super-only``), two
     stages and eight warps were slower (26.2 and 28.8 ms against 25.8). Compiled for sm_90a with Triton 3.6 (bf16
-    inputs), the sweep kernel needs 64 KB of shared memory at K = 64 (64-row tiles) and 96 KB at K = 128 (32-row
-    tiles; 144 KB with 64 rows), and spills 608 and 424 bytes a thread (244 at K = 64 with eight warps)."""
+    inputs, tenth session), the sweep kernel needs 64 KB of shared memory at K = 64 (64-row tiles) and 96 KB at
+    K = 128 (32-row tiles), and spills 488 and 2396 bytes a thread (720 and 2560 with FoX's gates); 64-row tiles at
+    K = 128 on eight warps and one stage take 144 KB and spill 1380 (``path_tune.py``'s last ``SUPER`` row)."""
     stages = 3 if key_dim > 64 else 1
     return dict(tile=chunk, tiles_per_program=0, num_warps=backward.backward_config(key_dim)[1], num_stages=stages)
 
