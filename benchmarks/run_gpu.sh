@@ -28,10 +28,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # Triton's compiled kernels (the PaTH backward's take minutes to compile on that host) in .triton_cache, which comes
-# back as $OUT/triton_cache.tgz: unpacked here into .triton_cache (ignored by git) and carried into the next call
-# (carry: [".whl", ".triton_cache"]), it spares that call every kernel whose source and specialisation it holds.
+# back as $OUT/triton_cache.tgz.00, .01 (15 MiB parts: a file over 16 MiB does not come back, and unpacked the cache
+# outgrows the 64 MiB a call carries). Copied here into .tcache (ignored by git: `rm -rf .tcache && mkdir .tcache &&
+# cp <files_at>/triton_cache.tgz.* .tcache/`) and carried into the next call (carry: [".whl", ".tcache"]), they are
+# unpacked below and spare that call every kernel whose source and specialisation they hold.
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".tcache/triton_cache.tgz*" > /dev/null; then
+    cat .tcache/triton_cache.tgz* | tar xzf - -C "$TRITON_CACHE_DIR" || echo "the carried Triton cache did not unpack"
+fi
 steps=${*:-vlatests vlaprof vla vlaacc}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 
@@ -212,7 +217,14 @@ for step in $steps; do
         *) echo "unknown step $step" ;;
     esac
 done
-tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton_cache.tgz"
+# At most 8 files come back from a call: two parts of the cache at most, or none.
+tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m -d - "$OUT/triton_cache.tgz."
+if [ "$(ls "$OUT"/triton_cache.tgz.* | wc -l)" -gt 2 ]; then
+    rm -f "$OUT"/triton_cache.tgz.*
+    echo "the Triton cache outgrew two 15 MiB parts: not returned"
+else
+    du -ch "$OUT"/triton_cache.tgz.* | tail -1
+fi
 for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
