@@ -52,13 +52,12 @@ BWD = [(64, 4, None), (64, 8, None), (32, 4, None), (32, 8, None), (16, 4, None)
 # (tile, tiles_per_program, num_warps, num_stages) of the between-superblock sweep (backward_super.launch_config);
 # None keeps the default's, so the first row is the default itself (backward_super.program_groups picks the programs
 # a key superblock). tiles_per_program 1 or 2: more programs, each with its own rows of E and Π (more scratch, so more
-# waves at 32k). At K = 128 (where the chunk is 32) the default's 32-row tiles on four warps and three stages take
-# 96 KB of shared memory and spill 2.4–2.6 KB a thread (PaTH / PaTH-FoX, bf16; 0.5–0.7 KB at K = 64); 64-row tiles on
-# eight warps and one stage take 144 KB and spill 1.4–1.5 KB (two stages: 169 KB; sm_90a, Triton 3.6, tenth session),
-# the last row.
+# waves at 32k). At K = 128 the default is 64-row tiles on eight warps and one stage (144 KB of shared memory, 1.4 KB
+# of spills a thread; 41.1 ms at T = 4k on the H200, eleventh session); the last row is the one it replaced, the
+# chunk's 32-row tiles on three stages (96 KB, 2.4–2.6 KB of spills; 47.0 ms). At K = 64 the last row is the default.
 SUPER = [
     (None, None, None, None), (None, 1, None, None), (None, 2, None, None), (None, None, None, 1),
-    (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2), (32, None, None, None), (64, None, 8, 1),
+    (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2), (32, None, None, None), (32, None, 8, 3),
 ]  # fmt: skip
 # The sweep's dq̂ (backward_super.DQ_BY_ATOMICS, True the default): False moves it to a query-major kernel without
 # atomics, timed with the default launch after the SUPER rows. 32-row tiles at K = 64 (SUPER's last row) take 28 KB
@@ -355,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "--carry-only", action="store_true", help="only the carries' precision, forward and forward+backward (CARRY)"
     )
     parser.add_argument("--super-only", action="store_true", help="only the between-superblock kernels (SUPER)")
+    parser.add_argument("--bwd-only", action="store_true", help="only the backward kernels' chunk and warps (BWD)")
     parser.add_argument(
         "--solve-only", action="store_true", help="only the UT solve's block sizes (SOLVE), fwd and fwd+bwd"
     )
@@ -374,12 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         fwd, bwd, sup = [(4, 1, "tf32x3"), FWD[-2], FWD[-1]], [], []
     if args.super_only:
         fwd, bwd = [], []
+    if args.bwd_only:
+        fwd, sup = [], []
     if args.solve_only or args.span_only:
         fwd, bwd, sup = [FWD[0]], [], []
     cells = []
     for T in args.seq_lens:  # every D at the shortest T first: a time limit cuts the long cells
         for D in args.head_dims:
-            solve = [] if args.carry_only or args.super_only or args.span_only else SOLVE[:1] if args.quick else SOLVE
+            narrowed = args.carry_only or args.super_only or args.bwd_only or args.span_only
+            solve = [] if narrowed else SOLVE[:1] if args.quick else SOLVE
             solve = [None, *solve] if args.solve_only else solve
             knobs = [("SOLVE_ROWS", rows) for rows in solve] + [("SUPERBLOCK", p) for p in SPAN if args.span_only]
             grads = args.solve_only or args.span_only

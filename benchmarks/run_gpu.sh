@@ -6,7 +6,7 @@
 # ran survive a step's time limit (a killed pytest prints no summary).
 #
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
-#                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathsuper] [pathprof] [pathtune] [pathcarry]
+#                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #                              [reproduce] [mixertests] [pathcheck]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
@@ -63,7 +63,7 @@ for step in $steps; do
             timeout 150 python3 -m pytest -v -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -v -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
             grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
-        pathcheck)  # the ninth and tenth sessions' PaTH changes on a GPU: the fused directions w, the models under
+        pathcheck)  # the ninth to eleventh sessions' PaTH changes on a GPU: the fused directions w, the models under
             # autocast, bf16 at small head dims (on 8 processes: a cold machine is compile-bound, 240 s serially did not
             # reach the small head dims in the tenth session; an illegal memory access poisons only its own process)
             timeout 240 python3 -m pytest -v -rf --tb=short -n 8 --timeout 200 tests/ops/test_path_direction.py \
@@ -117,6 +117,9 @@ for step in $steps; do
         pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
+        pathbwd)  # PaTH: chunk, warps and key-tile kernel of the chunk-by-chunk backward kernels (BWD) at T = 4k, D = 128
+            timeout 300 python3 benchmarks/path_tune.py --bwd-only --seq-lens ${BWD_SEQ_LENS:-4096} \
+                --head-dims ${BWD_DIMS:-128} --out "$OUT" > "$OUT/pathbwd.log" 2>&1 ;;
         pathsuper)  # PaTH: tile, warps and stages of the between-superblock backward kernels at 32k, D = 64 and 128
             timeout 300 python3 benchmarks/path_tune.py --super-only --seq-lens ${SUPER_SEQ_LENS:-32768} \
                 --head-dims ${SUPER_DIMS:-64 128} \
@@ -225,7 +228,7 @@ if [ "$(ls "$OUT"/triton_cache.tgz.* | wc -l)" -gt 2 ]; then
 else
     du -ch "$OUT"/triton_cache.tgz.* | tail -1
 fi
-for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathsuper pathprof pathtune \
+for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done

@@ -185,15 +185,36 @@ def test_sweep_with_query_major_dq(monkeypatch, budget, K, offsets):
     check_sweep(monkeypatch, 0, budget, K, offsets)
 
 
-def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets):
-    """The body of the sweep tests: the kernels' five gradients against autograd through the pairs' logits."""
+@pytest.mark.parametrize("K, offsets", [(80, None), (80, [0, 5, 5, 40, 100])], ids=["K80", "K80-varlen"])
+def test_sweep_tiles_wider_than_the_chunk(monkeypatch, K, offsets):
+    """Tiles of twice the chunk (here a whole superblock a tile), as the GPU's default at K = 128 takes 64-row tiles
+    over 32-position chunks: the same gradients."""
+    check_sweep(monkeypatch, 0, None, K, offsets, tile=16)
+
+
+def test_sweep_launch_at_k128_takes_64_row_tiles(monkeypatch):
+    """On a GPU the sweep at K = 65…128 takes 64-row tiles on eight warps and one stage (41.1 ms against 47.0 for the
+    chunk's 32-row tiles on three stages, PaTH-FoX at T = 4k on the H200); other K keep the chunk's tile."""
+    from attnkit.ops.path.triton import backward, backward_super
+
+    monkeypatch.setattr(backward_super, "interpreting", lambda: False)
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
+    wide = dict(tile=64, tiles_per_program=0, num_warps=8, num_stages=1)
+    assert backward_super.launch_config(128, 32) == wide and backward_super.launch_config(80, 32) == wide
+    assert backward_super.launch_config(64, 64)["tile"] == 64 and backward_super.launch_config(64, 64)["num_warps"] == 4
+    assert backward_super.launch_config(256, 16)["tile"] == 16
+
+
+def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets, tile=None):
+    """The body of the sweep tests: the kernels' five gradients against autograd through the pairs' logits (tiles of
+    ``tile`` rows, the chunk's by default)."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import backward_super
     from attnkit.ops.path.triton.prepare import chunk_offsets
 
     chunk, span, HQ, H, V = 8, 2, 4, 2, 8
     S = chunk * span
-    config = dict(tile=chunk, tiles_per_program=tiles_per_program, num_warps=1, num_stages=1)
+    config = dict(tile=tile or chunk, tiles_per_program=tiles_per_program, num_warps=1, num_stages=1)
     monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, c: config)
     if budget is not None:
         monkeypatch.setattr(backward_super, "SCRATCH_BYTES", budget)

@@ -298,11 +298,11 @@ def test_backward_checkpoint_segments(monkeypatch, every):
 @pytest.mark.parametrize("side_dtype", [torch.float32, torch.float16], ids=["side-fp32", "side-fp16"])
 def test_triton_backend_float16_gradients(monkeypatch, side_dtype, below):
     """float16 q, k, v (w, beta, g in float32 or float16): every gradient within 1e-2 of the PyTorch backend on the
-    same rounded inputs, in the inputs' dtypes; at K = 32 by default through the float32 backward
-    (``parallel.FLOAT32_BELOW``), and through the kernels' own 16-bit path with the fallback off."""
+    same rounded inputs, in the inputs' dtypes; at K = 32 by default through the backward zero-padded to K = 64
+    (``parallel.PAD_BELOW``), and through the kernels' own 16-bit path with the padding off."""
     from attnkit.ops.path import parallel
 
-    monkeypatch.setattr(parallel, "FLOAT32_BELOW", below)
+    monkeypatch.setattr(parallel, "PAD_BELOW", below)
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 90, 2, 2, 32, 16, gate=True, dtype=torch.float32))
     w, beta, g = (x.to(side_dtype) for x in (w, beta, g))
     q, k, v = (x.half() for x in (q, k, v))
@@ -323,7 +323,7 @@ def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
     from attnkit.ops.path import parallel
     from attnkit.ops.path.triton import backward, prepare
 
-    monkeypatch.setattr(parallel, "FLOAT32_BELOW", 0)  # the kernels' own 16-bit path at K = 16
+    monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
     monkeypatch.setattr(backward, "carries_key_tile", lambda key_dim: key_tile)
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 130, 4, 2, 16, 24, gate=True, dtype=torch.float32))
@@ -612,7 +612,7 @@ def test_gate_gradient_of_a_first_token_is_zero(monkeypatch, span):
     from attnkit.ops.path import parallel
     from attnkit.ops.path.triton import prepare
 
-    monkeypatch.setattr(parallel, "FLOAT32_BELOW", 0)  # the kernels' own 16-bit path at K = 16
+    monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
     offsets = [0, 40, 41, 130]
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 130, 4, 2, 16, 16, gate=True, dtype=torch.float32))
@@ -671,14 +671,15 @@ def test_local_adjoint_precisions(monkeypatch):
     assert prepare.inner_carry(torch.float32, 64) == "ieee"
 
 
-def test_small_head_dims_16bit_backward_in_float32(monkeypatch):
-    """16-bit inputs at a padded key dim below ``parallel.FLOAT32_BELOW`` (16 and 32) take the backward in float32,
-    the gradients back in the inputs' dtypes; at K = 48 (padded to 64) the kernels take them as they are."""
+def test_small_head_dims_16bit_backward_zero_padded(monkeypatch):
+    """16-bit inputs at a padded key dim below ``parallel.PAD_BELOW`` (16 and 32) take the backward with ``q, k, w``
+    zero-padded to K = 64, the gradients cut back to K, in the inputs' dtypes; at K = 48 (padded to 64 inside the
+    kernels) the kernels take them as they are."""
     from attnkit.ops.path import parallel
     from attnkit.ops.path.triton import local
 
     seen, local_bwd = [], local.local_bwd_fn
-    monkeypatch.setattr(local, "local_bwd_fn", lambda q, *args: seen.append(q.dtype) or local_bwd(q, *args))
+    monkeypatch.setattr(local, "local_bwd_fn", lambda q, *args: seen.append(q.shape[-1]) or local_bwd(q, *args))
     for K in (16, 32, 48):
         inputs = [x.to(DEVICE) for x in make_inputs(1, 40, 2, 1, K, 16, gate=True, dtype=torch.float32)]
         inputs[:3] = [x.to(torch.float16) for x in inputs[:3]]
@@ -687,9 +688,10 @@ def test_small_head_dims_16bit_backward_in_float32(monkeypatch):
         reference = [x.float() for x in inputs[:3]] + inputs[3:]
         expected = backend_grads(reference, do.float(), "torch")
         assert [a.dtype for a in actual] == [x.dtype for x in [inputs[2], *inputs]]
+        assert [a.shape for a in actual[1:]] == [x.shape for x in inputs]
         for name, a, e in zip(GRAD_NAMES, actual, expected):
             assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
-    assert seen == [torch.float32, torch.float32, torch.float16] and parallel.FLOAT32_BELOW == 64
+    assert seen == [64, 64, 48] and parallel.PAD_BELOW == 64
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots need a GPU")
@@ -697,8 +699,9 @@ def test_small_head_dims_16bit_backward_in_float32(monkeypatch):
 def test_bf16_small_head_dims_on_gpu(K):
     """bf16 inputs at small head dims, short and odd T, float32 ``w`` and bf16 ``beta`` (what a model under bf16
     autocast hands the op): forward and every gradient against the PyTorch backend. At K = 16 and 32 the bf16
-    backward hit an illegal memory access on the H200 (ninth session), then gave non-finite dv and dq (tenth), and now
-    runs in float32 there (``parallel.FLOAT32_BELOW``)."""
+    backward hit an illegal memory access on the H200 (ninth session), then gave non-finite dv and dq (tenth); the
+    tenth session's float32 backward compiled for minutes at K = 32, and it now runs zero-padded to K = 64
+    (``parallel.PAD_BELOW``)."""
     inputs = [
         None if x is None else x.to(DEVICE) for x in make_inputs(2, 77, 4, 2, K, K, gate=True, dtype=torch.float32)
     ]

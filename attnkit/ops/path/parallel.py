@@ -21,13 +21,16 @@ from attnkit.ops.path.triton.carry import carry_keys_fn
 from attnkit.ops.path.triton.decode import path_decode_fn
 from attnkit.ops.path.triton.forward import path_fwd_fn
 
-# 16-bit inputs whose padded key dim is below this take the backward in float32 (the inputs cast up, the gradients
-# cast back): on the H200 (Triton 3.6) the bf16 backward at K = 16 and 32 gave non-finite dv and dq, or an illegal
-# memory access, where bf16 at K = 48 and 64 held to the PyTorch backend (test_bf16_small_head_dims_on_gpu).
-# compute-sanitizer put an out-of-bounds shared-memory read inside path_local_bwd_kernel's one-pass TF32 tl.dot at
-# BK = 16: the compiler's layout, not the kernel's indexing; float32 inputs take exact products, no tensor cores
-# (benchmarks/results/path_h200.md, tenth session). 0 turns the fallback off.
-FLOAT32_BELOW = 64
+# 16-bit inputs whose padded key dim is below this take the backward with q, k and w zero-padded to this key dim
+# (exact: a zero coordinate of w leaves the transitions the identity there, and zero coordinates of q and k add
+# nothing to a logit; the gradients are cut back). On the H200 (Triton 3.6) the bf16 backward at K = 16 and 32 gave
+# non-finite dv and dq, or an illegal memory access, where bf16 at K = 48 and 64 held to the PyTorch backend
+# (test_bf16_small_head_dims_on_gpu). compute-sanitizer put an out-of-bounds shared-memory read inside
+# path_local_bwd_kernel's one-pass TF32 tl.dot at BK = 16: the compiler's layout, not the kernel's indexing. The tenth
+# session's fallback, the backward in float32, compiled the local adjoint's exact (ieee, FMA-unrolled) products at
+# K = 32 for over 170 s (eleventh session); padded, the step runs the K = 64 kernels a D = 64 model already compiled
+# (benchmarks/results/path_h200.md). 0 turns the padding off.
+PAD_BELOW = 64
 
 
 @torch.library.custom_op("attnkit::path_decode_", mutates_args=("k_cache",), device_types=("cuda", "cpu"))
@@ -124,14 +127,14 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     3. the superblock-local terms' adjoint and the chunk-local terms' adjoint with the diagonal blocks
        (``local.py``), which give ``dq, dk, dw, dbeta``.
 
-    16-bit inputs at a padded key dim below ``FLOAT32_BELOW`` take it in float32. Buffers are dropped as soon as the
-    last kernel that reads them has run.
+    16-bit inputs at a padded key dim below ``PAD_BELOW`` take it with ``q, k, w`` zero-padded to ``PAD_BELOW``.
+    Buffers are dropped as soon as the last kernel that reads them has run.
     """
     B, T, HQ, K = q.shape
-    if q.dtype != torch.float32 and block_dim(K) < FLOAT32_BELOW:
-        up = [t if t is None else t.float() for t in (q, k, v, w, beta, o, do)]
-        dq, dk, dv, dw, dbeta, dg = path_bwd_fn(*up[:5], g, cu_seqlens, up[5], lse, up[6], scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv, dw.to(w.dtype), dbeta.to(beta.dtype), dg
+    if q.dtype != torch.float32 and block_dim(K) < PAD_BELOW:
+        q, k, w = (torch.nn.functional.pad(t, (0, PAD_BELOW - K)) for t in (q, k, w))
+        dq, dk, dv, dw, dbeta, dg = path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale)
+        return dq[..., :K].contiguous(), dk[..., :K].contiguous(), dv, dw[..., :K].contiguous(), dbeta, dg
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     chunk = backward.backward_config(K)[0]

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import launch_grid, locate_block, seq_bounds
-from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
@@ -66,7 +66,11 @@ def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
     stages and eight warps were slower (26.2 and 28.8 ms against 25.8). Compiled for sm_90a with Triton 3.6 (bf16
     inputs, tenth session), the sweep kernel needs 64 KB of shared memory at K = 64 (64-row tiles) and 96 KB at
     K = 128 (32-row tiles), and spills 488 and 2396 bytes a thread (720 and 2560 with FoX's gates); 64-row tiles at
-    K = 128 on eight warps and one stage take 144 KB and spill 1380 (``path_tune.py``'s last ``SUPER`` row)."""
+    K = 128 on eight warps and one stage take 144 KB and spill 1380, and on the H200 (PaTH-FoX, T = 4k, D = 128,
+    eleventh session) forward+backward took 41.1 ms with them against 47.0 with 32-row tiles on three stages: they
+    are the default from K = 65 to 128 (on a GPU; the interpreter keeps the chunk's tile)."""
+    if 64 < key_dim <= 128 and not interpreting():
+        return dict(tile=64, tiles_per_program=0, num_warps=8, num_stages=1)
     stages = 3 if key_dim > 64 else 1
     return dict(tile=chunk, tiles_per_program=0, num_warps=backward.backward_config(key_dim)[1], num_stages=stages)
 
