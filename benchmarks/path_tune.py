@@ -72,9 +72,11 @@ CARRY = ["tf32x3", "tf32", "bf16x3"]
 # inner kernels' products on 16-bit operands; and everywhere the local adjoint's L⁻ᵀ dM by two products in bf16x3),
 # then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the back
 # substitution for local.LOCAL_SOLVE), the inner query kernel keeping every carried query (backward.INNER_EVERY), the
-# two products in one TF32 pass and the sweep's products a (key tile, superblock) pair in one TF32 pass
-# (backward_super.PAIR_16BIT); each timed forward+backward and held to the PyTorch backend in float32 on
-# path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T.
+# two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass on
+# 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings at K = 128 instead of 64
+# (prepare.MEASURED_DIM; LOCAL_DIMS=128 ... pathlocal), and the last two together; each timed forward+backward and
+# held to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at
+# the same T.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
@@ -83,6 +85,9 @@ LOCAL = [
     ("local solve by substitution", {(local, "LOCAL_SOLVE"): None}),
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
+    ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
+    ("16-bit settings at K = 128 (off at 64)", {(prepare, "MEASURED_DIM"): 128}),
+    ("both", {(backward_super, "PAIR_16BIT"): "16bit", (prepare, "MEASURED_DIM"): 128}),
 ]  # fmt: skip
 
 

@@ -338,6 +338,35 @@ def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
     assert any(not torch.equal(a, b) for a, b in zip(actual[1:], rounded_later[1:]))
 
 
+@pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])
+def test_sweep_pairs_on_16bit_operands(monkeypatch, offsets):
+    """``backward_super.PAIR_16BIT = "16bit"``: the sweep between superblocks takes its three products a (key tile,
+    later superblock) pair on float16 operands (four superblocks of two chunks, GQA, packed with an empty sequence):
+    every gradient within float16's bars of the PyTorch backend, and not the exact pairs' numbers (the rounding is
+    there); float32 inputs keep exact products."""
+    from attnkit.ops.path import parallel
+    from attnkit.ops.path.triton import backward_super, prepare
+
+    monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 2)
+    T = 150 if offsets else 130
+    inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32)]
+    inputs[:3] = [x.half() for x in inputs[:3]]
+    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    expected = backend_grads([x.float() for x in inputs], do.float(), "torch", cu)
+    exact_pairs = backend_grads(inputs, do, "triton", cu)
+    monkeypatch.setattr(backward_super, "PAIR_16BIT", "16bit")
+    actual = backend_grads(inputs, do, "triton", cu)
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(actual[1:], exact_pairs[1:]))
+    floats = [x.float() for x in inputs]
+    sixteen = backend_grads(floats, do.float(), "triton", cu)
+    monkeypatch.setattr(backward_super, "PAIR_16BIT", None)
+    assert all(torch.equal(a, b) for a, b in zip(sixteen, backend_grads(floats, do.float(), "triton", cu)))
+
+
 @pytest.mark.parametrize("every", [1, 4], ids=["every-chunk", "one-segment"])
 def test_inner_checkpoints(monkeypatch, every):
     """``backward.INNER_EVERY``: the query kernel inside superblocks of four chunks keeps every carried query (no

@@ -49,9 +49,11 @@ DQ_BY_ATOMICS = True
 SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (float32 K × K each a pair and group)
 # The sweep's three products a (key tile, later superblock) pair for 16-bit inputs on a GPU: the key carried to the
 # superblock, y = k̂ Π_{n,s}ᵀ (rounded to the inputs' dtype for the logits at once), dk̂ += dY Π_{n,s} and the row
-# E_{n,s} += dYᵀ k̂. None: the carries' precision (three bf16 passes); "tf32": one pass. The chain Π ← Σᵀ Π, which
-# compounds over the superblocks, keeps the carries'. Slower on the H200 (PaTH-FoX, T = 4k, D = 64): 21.47 ms against
-# the default's 20.13 (ninth session, benchmarks/path_tune.py --local-only).
+# E_{n,s} += dYᵀ k̂. None: the carries' precision (three bf16 passes); "tf32": one pass, slower on the H200 (PaTH-FoX,
+# T = 4k, D = 64: 21.47 ms against the default's 20.13; ninth session, benchmarks/path_tune.py --local-only); "16bit":
+# one pass on operands rounded to the inputs' dtype (y is rounded to it for the logits anyway, and FlashAttention
+# takes its dK, dQ products so), a third of the default's tensor-core passes; not yet timed. The chain Π ← Σᵀ Π, which
+# compounds over the superblocks, keeps the carries'.
 PAIR_16BIT: str | None = None
 
 
@@ -79,6 +81,16 @@ def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
 def row_offset(i_r, n0, NL):
     """The first entry of row ``n0 + i_r`` among a wave's rows ``n0, n0 + 1, …`` of ``NL − 1 − n`` entries each."""
     return i_r * (NL - 1 - n0) - (i_r * (i_r - 1)) // 2
+
+
+@triton.jit
+def pair_dot(a, b, PRECISION: tl.constexpr, dtype: tl.constexpr):
+    """``a @ b`` with float32 accumulation: ``PRECISION`` "16bit" rounds both operands to ``dtype`` (the inputs'),
+    anything else is ``tl.dot``'s ``input_precision``."""
+    if PRECISION == "16bit":
+        return tl.dot(a.to(dtype), b.to(dtype))
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -137,7 +149,8 @@ def path_bwd_super_kv_kernel(
             p_ps = p_pi + (s - n - 1) * (BK * BK) + p_kk
             # k̂ at superblock s's start, in the products' dtype: the logits and dS y take 16-bit operands, as the
             # forward's logits between superblocks do.
-            b_y = tl.dot(b_kh, tl.trans(tl.load(p_ps)), input_precision=PAIR_PRECISION).to(do.dtype.element_ty)
+            b_y = pair_dot(b_kh, tl.trans(tl.load(p_ps)), PAIR_PRECISION, do.dtype.element_ty)
+            b_y = b_y.to(do.dtype.element_ty)
             b_dys = tl.zeros([BT, BK], dtype=tl.float32)
             for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
                 b_dy, b_dv, b_dg = key_chunk_grads(
@@ -146,11 +159,11 @@ def path_bwd_super_kv_kernel(
                 )  # fmt: skip
                 b_dys += b_dy
             b_dys *= scale
-            b_dkh += tl.dot(b_dys, tl.load(p_ps), input_precision=PAIR_PRECISION)
+            b_dkh += pair_dot(b_dys, tl.load(p_ps), PAIR_PRECISION, do.dtype.element_ty)
             for cb in tl.static_range(BK // BC):
                 o_c = cb * BC + tl.arange(0, BC)
                 b_kc = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_c[None, :], mask=(o_c < K)[None, :], other=0.0)
-                b_e = tl.dot(tl.trans(b_dys), b_kc, input_precision=PAIR_PRECISION)
+                b_e = pair_dot(tl.trans(b_dys), b_kc, PAIR_PRECISION, do.dtype.element_ty)
                 p_c = p_s + o_k[:, None] * BK + o_c[None, :]
                 if t > 0:
                     b_e += tl.load(p_c)
@@ -392,7 +405,10 @@ def path_bwd_super_fn(
     if NL < 2:
         return dxh, dkh, dv, dsig, dgcum
     precision, carry = precisions(v.dtype, K)
-    pair = carry if carry == "ieee" or PAIR_16BIT is None else PAIR_16BIT  # exact inputs, the interpreter: exact
+    if PAIR_16BIT == "16bit" and v.dtype != torch.float32:  # 16-bit operands: under the interpreter too (fp16)
+        pair = PAIR_16BIT
+    else:  # exact inputs, the interpreter: exact
+        pair = carry if carry == "ieee" or PAIR_16BIT is None else PAIR_16BIT
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     plan = waves(NL - 1, pair_bytes * groups)
