@@ -341,7 +341,7 @@ def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
 @pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])
 def test_sweep_pairs_on_16bit_operands(monkeypatch, offsets):
     """``backward_super.PAIR_16BIT = "16bit"``: the sweep between superblocks takes its three products a (key tile,
-    later superblock) pair on float16 operands (four superblocks of two chunks, GQA, packed with an empty sequence):
+    later superblock) pair on float16 operands (superblocks of two chunks, GQA, packed with an empty sequence):
     every gradient within float16's bars of the PyTorch backend, and not the exact pairs' numbers (the rounding is
     there); float32 inputs keep exact products."""
     from attnkit.ops.path import parallel

@@ -1,0 +1,127 @@
+"""What every Triton kernel of PaTH's forward+backward compiles to on Hopper, without a GPU: registers, spills and
+shared memory of each launch the GPU's defaults pick.
+
+    pip install --target /tmp/t36 triton==3.6.0     # the GPU machine's Triton; the CPU wheel carries ptxas
+    PYTHONPATH=/tmp/t36 python benchmarks/kernel_resources.py [--head-dims 64 128] [--gate] [--list] [--out FILE]
+
+The launchers run on CPU tensors without ``TRITON_INTERPRET`` (it must be unset: the kernels are then plain
+``JITFunction``s, and the launchers choose the GPU's chunks, tiles, warps, stages and precisions), and every launch is
+recorded instead of run: their outputs are never read (the launchers take no host sync, which this also checks).
+``--list`` prints the launches without compiling them. Each distinct specialisation is then compiled for sm_90a through
+:func:`benchmarks.sass_report.compile_report`. Inputs are bf16, as a model under autocast hands them (``w``, ``beta``
+and the gates float32), one sequence of 2048 positions (four superblocks at the default span), ``H·D = 1024``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from benchmarks.sass_report import compile_report  # noqa: E402
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+
+
+def record_launches(fn) -> list[dict]:
+    """Run ``fn`` with every Triton launch recorded (kernel, arguments by name, warps, stages) instead of run."""
+    launches, run = [], JITFunction.run
+
+    def recorder(self, *args, grid, warmup, **kwargs):
+        named = dict(zip([p.name for p in self.params], args)) | kwargs
+        launches.append(dict(kernel=self, args=named))
+
+    JITFunction.run = recorder
+    try:
+        fn()
+    finally:
+        JITFunction.run = run
+    return launches
+
+
+def specialisation(launch: dict) -> tuple[dict, dict, int, int]:
+    """``(signature, constants, num_warps, num_stages)`` of a recorded launch, as ``compile_report`` takes them."""
+    args, signature, constants = dict(launch["args"]), {}, {}
+    warps, stages = args.pop("num_warps", 4), args.pop("num_stages", 3)
+    for p in launch["kernel"].params:
+        value = args.get(p.name, p.default if p.has_default else None)
+        if p.is_constexpr or value is None:
+            constants[p.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[p.name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            constants[p.name] = value
+        elif isinstance(value, int):
+            signature[p.name] = "i32" if abs(value) < 2**31 else "i64"
+        else:
+            signature[p.name] = "fp32"
+    return signature, constants, warps, stages
+
+
+def path_step(D: int, gate: bool):
+    """PaTH's (or PaTH-FoX's) forward then backward through the kernels' own functions, on CPU tensors."""
+    from attnkit.ops.path.parallel import path_bwd_fn
+    from attnkit.ops.path.triton.forward import path_fwd_fn
+
+    T, H = 2048, max(1, 1024 // D)
+    q, k, v, do = (torch.randn(1, T, H, D, dtype=torch.bfloat16) for _ in range(4))
+    w = torch.nn.functional.normalize(torch.randn(1, T, H, D), dim=-1)
+    beta, g = torch.rand(1, T, H) * 2, (-torch.rand(1, T, H) if gate else None)
+    o, lse = path_fwd_fn(q, k, v, w, beta, g, D**-0.5, None)
+    path_bwd_fn(q, k, v, w, beta, g, None, o, lse, do, D**-0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--gate", action="store_true", help="PaTH-FoX (the gates' kernels and branches)")
+    parser.add_argument("--list", action="store_true", help="print the launches, compile nothing")
+    parser.add_argument("--out", help="JSON of every row")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        parser.error("TRITON_INTERPRET=1: the launchers would pick the interpreter's configurations; unset it")
+    rows = []
+    for D in args.head_dims:
+        seen = set()
+        for launch in record_launches(functools.partial(path_step, D, args.gate)):
+            signature, constants, warps, stages = specialisation(launch)
+            name = launch["kernel"].fn.__name__
+            key = (name, json.dumps(constants, default=str, sort_keys=True), warps, stages)
+            if key in seen:
+                continue
+            seen.add(key)
+            if args.list:
+                shown = {k: v for k, v in constants.items() if v is not None and k.isupper()}
+                print(f"D={D} {name} (warps {warps}, stages {stages}): {shown}", flush=True)
+                continue
+            try:
+                report = compile_report(launch["kernel"], signature, constants, warps, stages)
+                report.pop("loops", None)
+            except Exception as e:  # noqa: BLE001 — out of resources and the like are results here
+                report = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            row = dict(D=D, kernel=name, num_warps=warps, num_stages=stages, **report)
+            row["constants"] = {k: v for k, v in constants.items() if v is not None and k.isupper()}
+            rows.append(row)
+            shown = ", ".join(f"{k}={v}" for k, v in report.items())
+            print(f"D={D} {name} (warps {warps}, stages {stages}): {shown}", flush=True)
+    if args.out:
+        import triton
+
+        from benchmarks.ops import environment
+
+        env = environment(torch.device("cpu")) | dict(triton=triton.__version__, target="sm_90a", gate=args.gate)
+        Path(args.out).write_text(json.dumps(dict(environment=env, rows=rows), indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

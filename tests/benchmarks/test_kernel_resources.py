@@ -1,0 +1,45 @@
+"""The kernel-resources report's launch recording: PaTH's forward+backward launchers run on CPU tensors without
+the interpreter, every launch recorded instead of run (no host sync can read an output), with the GPU's choices."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = [
+    "path_prepare_kernel", "path_carry_kernel", "path_fwd_kernel", "path_query_terms_kernel",
+    "path_bwd_super_kv_kernel", "path_bwd_super_row_kernel", "path_bwd_super_sig_kernel", "path_bwd_kv_kernel",
+    "path_bwd_q_kernel", "path_super_terms_bwd_kernel", "path_local_bwd_kernel", "segment_cumsum_kernel",
+]  # fmt: skip
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), *args]
+    return subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_launches_of_a_path_fox_step_with_the_gpu_choices():
+    done = run("--list", "--gate", "--head-dims", "64", "128")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for D in (64, 128):
+        names = {line.split()[1] for line in lines if line.startswith(f"D={D} ")}
+        assert names >= set(KERNELS), sorted(set(KERNELS) - names)
+    # The GPU's launches, not the interpreter's: 64-position chunks at K = 64, and at K = 128 the sweep's 64-row tiles
+    # on eight warps and one stage over 32-position chunks.
+    sweep = [line for line in lines if line.startswith("D=128 path_bwd_super_kv_kernel")]
+    assert len(sweep) == 1 and "(warps 8, stages 1)" in sweep[0] and "'BT': 64" in sweep[0]
+    local = [line for line in lines if line.startswith("D=128 path_local_bwd_kernel")]
+    assert len(local) == 1 and "'BT': 32" in local[0]
+    assert any(line.startswith("D=64 path_local_bwd_kernel") and "'BT': 64" in line for line in lines)
+
+
+def test_refuses_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    script = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--list"]
+    done = subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "TRITON_INTERPRET" in done.stderr
