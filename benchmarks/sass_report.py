@@ -33,7 +33,8 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_report(fn, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int) -> dict:
-    """Registers, spill bytes, shared memory and ``[instructions per loop]`` of one specialisation."""
+    """Registers, spill bytes, shared memory, ``[instructions per loop]`` and tensor-core instructions (``wgmma``,
+    ``mma_sync``) of one specialisation."""
     aligned = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(signature.items()) if t.startswith("*")}
     aligned.update({(list(signature).index(n),): [["tt.divisibility", 16]] for n in ("T", "NT") if n in signature})
     src = ASTSource(
@@ -57,11 +58,16 @@ def compile_report(fn, signature: dict[str, str], constants: dict, num_warps: in
         at, target = int(m.group(1), 16), int(m.group(2), 16)
         if target < at:
             loops.append((at - target) // 16)
+    ptx = kernel.asm["ptx"]
     return dict(
         registers=int(regs.group(1)) if regs else None,
         spill_bytes=int(spills.group(1)) if spills else 0,
         shared=kernel.metadata.shared,
         loops=loops,
+        # Hopper's warpgroup MMA (wgmma, a 64-row tile a warpgroup at least) against the warp-level mma.sync that
+        # Triton falls back to for smaller tiles: the tensor-core instructions in the PTX.
+        wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
+        mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
     )
 
 
