@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import path_attention  # noqa: E402
+from attnkit.ops.common.triton_utils import block_dim, interpreting  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
 from attnkit.ops.path.triton import backward, backward_super, local, prepare  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
@@ -67,6 +68,18 @@ SUPER_DQ = [False]
 # passes (prepare.CARRY_16BIT, the default for bfloat16 at K = 64 and 128), with beta drawn from (1.5, 2) as issue 3's
 # accuracy bar asks.
 CARRY = ["tf32x3", "tf32", "bf16x3"]
+
+
+def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tuple[int, int]:
+    """``backward.backward_config`` with 64-position chunks on eight warps at a padded K of 128 (its own rule
+    elsewhere). With 32-position chunks there every chunk kernel of the backward compiles to ``mma.sync`` instead of
+    Hopper's ``wgmma`` (``benchmarks/kernel_resources.py``); with 64 all of them take ``wgmma``, and with the local
+    adjoint's gradient products in bf16 (and the inner kernels' other 16-bit settings off) every one fits shared
+    memory: the query kernel 224 KB, the local adjoint 200 KB (320 KB in TF32), the key kernel 160 KB (sm_90a,
+    Triton 3.6, eleventh session)."""
+    return (64, 8) if block_dim(key_dim) == 128 and not interpreting() else default(key_dim)
+
+
 # --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 the
 # chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass and the
 # inner kernels' products on 16-bit operands; and everywhere the local adjoint's L⁻ᵀ dM by two products in bf16x3),
@@ -74,7 +87,8 @@ CARRY = ["tf32x3", "tf32", "bf16x3"]
 # substitution for local.LOCAL_SOLVE), the inner query kernel keeping every carried query (backward.INNER_EVERY), the
 # two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass on
 # 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings at K = 128 instead of 64
-# (prepare.MEASURED_DIM; LOCAL_DIMS=128 ... pathlocal), and the last two together; each timed forward+backward and
+# (prepare.MEASURED_DIM; LOCAL_DIMS=128 ... pathlocal), the last two together, and at K = 128 the backward's chunks
+# of 64 positions with the local adjoint's products in bf16 (chunks_of_64_at_k128); each timed forward+backward and
 # held to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at
 # the same T.
 LOCAL = [
@@ -88,6 +102,10 @@ LOCAL = [
     ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
     ("16-bit settings at K = 128 (off at 64)", {(prepare, "MEASURED_DIM"): 128}),
     ("both", {(backward_super, "PAIR_16BIT"): "16bit", (prepare, "MEASURED_DIM"): 128}),
+    ("chunks of 64 at K = 128, local grads bf16", {
+        (backward, "backward_config"): chunks_of_64_at_k128, (prepare, "MEASURED_DIM"): 128,
+        (backward, "INNER_LOW_GRAD"): False, (prepare, "INNER_CARRY_16BIT"): None,
+    }),
 ]  # fmt: skip
 
 
