@@ -140,9 +140,10 @@ for step in $steps; do
             timeout 300 python3 benchmarks/path_tune.py --span-only --seq-lens ${SPAN_SEQ_LENS:-4096} \
                 --head-dims ${SPAN_DIMS:-64 128} --out "$OUT" > "$OUT/pathspan.log" 2>&1 ;;
         pathlocal)  # PaTH: path_tune.py's LOCAL settings (the local adjoint's gradient products, the carries and
-            # products of the kernels inside superblocks, the sweep's pair products): time and error from the PyTorch
-            # backend at 4k, D = 64. The settings compile in one process each, at once (serially each took minutes on
-            # the H200, 2026-12-02), then this process times them
+            # products of the kernels inside superblocks, the sweep's pair products, the 16-bit settings and 64-position
+            # chunks at K = 128): time and error from the PyTorch backend at 4k, D = 64 (LOCAL_DIMS=128 for D = 128, one
+            # call each). The settings compile in one process each, at once (serially each took minutes on the H200,
+            # 2026-12-02), then this process times them
             timeout ${LOCAL_LIMIT:-480} python3 benchmarks/path_tune.py --local-only --jobs 8 --seq-lens ${LOCAL_SEQ_LENS:-4096} \
                 --head-dims ${LOCAL_DIMS:-64} --out "$OUT" > "$OUT/pathlocal.log" 2>&1 ;;
         pathcarry)  # PaTH: the carries of bf16 inputs in 3xTF32, one TF32 pass or 3 bf16 passes (default), time and error
