@@ -1,5 +1,6 @@
-"""What every Triton kernel of PaTH's forward+backward compiles to on Hopper, without a GPU: registers, spills and
-shared memory of each launch the GPU's defaults pick.
+"""What every Triton kernel of PaTH's forward+backward compiles to on Hopper, without a GPU: registers, spills,
+shared memory and tensor-core instructions (``wgmma`` or the warp-level ``mma.sync``) of each launch the GPU's
+defaults pick (``benchmarks/results/path_kernel_resources_sm90a.json``).
 
     pip install --target /tmp/t36 triton==3.6.0     # the GPU machine's Triton; the CPU wheel carries ptxas
     PYTHONPATH=/tmp/t36 python benchmarks/kernel_resources.py [--head-dims 64 128] [--gate] [--list] [--out FILE]
