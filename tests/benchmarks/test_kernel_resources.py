@@ -16,8 +16,10 @@ KERNELS = [
 ]  # fmt: skip
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     script = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), *args]
     return subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
@@ -39,7 +41,5 @@ def test_launches_of_a_path_fox_step_with_the_gpu_choices():
 
 
 def test_refuses_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    script = [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--list"]
-    done = subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run("--list", interpret=True)
     assert done.returncode != 0 and "TRITON_INTERPRET" in done.stderr
