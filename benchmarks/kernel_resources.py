@@ -4,6 +4,7 @@ defaults pick (``benchmarks/results/path_kernel_resources_sm90a.json``).
 
     pip install --target /tmp/t36 triton==3.6.0     # the GPU machine's Triton; the CPU wheel carries ptxas
     PYTHONPATH=/tmp/t36 python benchmarks/kernel_resources.py [--head-dims 64 128] [--gate] [--list] [--out FILE]
+        [--setting LABEL]    # one of path_tune.py's LOCAL settings (its module attributes patched meanwhile)
 
 The launchers run on CPU tensors without ``TRITON_INTERPRET`` (it must be unset: the kernels are then plain
 ``JITFunction``s, and the launchers choose the GPU's chunks, tiles, warps, stages and precisions), and every launch is
@@ -87,13 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate", action="store_true", help="PaTH-FoX (the gates' kernels and branches)")
     parser.add_argument("--list", action="store_true", help="print the launches, compile nothing")
     parser.add_argument("--out", help="JSON of every row")
+    parser.add_argument("--setting", help="a path_tune.LOCAL label: compile the launches that setting makes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1: the launchers would pick the interpreter's configurations; unset it")
+    from benchmarks import path_tune
+
+    settings = dict(path_tune.LOCAL)
+    if args.setting is not None and args.setting not in settings:
+        parser.error(f"--setting: {args.setting!r} is not one of {list(settings)}")
     rows = []
     for D in args.head_dims:
         seen = set()
-        for launch in record_launches(functools.partial(path_step, D, args.gate)):
+        with path_tune.patched(settings.get(args.setting, {})):
+            launches = record_launches(functools.partial(path_step, D, args.gate))
+        for launch in launches:
             signature, constants, warps, stages = specialisation(launch)
             name = launch["kernel"].fn.__name__
             key = (name, json.dumps(constants, default=str, sort_keys=True), warps, stages)
@@ -119,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from benchmarks.ops import environment
 
-        env = environment(torch.device("cpu")) | dict(triton=triton.__version__, target="sm_90a", gate=args.gate)
+        env = environment(torch.device("cpu")) | dict(
+            triton=triton.__version__, target="sm_90a", gate=args.gate, setting=args.setting
+        )
         Path(args.out).write_text(json.dumps(dict(environment=env, rows=rows), indent=1, default=str) + "\n")
     return 0
 

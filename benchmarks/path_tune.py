@@ -73,24 +73,25 @@ CARRY = ["tf32x3", "tf32", "bf16x3"]
 def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tuple[int, int]:
     """``backward.backward_config`` with 64-position chunks on eight warps at a padded K of 128 (its own rule
     elsewhere). With 32-position chunks there every chunk kernel of the backward compiles to ``mma.sync`` instead of
-    Hopper's ``wgmma`` (``benchmarks/kernel_resources.py``); with 64 all of them take ``wgmma``, and with the local
-    adjoint's gradient products in bf16 (and the inner kernels' other 16-bit settings off) every one fits shared
-    memory: the query kernel 224 KB, the local adjoint 200 KB (320 KB in TF32), the key kernel 160 KB (sm_90a,
-    Triton 3.6, eleventh session)."""
+    Hopper's ``wgmma`` (``benchmarks/kernel_resources.py``); with 64 all of them take ``wgmma``. With the local
+    adjoint's gradient products in bf16, the inner kernels' products on 16-bit operands and their carries in three bf16
+    passes (not one TF32 pass) every one fits shared memory for the float32 ``w`` the layers pass: the query kernel
+    128 KB, the key kernel 144 KB, the local adjoint 200 KB (with the carries in TF32: 256 and 176 KB; sm_90a,
+    Triton 3.6, twelfth session)."""
     return (64, 8) if block_dim(key_dim) == 128 and not interpreting() else default(key_dim)
 
 
-# --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 the
-# chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass and the
-# inner kernels' products on 16-bit operands; and everywhere the local adjoint's L⁻ᵀ dM by two products in bf16x3),
-# then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the back
-# substitution for local.LOCAL_SOLVE), the inner query kernel keeping every carried query (backward.INNER_EVERY), the
-# two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass on
-# 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings at K = 128 instead of 64
-# (prepare.MEASURED_DIM; LOCAL_DIMS=128 ... pathlocal), the last two together, and at K = 128 the backward's chunks
-# of 64 positions with the local adjoint's products in bf16 (chunks_of_64_at_k128); each timed forward+backward and
-# held to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at
-# the same T.
+# --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 and
+# 128 the chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass
+# and the inner kernels' products on 16-bit operands; and everywhere the local adjoint's L⁻ᵀ dM by two products in
+# bf16x3), then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the
+# back substitution for local.LOCAL_SOLVE), the inner query kernel keeping every carried query (backward.INNER_EVERY),
+# the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass
+# on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
+# (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), and at K = 128 the backward's chunks of 64 positions with the
+# local adjoint's products in bf16 (chunks_of_64_at_k128); each timed forward+backward on bf16 q, k, v with float32
+# w, beta and g (as the layers pass them) and held to the PyTorch backend in float32 on path_accuracy's inputs (beta
+# in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T. --local-pick narrows the rows to labels holding a string.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
@@ -100,11 +101,9 @@ LOCAL = [
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
     ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
-    ("16-bit settings at K = 128 (off at 64)", {(prepare, "MEASURED_DIM"): 128}),
-    ("both", {(backward_super, "PAIR_16BIT"): "16bit", (prepare, "MEASURED_DIM"): 128}),
-    ("chunks of 64 at K = 128, local grads bf16", {
-        (backward, "backward_config"): chunks_of_64_at_k128, (prepare, "MEASURED_DIM"): 128,
-        (backward, "INNER_LOW_GRAD"): False, (prepare, "INNER_CARRY_16BIT"): None,
+    ("16-bit settings off at K = 128", {(prepare, "MEASURED_DIMS"): (64,)}),
+    ("chunks of 64 at K = 128", {
+        (backward, "backward_config"): chunks_of_64_at_k128, (prepare, "INNER_CARRY_16BIT"): None,
     }),
 ]  # fmt: skip
 
@@ -263,19 +262,25 @@ def time_cell(
     return cell
 
 
-def local_cell(D: int, T: int, device: torch.device, jobs: int = 1, only: list[int] | None = None) -> dict:
+def local_cell(
+    D: int, T: int, device: torch.device, jobs: int = 1, only: list[int] | None = None, pick: list[int] | None = None
+) -> dict:
     """``--local-only``: each ``LOCAL`` setting's forward+backward time (bf16, 32768 tokens) and its output's and
     gradients' error from the PyTorch backend (``errs``, path_accuracy's inputs in bf16, ``err`` the largest); on the
     CPU float32 through the interpreter, where every setting is exact. Each setting compiles the backward's kernels
     afresh, for minutes on the H200's host: with ``jobs`` > 1 the settings' errors and first runs go to that many
     processes at once (:func:`local_errors`), whose kernels Triton's disk cache hands to this process, which then
-    times them one after another. ``only``: the settings' indices (the child processes' ``--local-settings``)."""
+    times them one after another. ``only``: the settings' indices (the child processes' ``--local-settings``, which
+    compile and check but do not time); ``pick``: the settings' indices this process times (``--local-pick``)."""
     H = max(1, 1024 // D) if device.type == "cuda" else 2
     B = max(1, 32768 // T) if device.type == "cuda" else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 dot is wrong
-    picked = list(range(len(LOCAL))) if only is None else only
+    picked = only if only is not None else pick if pick is not None else list(range(len(LOCAL)))
     errors = local_errors(D, T, device, picked, jobs)
-    x = {n: t.to(device=device, dtype=dtype) for n, t in make_inputs("path_fox", B, T, H, D).items()}
+    x = {
+        n: t.to(device=device, dtype=dtype if n in ("q", "k", "v") else torch.float32)
+        for n, t in make_inputs("path_fox", B, T, H, D).items()
+    }
     do = torch.randn(B, T, H, D, device=device, dtype=dtype)
     cell = dict(D=D, T=T, B=B, H=H, local=[])
     for i in picked:
@@ -389,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="--local-only: processes compiling the settings at once")
     parser.add_argument("--local-settings", type=int, nargs="+", help=argparse.SUPPRESS)  # a --jobs child's share
+    parser.add_argument("--local-pick", nargs="+", help="--local-only: the settings whose labels hold one of these")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -410,7 +416,14 @@ def main(argv: list[str] | None = None) -> int:
             knobs = [("SOLVE_ROWS", rows) for rows in solve] + [("SUPERBLOCK", p) for p in SPAN if args.span_only]
             grads = args.solve_only or args.span_only
             if args.local_only:
-                cells.append(local_cell(D, T, device, args.jobs, args.local_settings))
+                pick = (
+                    None
+                    if args.local_pick is None
+                    else [i for i, (label, _) in enumerate(LOCAL) if any(s in label for s in args.local_pick)]
+                )
+                if pick == []:
+                    parser.error(f"--local-pick: no setting's label holds any of {args.local_pick}")
+                cells.append(local_cell(D, T, device, args.jobs, args.local_settings, pick))
                 write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
                 continue
             cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, knobs, grads))

@@ -43,3 +43,14 @@ def test_launches_of_a_path_fox_step_with_the_gpu_choices():
 def test_refuses_the_interpreter():
     done = run("--list", interpret=True)
     assert done.returncode != 0 and "TRITON_INTERPRET" in done.stderr
+
+
+def test_a_path_tune_setting_changes_the_launches():
+    """--setting: the launches a path_tune.LOCAL setting makes (64-position chunks in the backward at K = 128), the
+    module attributes put back for the next head dim; an unknown label is refused by name."""
+    done = run("--list", "--gate", "--head-dims", "128", "--setting", "chunks of 64 at K = 128")
+    assert done.returncode == 0, done.stderr
+    local = [line for line in done.stdout.splitlines() if line.startswith("D=128 path_local_bwd_kernel")]
+    assert len(local) == 1 and "'BT': 64" in local[0]
+    done = run("--list", "--setting", "no such setting")
+    assert done.returncode != 0 and "--setting" in done.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import path_tune
 
 
@@ -98,3 +100,16 @@ def test_local_only_on_cpu(tmp_path, capsys):
 
     assert backward_super.PAIR_16BIT is None
     assert "fwd+bwd local setting=local solve by substitution:" in capsys.readouterr().out
+
+
+def test_local_pick_narrows_the_rows(tmp_path):
+    """--local-pick: only the settings whose labels hold one of the strings are checked and timed, in LOCAL's order;
+    a string no label holds is refused by name."""
+    argv = ["--device", "cpu", "--local-only", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
+    assert path_tune.main([*argv, "--local-pick", "chunks of 64", "default"]) == 0
+    cell = json.loads((tmp_path / "path_tune.json").read_text())["cells"][0]
+    assert [r["setting"] for r in cell["local"]] == ["default", "chunks of 64 at K = 128"]
+    for row in cell["local"]:
+        assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-4
+    with pytest.raises(SystemExit):
+        path_tune.main([*argv, "--local-pick", "no such setting"])

@@ -671,7 +671,7 @@ def test_carry_precisions(monkeypatch):
 
 def test_local_adjoint_precisions(monkeypatch):
     """The backward's 16-bit settings on a GPU apply where they were measured (``prepare.measured_16bit``: bfloat16
-    inputs at a padded K of 64): the chunk-local adjoint's gradient products on bf16 operands, the carries inside
+    inputs at a padded K of 64 or 128): the chunk-local adjoint's gradient products on bf16 operands, the carries inside
     superblocks in one TF32 pass, the inner kernels' products on 16-bit operands; everything else keeps the attention
     products' one TF32 pass and the carries' own precision, float32 inputs exact. Under the interpreter everything is
     exact. (bf16 local products at K = 16 and 32 hit an illegal memory access on the H200.)"""
@@ -682,11 +682,12 @@ def test_local_adjoint_precisions(monkeypatch):
     assert not prepare.measured_16bit(torch.bfloat16, 64)
     monkeypatch.setattr(prepare, "interpreting", lambda: False)
     measured = [prepare.measured_16bit(torch.bfloat16, k) for k in (16, 32, 48, 64, 128)]
-    assert measured == [False, False, True, True, False]
+    assert measured == [False, False, True, True, True]
     assert not prepare.measured_16bit(torch.float16, 64) and not prepare.measured_16bit(torch.float32, 64)
     assert local.LOCAL_GRADS_16BIT == "bf16" and backward.INNER_LOW_GRAD is None
     assert local.local_precisions(torch.bfloat16, 64) == local.local_precisions(torch.bfloat16, 48) == ("tf32", "bf16")
-    assert local.local_precisions(torch.bfloat16, 32) == local.local_precisions(torch.bfloat16, 128) == ("tf32", "tf32")
+    assert local.local_precisions(torch.bfloat16, 128) == ("tf32", "bf16")
+    assert local.local_precisions(torch.bfloat16, 32) == local.local_precisions(torch.bfloat16, 256) == ("tf32", "tf32")
     assert local.local_precisions(torch.float16, 64) == ("tf32", "tf32")
     assert local.local_precisions(torch.float32, 64) == ("ieee", "ieee")
     monkeypatch.setattr(local, "LOCAL_GRADS_16BIT", None)
@@ -694,9 +695,9 @@ def test_local_adjoint_precisions(monkeypatch):
     assert prepare.INNER_CARRY_16BIT == "tf32"
     assert prepare.inner_carry(torch.bfloat16, 64) == "tf32"
     assert prepare.inner_carry(torch.bfloat16, 32) == prepare.inner_carry(torch.float16, 64) == "tf32x3"
-    assert prepare.inner_carry(torch.bfloat16, 128) == "bf16x3"
+    assert prepare.inner_carry(torch.bfloat16, 128) == "tf32"
     monkeypatch.setattr(prepare, "INNER_CARRY_16BIT", None)
-    assert prepare.inner_carry(torch.bfloat16, 64) == "bf16x3"
+    assert prepare.inner_carry(torch.bfloat16, 64) == prepare.inner_carry(torch.bfloat16, 128) == "bf16x3"
     assert prepare.inner_carry(torch.float32, 64) == "ieee"
 
 

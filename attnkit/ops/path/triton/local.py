@@ -40,8 +40,8 @@ SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave 
 # 32768 tokens) forward+backward went from 24.5 to 21.4 ms and the largest error from the PyTorch backend (beta in
 # (1.5, 2), unit float32 w) from 3.9e-3 to 4.6e-3 (benchmarks/results/path_h200.md, "The local adjoint's precision").
 # The products that recompute the diagonal block's logits and take the UT transform's adjoint stay in TF32. It applies
-# where its accuracy was measured (prepare.measured_16bit: bfloat16 inputs at K = 64; at K = 128 the kernel took 2.80
-# ms with it, 3.20 in TF32 at 78d152a, but its real-size GPU test did not finish within the call).
+# where its accuracy was measured (prepare.measured_16bit: bfloat16 inputs at K = 64 and 128; at K = 128 the kernel
+# took 2.80 ms with it, 3.20 in TF32 at 78d152a).
 LOCAL_GRADS_16BIT: str | None = "bf16"
 # The UT transform's adjoint needs Q = L⁻ᵀ dM (L = I + diag(β) N, N = strict_tril(W Wᵀ)). None: a back substitution,
 # BT dependent steps with two cross-thread reductions each over the [BT, BT] tile (latency the kernel cannot hide:
