@@ -69,15 +69,23 @@ def specialisation(launch: dict) -> tuple[dict, dict, int, int]:
     return signature, constants, warps, stages
 
 
-def path_step(D: int, gate: bool):
-    """PaTH's (or PaTH-FoX's) forward then backward through the kernels' own functions, on CPU tensors."""
+def path_inputs(D: int, gate: bool, B: int = 1, T: int = 2048) -> tuple:
+    """``(q, k, v, w, beta, g, do)`` on the CPU as a model under autocast hands them: ``q, k, v, do`` bf16, unit
+    ``w``, ``beta`` and the gates float32, ``H·D = 1024``."""
+    H = max(1, 1024 // D)
+    q, k, v, do = (torch.randn(B, T, H, D, dtype=torch.bfloat16) for _ in range(4))
+    w = torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1)
+    beta, g = torch.rand(B, T, H) * 2, (-torch.rand(B, T, H) if gate else None)
+    return q, k, v, w, beta, g, do
+
+
+def path_step(D: int, gate: bool, inputs: tuple | None = None):
+    """PaTH's (or PaTH-FoX's) forward then backward through the kernels' own functions, on CPU tensors
+    (``inputs``: :func:`path_inputs`' tuple, by default one sequence of 2048 positions)."""
     from attnkit.ops.path.parallel import path_bwd_fn
     from attnkit.ops.path.triton.forward import path_fwd_fn
 
-    T, H = 2048, max(1, 1024 // D)
-    q, k, v, do = (torch.randn(1, T, H, D, dtype=torch.bfloat16) for _ in range(4))
-    w = torch.nn.functional.normalize(torch.randn(1, T, H, D), dim=-1)
-    beta, g = torch.rand(1, T, H) * 2, (-torch.rand(1, T, H) if gate else None)
+    q, k, v, w, beta, g, do = path_inputs(D, gate) if inputs is None else inputs
     o, lse = path_fwd_fn(q, k, v, w, beta, g, D**-0.5, None)
     path_bwd_fn(q, k, v, w, beta, g, None, o, lse, do, D**-0.5)
 
