@@ -88,10 +88,12 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # back substitution for local.LOCAL_SOLVE), the inner query kernel keeping every carried query (backward.INNER_EVERY),
 # the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass
 # on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
-# (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), and at K = 128 the backward's chunks of 64 positions with the
-# local adjoint's products in bf16 (chunks_of_64_at_k128); each timed forward+backward on bf16 q, k, v with float32
-# w, beta and g (as the layers pass them) and held to the PyTorch backend in float32 on path_accuracy's inputs (beta
-# in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T. --local-pick narrows the rows to labels holding a string.
+# (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk
+# (local.SUPER_DA_PROJECT off; it differs at K = 128 only), and at K = 128 the backward's chunks of 64 positions
+# with the local adjoint's products in bf16 (chunks_of_64_at_k128); each timed forward+backward on bf16 q, k, v with
+# float32 w, beta and g (as the layers pass them) and held to the PyTorch backend in float32 on path_accuracy's inputs
+# (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T. --local-pick narrows the rows to labels holding a
+# string.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
@@ -102,6 +104,7 @@ LOCAL = [
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
     ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
     ("16-bit settings off at K = 128", {(prepare, "MEASURED_DIMS"): (64,)}),
+    ("superblock terms' dA as K × K", {(local, "SUPER_DA_PROJECT"): False}),
     ("chunks of 64 at K = 128", {
         (backward, "backward_config"): chunks_of_64_at_k128, (prepare, "INNER_CARRY_16BIT"): None,
     }),

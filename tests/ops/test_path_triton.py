@@ -506,12 +506,13 @@ def superblock_products(x, kt, A, lo, hi, groups):
 @pytest.mark.parametrize("K", [16, 24])
 @pytest.mark.parametrize("offsets", [None, [0, 7, 7, 100]], ids=["dense", "varlen"])
 @pytest.mark.parametrize("waves", [False, True], ids=["one-wave", "waves"])
-def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves):
+@pytest.mark.parametrize("project", [False, True], ids=["dA", "dM-dW"])
+def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves, project):
     """:func:`local.super_terms_bwd_fn`, the adjoint of the superblock-local terms (the queries carried to their
     superblock's start, the keys to its end, each superblock's ``Σ``), against autograd through the products
     written out, in float64 references: superblocks of three 16-position chunks over 100 tokens (a partial last
     one), dense and packed, GQA, ``K`` padded or not; in one wave, or one superblock a wave (a scratch budget of one
-    byte)."""
+    byte); each chunk's ``dA``, or its projections onto ``dM`` and ``dW`` through ``A = I − Wᵀ M W``."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import local
     from attnkit.ops.path.triton.prepare import chunk_offsets
@@ -531,17 +532,33 @@ def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves):
     seqs = [(b, 0, T) for b in range(B)] if offsets is None else [(0, lo, hi) for lo, hi in zip(offsets, offsets[1:])]
     rows_sb = sum(-(-(hi - lo) // (C * span)) for _, lo, hi in seqs) if offsets else B * -(-T // (C * span))
     rows_c = sum(-(-(hi - lo) // C) for _, lo, hi in seqs) if offsets else B * -(-T // C)
+    m = rand(rows_c, H, C, C, s=0.3)
+    if project:  # mw is then each chunk's M W, as the prepare kernel writes it
+        row_c = 0
+        for b, lo, hi in seqs:
+            for c0 in range(lo, hi, C):
+                n_c = min(C, hi - c0)
+                mw[b, c0 : c0 + n_c] = torch.einsum("hij,jhk->ihk", m[row_c, :, :n_c, :n_c], w[b, c0 : c0 + n_c])
+                row_c += 1
     dsig = torch.zeros(rows_sb, H, BK, BK, device=DEVICE)
     dsig[..., :K, :K] = rand(rows_sb, H, K, K)
     dx, dkt, da = torch.zeros_like(x), torch.zeros_like(kt), torch.zeros(rows_c, H, BK, BK, device=DEVICE)
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
     offsets = chunk_offsets(cu, C), chunk_offsets(cu, C * span)
-    local.super_terms_bwd_fn(x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu, C, span, torch.float32, *offsets)
+    dm, dw = torch.zeros_like(m), torch.zeros_like(w)
+    if project:
+        local.super_terms_bwd_fn(
+            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, None, cu, C, span, torch.float32, *offsets, None, m, dm, dw
+        )
+    else:
+        local.super_terms_bwd_fn(x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu, C, span, torch.float32, *offsets)
 
     # the references live on the CPU, where autograd computes them in float64
     expected_dx = torch.zeros(x.shape, dtype=torch.float64)
     expected_dkt = torch.zeros(kt.shape, dtype=torch.float64)
     expected_da = torch.zeros(rows_c, H, K, K, dtype=torch.float64)
+    expected_dm = torch.zeros(rows_c, H, C, C, dtype=torch.float64)
+    expected_dw = torch.zeros(w.shape, dtype=torch.float64)
     row_c = row_sb = 0
     for b, lo, hi in seqs:
         n = -(-(hi - lo) // C)
@@ -553,21 +570,55 @@ def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves):
             return torch.nn.functional.pad(t, (0, 0, 0, 0, 0, n * C - (hi - lo))).view(n, C, -1, K).permute(2, 0, 1, 3)
 
         xs, kts = chunks(x).requires_grad_(), chunks(kt).requires_grad_()
-        A = (torch.eye(K, dtype=torch.float64) - chunks(w).transpose(-1, -2) @ chunks(mw)).requires_grad_()
+        ws = chunks(w).requires_grad_()
+        ms = m[row_c : row_c + n].double().cpu().transpose(0, 1).requires_grad_()  # [heads, n, C, C]
+        A = torch.eye(K, dtype=torch.float64) - ws.transpose(-1, -2) @ (ms @ ws if project else chunks(mw))
         loss = 0
         for s_i, c_lo in enumerate(range(0, n, span)):
             xh, kh, sig = superblock_products(xs, kts, A, c_lo, min(c_lo + span, n), HQ // H)
             for r, (a, e) in enumerate(zip(xh, kh)):
                 loss = loss + (a * chunks(dxh)[:, c_lo + r]).sum() + (e * chunks(dkh)[:, c_lo + r]).sum()
             loss = loss + (sig * dsig[row_sb + s_i, :, :K, :K].double().cpu()).sum()
-        gx, gk, ga = torch.autograd.grad(loss, (xs, kts, A))
+        gx, gk, ga, gm, gw = torch.autograd.grad(loss, (xs, kts, A, ms, ws), allow_unused=True)
+        if project:
+            expected_dm[row_c : row_c + n] = gm.transpose(0, 1)
+            expected_dw[b, lo:hi] = gw.permute(1, 2, 0, 3).reshape(n * C, H, K)[: hi - lo]
         expected_dx[b, lo:hi] = gx.permute(1, 2, 0, 3).reshape(n * C, HQ, K)[: hi - lo]
         expected_dkt[b, lo:hi] = gk.permute(1, 2, 0, 3).reshape(n * C, H, K)[: hi - lo]
         expected_da[row_c : row_c + n] = ga.transpose(0, 1)
         row_c, row_sb = row_c + n, row_sb + -(-n // span)
     assert_close("dx", dx.double().cpu(), expected_dx, 1e-5)
     assert_close("dkt", dkt.double().cpu(), expected_dkt, 1e-5)
-    assert_close("dA", da[..., :K, :K].double().cpu(), expected_da, 1e-5)
+    if project:  # the loss reaches M and W through A alone: these are the projections of dA
+        assert_close("dM", dm.double().cpu(), expected_dm, 1e-5)
+        assert_close("dW", dw.double().cpu(), expected_dw, 1e-5)
+        assert not da.any()
+    else:
+        assert_close("dA", da[..., :K, :K].double().cpu(), expected_da, 1e-5)
+
+
+def test_superblock_terms_project_onto_dm_dw(monkeypatch):
+    """Where the kernels between chunks project their ``dA`` (``BK > chunk``: K = 32 on the interpreter's 16-position
+    chunks), the superblock terms project theirs onto ``dM``, ``dW`` too (``local.SUPER_DA_PROJECT``, no ``K × K``
+    matrix a chunk), or with it off sum it as one: every gradient against the PyTorch backend either way, GQA, K ≠ V,
+    a partial last superblock."""
+    from attnkit.ops.path.triton import local
+
+    took, run = [], local.super_terms_bwd_fn
+
+    def recorded(*args, **kwargs):
+        took.append(args[9] is None)  # da
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(local, "super_terms_bwd_fn", recorded)
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 100, 4, 2, 32, 24, gate=True, dtype=torch.float32, beta_low=1.5)]
+    do = torch.randn(1, 100, 4, 24, device=DEVICE)
+    expected = backend_grads(inputs, do, "torch")
+    for project in (True, False):
+        monkeypatch.setattr(local, "SUPER_DA_PROJECT", project)
+        for name, a, e in zip(GRAD_NAMES, backend_grads(inputs, do, "triton"), expected):
+            assert_close(name, a, e, 1e-5)
+    assert took == [True, False]
 
 
 @pytest.mark.parametrize("span", [2, 4], ids=["one-tile-a-superblock", "two-tiles-a-superblock"])

@@ -178,11 +178,15 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
             inner, low_grad, backward.INNER_EVERY,
         )  # fmt: skip
         dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
-        if da.numel() == 0:  # the kernels between chunks gave dM, dW: the superblocks' dA goes on its own
+        # Where the kernels between chunks gave dM, dW, the superblocks' dA goes onto them too (or on its own).
+        project = da.numel() == 0 and local.SUPER_DA_PROJECT
+        if da.numel() == 0 and not project:
             da = torch.zeros(rows, H, block_dim(K), block_dim(K), **f32)
+        dw_in = dw_in.view(B, T, H, K) if project else dw_in
         local.super_terms_bwd_fn(
-            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, cu_seqlens, chunk, span, q.dtype, offsets, sb_offsets, inner
-        )
+            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, None if project else da, cu_seqlens, chunk, span, q.dtype, offsets,
+            sb_offsets, inner, m, dm, dw_in,
+        )  # fmt: skip
         del dxh, dkh, dsig
     else:
         dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(

@@ -56,6 +56,14 @@ LOCAL_GRADS_16BIT: str | None = "bf16"
 # 17.14 ms (17.74 in one TF32 pass) with every error from the PyTorch backend unchanged (largest 4.7e-3 on
 # path_accuracy's inputs; path_h200.md, tenth session): the default.
 LOCAL_SOLVE: str | None = "bf16x3"
+# Where the kernels between chunks project each chunk's carry gradient dA onto dM and dW (BK > BT: K = 128 on the
+# GPU), the superblock-local adjoint projects its share of dA there too (path_super_terms_bwd_kernel's PROJECT)
+# instead of summing it into a K × K float32 matrix a chunk, which the local adjoint then projected: at K = 128,
+# T = 4k, 8 heads that buffer was 512 MiB, a quarter of the backward's peak (benchmarks/path_memory.py: 32.6 → 24.6
+# bf16 [B, T, H·D] tensors, twelfth session). Compiled for sm_90a (Triton 3.6, K = 128) the kernel keeps its 96 KB
+# of shared memory and spills 1656 bytes a thread against 1824; not yet timed on a GPU (path_tune.py's LOCAL row
+# "superblock terms' dA as K × K" is the old way). False: the old way.
+SUPER_DA_PROJECT = True
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -124,13 +132,17 @@ def carry_columns(b_r, w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constex
 
 @triton.jit
 def path_super_terms_bwd_kernel(
-    x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN, r0, N,
+    x, kt, w, mw, m, dxh, dkh, dsig, dx, dkt, da, dm, dw, su, cu_seqlens, chunk_offsets, sb_offsets, T, NC, NSB, SPAN,
+    r0, N,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, PRECISION: tl.constexpr, PROJECT: tl.constexpr = False,
 ):  # fmt: skip
     """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
     ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
-    ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) by atomic adds; ``su [wave, H, BK / BC, SPAN, 2, BK, BC]``
+    either ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) or, with ``PROJECT``, its projections through
+    ``A = I − Wᵀ M W`` onto ``dm [chunks, H, BT, BT]`` and ``dw [*, H, K]`` (``m``: each chunk's ``M``;
+    ``dM −= W dA Wᵀ``, ``dW −= (M W) dAᵀ + Mᵀ W dA``, as the kernels between chunks project theirs when
+    ``BK > BT``: no ``K × K`` buffer a chunk), all by atomic adds; ``su [wave, H, BK / BC, SPAN, 2, BK, BC]``
     float32 is the programs' scratch. Grid ``(rows r0, r0 + 1, … of this wave, BK / BC, H)`` over the rows of ``dΣ``
     (every sequence's superblocks; a packed batch finds a row's sequence by binary search over ``sb_offsets``, rows
     past the last return): ``P``, ``S``, ``U`` and ``V`` evolve by products on the left, so their columns do
@@ -190,11 +202,26 @@ def path_super_terms_bwd_kernel(
         o_j = (c_lo + j) * BT + o_t
         m_j = o_j < L
         p_j = bos + o_j.to(tl.int64)
-        b_da = tl.dot(b_u, tl.trans(b_p), input_precision=PRECISION)
-        b_da += tl.dot(b_s, tl.trans(b_v), input_precision=PRECISION)
-        p_da = da + ((chunk0 + c_lo + j) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :]
-        tl.atomic_add(p_da, b_da, sem="relaxed")
         m_jk = m_j[:, None] & (o_k < K)[None, :]
+        i_chunk = chunk0 + c_lo + j
+        if PROJECT:  # this program's share dA = U Pᵀ + S Vᵀ, taken through A = I − Wᵀ Z (Z = M W) at once
+            p_wk = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
+            b_w = tl.load(w + p_wk, mask=m_jk, other=0.0).to(tl.float32)
+            b_z = tl.load(mw + p_wk, mask=m_jk, other=0.0)
+            b_wda = tl.dot(tl.dot(b_w, b_u, input_precision=PRECISION), tl.trans(b_p), input_precision=PRECISION)
+            b_wda += tl.dot(tl.dot(b_w, b_s, input_precision=PRECISION), tl.trans(b_v), input_precision=PRECISION)
+            b_dw = tl.dot(tl.dot(b_z, b_p, input_precision=PRECISION), tl.trans(b_u), input_precision=PRECISION)
+            b_dw += tl.dot(tl.dot(b_z, b_v, input_precision=PRECISION), tl.trans(b_s), input_precision=PRECISION)
+            b_mt = tl.load(m + (i_chunk * H + i_h) * (BT * BT) + o_t[None, :] * BT + o_t[:, None])  # Mᵀ
+            b_dw += tl.dot(b_mt, b_wda, input_precision=PRECISION)
+            tl.atomic_add(dw + p_wk, -b_dw, mask=m_jk, sem="relaxed")
+            b_dm = tl.dot(b_wda, tl.trans(b_w), input_precision=PRECISION)
+            tl.atomic_add(dm + (i_chunk * H + i_h) * (BT * BT) + o_t[:, None] * BT + o_t[None, :], -b_dm, sem="relaxed")
+        else:
+            b_da = tl.dot(b_u, tl.trans(b_p), input_precision=PRECISION)
+            b_da += tl.dot(b_s, tl.trans(b_v), input_precision=PRECISION)
+            p_da = da + (i_chunk * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :]
+            tl.atomic_add(p_da, b_da, sem="relaxed")
         for i_g in range(G):
             p_q = p_j[:, None] * (HQ * K) + (i_h * G + i_g) * K
             b_dxh = tl.load(dxh + p_q + o_c[None, :], mask=m_j[:, None] & m_c, other=0.0)
@@ -411,7 +438,7 @@ def super_terms_bwd_fn(
     dsig: torch.Tensor,
     dx: torch.Tensor,
     dkt: torch.Tensor,
-    da: torch.Tensor,
+    da: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     chunk: int,
     span: int,
@@ -419,10 +446,14 @@ def super_terms_bwd_fn(
     offsets: torch.Tensor | None,
     sb_offsets: torch.Tensor | None,
     precision: str | None = None,
+    m: torch.Tensor | None = None,
+    dm: torch.Tensor | None = None,
+    dw: torch.Tensor | None = None,
 ) -> None:
     """Adds the superblock-local terms' adjoint into ``dx``, ``dkt`` and ``da`` (in place; shapes as
-    :func:`path_super_terms_bwd_kernel`). ``dtype``: the inputs' dtype, which picks the carries' precision
-    unless ``precision`` names one;
+    :func:`path_super_terms_bwd_kernel`), or with ``da`` None each chunk's ``dA`` projected onto ``dm`` and ``dw``
+    through ``A = I − Wᵀ M W`` (``m``: each chunk's ``M``, ``mw`` its ``M W``), where the kernels between chunks
+    leave theirs. ``dtype``: the inputs' dtype, which picks the carries' precision unless ``precision`` names one;
     ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks. The superblocks go
     in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``: one
     wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads, however many sequences a packed batch holds."""
@@ -432,16 +463,20 @@ def super_terms_bwd_fn(
     BK = block_dim(K)
     BC = min(BK, 64)
     rows = dsig.shape[0]  # every sequence's superblocks (a bound when packed)
+    project = da is None
+    if project and (m is None or dm is None or dw is None):
+        raise ValueError("super_terms_bwd_fn: without da, m, dm and dw are all needed")
     per_row = H * BK * BK * span * 2 * 4  # the scratch of one superblock row, every head, bytes
     wave = max(1, min(rows, SCRATCH_BYTES // per_row))
     su = torch.empty(wave, H, BK // BC, span, 2, BK, BC, dtype=torch.float32, device=x.device)
     for r0 in range(0, rows, wave):
         path_super_terms_bwd_kernel[(min(wave, rows - r0), BK // BC, H)](
-            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, da, su, cu_seqlens, offsets, sb_offsets, T, triton.cdiv(T, chunk),
-            triton.cdiv(T, chunk * span), span, r0, N,
+            x, kt, w, mw, m if project else dsig, dxh, dkh, dsig, dx, dkt, dsig if project else da,
+            dm if project else dsig, dw if project else dsig, su, cu_seqlens, offsets, sb_offsets, T,
+            triton.cdiv(T, chunk), triton.cdiv(T, chunk * span), span, r0, N,
             HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
             LOG_N=max(1, N.bit_length()) if cu_seqlens is not None else 1,
-            PRECISION=precision or precisions(dtype, K)[1], **launch_config(K),
+            PRECISION=precision or precisions(dtype, K)[1], PROJECT=project, **launch_config(K),
         )  # fmt: skip
 
 
