@@ -206,8 +206,9 @@ INNER_CARRY_16BIT: str | None = "tf32"
 # The (padded) key dims at which the backward's 16-bit settings (this, backward.INNER_LOW_GRAD, local.LOCAL_GRADS_16BIT)
 # were measured for bfloat16 inputs on the H200. Applied at K = 16 and 32 too, bf16 backwards hit an illegal memory
 # access there in the local adjoint (Triton 3.6, ninth session). At K = 128 (twelfth session, PaTH-FoX, T = 4k,
-# 32768 tokens) they took forward+backward from 41.67 to 36.67 ms, the largest gradient error from the PyTorch backend
-# (beta in (1.5, 2), unit float32 w) from 3.6e-3 to 4.5e-3 (benchmarks/results/path_h200.md).
+# 32768 tokens) they took forward+backward from 59.05 to 40.13 ms with float32 w, beta and g as the layers pass them
+# (41.67 to 36.67 with every input bf16), the largest gradient error from the PyTorch backend (beta in (1.5, 2), unit
+# float32 w) from 3.6e-3 to 4.5e-3 (benchmarks/results/path_h200.md).
 MEASURED_DIMS = (64, 128)
 
 
