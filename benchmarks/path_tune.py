@@ -291,10 +291,15 @@ def local_cell(
         row = dict(setting=label, **errors[i])
         with patched(settings):
             if row["error"] is None:
+                # The timing's inputs compile on their own: a setting can run out of resources there and not in the
+                # check (at D = 128 the twelfth session's first call timed bf16 w, which took the query kernel 16 KB
+                # over). The failure is the row's, not the process's: a child keeps its other settings' rows (that
+                # call's child lost two).
                 if only is not None:  # a child process: compile the timing's shapes, leave the timing to the parent
-                    grads_of(x, do)
+                    row["error"] = attempt(lambda: grads_of(x, do))[1]
                 else:
-                    row["ms"] = bench(lambda: grads_of(x, do), device)
+                    ms, row["error"] = attempt(lambda: bench(lambda: grads_of(x, do), device))
+                    row.update({} if ms is None else dict(ms=ms))
         cell["local"].append(row)
         shown = " ".join(f"{n} {e:.1e}" for n, e in row.get("errs", {}).items())
         print(f"  fwd+bwd D={D} T={T} {label}: {row.get('ms', float('nan')):.3f} ms {shown} {row['error'] or ''}")
@@ -367,6 +372,7 @@ def table(cells: list[dict]) -> str:
                         (f"{row['ms']:.3f} ms, " if "ms" in row else "")
                         + "from the PyTorch backend "
                         + " ".join(f"{n} {e:.1e}" for n, e in row["errs"].items())
+                        + (f"; {row['error']}" if row.get("error") else "")
                     )
                 if "err_torch" in row:
                     result += f" ({row['err_torch']:.1e} from the PyTorch backend)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import path_tune
 
@@ -113,3 +114,22 @@ def test_local_pick_narrows_the_rows(tmp_path):
         assert row["error"] is None and row["ms"] > 0 and row["err"] < 1e-4
     with pytest.raises(SystemExit):
         path_tune.main([*argv, "--local-pick", "no such setting"])
+
+
+def test_local_row_that_fails_to_time_keeps_the_others(tmp_path, monkeypatch):
+    """A setting that passes the error check but fails at the timing's inputs (out of resources, say) gets that
+    error on its row, without a time; the other rows are timed and the table prints."""
+    calls = []
+
+    def bench(fn, device):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("out of resource: shared memory, Required: 245760")
+        return 1.0
+
+    monkeypatch.setattr(path_tune, "bench", bench)
+    cell = path_tune.local_cell(16, 40, torch.device("cpu"), pick=[0, 1, 2])
+    rows = cell["local"]
+    assert [r.get("ms") for r in rows] == [1.0, None, 1.0]
+    assert rows[0]["error"] is None and "out of resource" in rows[1]["error"] and "ms" not in rows[1]
+    assert "out of resource" in path_tune.table([cell])
