@@ -597,11 +597,12 @@ def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves, project):
         assert_close("dA", da[..., :K, :K].double().cpu(), expected_da, 1e-5)
 
 
-def test_superblock_terms_project_onto_dm_dw(monkeypatch):
+@pytest.mark.parametrize("offsets", [None, [0, 7, 7, 100]], ids=["dense", "ragged"])
+def test_superblock_terms_project_onto_dm_dw(monkeypatch, offsets):
     """Where the kernels between chunks project their ``dA`` (``BK > chunk``: K = 32 on the interpreter's 16-position
     chunks), the superblock terms project theirs onto ``dM``, ``dW`` too (``local.SUPER_DA_PROJECT``, no ``K × K``
     matrix a chunk), or with it off sum it as one: every gradient against the PyTorch backend either way, GQA, K ≠ V,
-    a partial last superblock."""
+    a partial last superblock, packed sequences with an empty one."""
     from attnkit.ops.path.triton import local
 
     took, run = [], local.super_terms_bwd_fn
@@ -613,10 +614,11 @@ def test_superblock_terms_project_onto_dm_dw(monkeypatch):
     monkeypatch.setattr(local, "super_terms_bwd_fn", recorded)
     inputs = [x.to(DEVICE) for x in make_inputs(1, 100, 4, 2, 32, 24, gate=True, dtype=torch.float32, beta_low=1.5)]
     do = torch.randn(1, 100, 4, 24, device=DEVICE)
-    expected = backend_grads(inputs, do, "torch")
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    expected = backend_grads(inputs, do, "torch", cu)
     for project in (True, False):
         monkeypatch.setattr(local, "SUPER_DA_PROJECT", project)
-        for name, a, e in zip(GRAD_NAMES, backend_grads(inputs, do, "triton"), expected):
+        for name, a, e in zip(GRAD_NAMES, backend_grads(inputs, do, "triton", cu), expected):
             assert_close(name, a, e, 1e-5)
     assert took == [True, False]
 
