@@ -60,9 +60,10 @@ LOCAL_SOLVE: str | None = "bf16x3"
 # GPU), the superblock-local adjoint projects its share of dA there too (path_super_terms_bwd_kernel's PROJECT)
 # instead of summing it into a K × K float32 matrix a chunk, which the local adjoint then projected: at K = 128,
 # T = 4k, 8 heads that buffer was 512 MiB, a quarter of the backward's peak (benchmarks/path_memory.py: 32.6 → 24.6
-# bf16 [B, T, H·D] tensors, twelfth session). Compiled for sm_90a (Triton 3.6, K = 128) the kernel keeps its 96 KB
-# of shared memory and spills 1656 bytes a thread against 1824; not yet timed on a GPU (path_tune.py's LOCAL row
-# "superblock terms' dA as K × K" is the old way). False: the old way.
+# bf16 [B, T, H·D] tensors, twelfth session). Compiled for sm_90a (Triton 3.6, K = 128) with bf16 inputs the kernel
+# keeps its 96 KB of shared memory and spills 1656 bytes a thread against 1824; with float16 inputs, whose carries
+# take three TF32 passes, it spills 7788 bytes against 4392 (96 KB of shared memory against 128). Not yet timed on a
+# GPU (path_tune.py's LOCAL row "superblock terms' dA as K × K" is the old way). False: the old way.
 SUPER_DA_PROJECT = True
 
 
