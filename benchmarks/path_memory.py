@@ -27,9 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from benchmarks.kernel_resources import path_inputs, path_step  # noqa: E402
+from benchmarks.kernel_resources import path_inputs, path_step, record_launches  # noqa: E402
 
 
 class Allocations(TorchDispatchMode):
@@ -70,16 +68,6 @@ def call_site() -> str:
     return " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-2:]))
 
 
-def without_kernels(fn) -> None:
-    """Run ``fn`` with every Triton launch dropped (its arguments are not kept: they would outlive their frees)."""
-    run = JITFunction.run
-    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: None
-    try:
-        fn()
-    finally:
-        JITFunction.run = run
-
-
 def measure(D: int, gate: bool, B: int, T: int) -> dict:
     """The peak of one forward+backward at ``[B, T, 1024 // D, D]`` and the buffers alive at it."""
     inputs = path_inputs(D, gate, B, T)
@@ -89,7 +77,7 @@ def measure(D: int, gate: bool, B: int, T: int) -> dict:
         with counter:
             path_step(D, gate, inputs)
 
-    without_kernels(step)
+    record_launches(step, keep=False)  # the launchers' allocations alone
     unit = B * T * 1024 * 2
     alive = sorted(counter.at_peak.values(), key=lambda r: -r[0])
     return dict(

@@ -141,9 +141,9 @@ for step in $steps; do
                 --head-dims ${SPAN_DIMS:-64 128} --out "$OUT" > "$OUT/pathspan.log" 2>&1 ;;
         pathlocal)  # PaTH: path_tune.py's LOCAL settings (the local adjoint's gradient products, the carries and
             # products of the kernels inside superblocks, the sweep's pair products, the 16-bit settings off and
-            # 64-position chunks at K = 128): time and error from the PyTorch backend at 4k, D = 64 (LOCAL_DIMS=128 for D = 128, one
-            # call each). The settings compile in one process each, at once (serially each took minutes on the H200,
-            # 2026-12-02), then this process times them. LOCAL_PICK narrows them: label fragments separated by `;`
+            # 64-position chunks at K = 128): time and error from the PyTorch backend at 4k, D = 64 (LOCAL_DIMS=128
+            # for D = 128, one call each). The settings compile in one process each, at once (serially each took
+            # minutes on the H200, 2026-12-02), then this process times them. LOCAL_PICK narrows them: label fragments separated by `;`
             # (e.g. LOCAL_PICK="default;dA as K"), path_tune.py's --local-pick
             pick=(); [ -n "${LOCAL_PICK:-}" ] && IFS=';' read -ra pick <<< "$LOCAL_PICK"
             timeout ${LOCAL_LIMIT:-480} python3 benchmarks/path_tune.py --local-only --jobs 8 --seq-lens ${LOCAL_SEQ_LENS:-4096} \
