@@ -16,6 +16,10 @@ from attnkit.ops.common.validation import (
 )
 
 CHUNK_SIZE = 64
+TRITON_MAX_HEAD_DIM = 128  # the backward's per-chunk kernels hold whole [K, V] state tiles
+# "auto" keeps the PyTorch backend: the fused kernels (``linear_triton/``) have run only under the interpreter and
+# await their GPU tests (test_linear_triton.py::test_real_size_on_gpu).
+AUTO_TRITON = False
 
 __all__ = ["linear_attention"]
 
@@ -90,8 +94,9 @@ def linear_attention(
         initial_state: ``(S [N, H, V, K], n [N, H, K])`` in float32 or float64, or ``None`` (zeros).
         output_final_state: return the state after the last token of every sequence.
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (``B == 1``).
-        backend: ``"auto"`` or ``"torch"`` (chunk-parallel PyTorch); ``"triton"`` raises
-            ``NotImplementedError``: linear attention has no kernel yet.
+        backend: ``"auto"`` (the PyTorch backend for now, until the kernels pass their GPU tests), ``"torch"``
+            (chunk-parallel PyTorch) or ``"triton"`` (fused chunked kernels, forward and backward, GQA and
+            ``cu_seqlens`` in one launch each; float16 / bfloat16 / float32, head dims up to 128).
 
     Returns:
         ``o [B, T, HQ, V]`` in ``v.dtype`` and ``(S, n)`` in float32 (float64 for float64 inputs) or ``None``.
@@ -100,15 +105,23 @@ def linear_attention(
     B, T, H, K = k.shape
     V = v.shape[-1]
     eps = check_scalar("eps", eps, low=0.0)
-    resolve_backend(backend, "linear_attention", q.device)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K), (N, H, K)), q.device)
+    dims = dict(head_dims=(K, V), max_head_dim=TRITON_MAX_HEAD_DIM)
+    backend = resolve_backend(
+        backend, "linear_attention", q.device, has_triton=True, auto_triton=AUTO_TRITON, dtype=q.dtype, **dims
+    )
 
     def dense(q, k, v, state):
         return linear_attention_chunk(q, k, v, normalize, eps, state)
 
-    if cu_seqlens is None:
+    if backend == "triton" and T > 0:
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
+        from attnkit.ops.baselines.linear_triton.chunk import linear_attention_triton
+
+        o, state = linear_attention_triton(q, k, v, normalize, eps, initial_state, cu_seqlens)
+    elif cu_seqlens is None:
         o, state = dense(q, k, v, initial_state)
     else:
         o, state = run_segments(dense, (q, k, v), cu_seqlens, initial_state)
