@@ -288,7 +288,13 @@ def delta_inputs(B, H, T, K, V, deltanet=False):
 )
 @pytest.mark.parametrize("deltanet", [False, True], ids=["generic", "deltanet-beta-near-2"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
-def test_delta_rule_kernels_match_torch(deltanet, with_state, K, V):
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "row-by-row"])
+def test_delta_rule_kernels_match_torch(monkeypatch, blocked, deltanet, with_state, K, V):
+    """Both prepare kernels (``delta_fwd.BLOCKED_PREPARE``; the row-by-row one is CUDA's until the blocked one has
+    passed its GPU tests)."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    monkeypatch.setattr(delta_fwd, "BLOCKED_PREPARE", blocked)
     B, H, T = 2, 2, 53
     inputs = delta_inputs(B, H, T, K, V, deltanet)
     state = [torch.randn(B, H, V, K, device=DEVICE)] if with_state else None
@@ -435,12 +441,15 @@ def test_gate_ops_opcheck():
     assert_close("A0", a0, torch.linalg.inv(lam), 1e-4)
 
 
-def test_prepare_kernel_blocks_at_the_gpu_chunk_size():
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "row-by-row"])
+def test_prepare_kernel_blocks_at_the_gpu_chunk_size(monkeypatch, blocked):
     """The GPU's 64-token chunks (four 16-row blocks of the triangular inverse, sums of up to three products)
     under the interpreter: the saved ``T`` is ``(I + strict_tril(K Aᵀ))⁻¹`` and the output and final state match
-    the PyTorch delta rule, with ``beta`` near 2."""
+    the PyTorch delta rule, with ``beta`` near 2; both prepare kernels (``delta_fwd.BLOCKED_PREPARE``)."""
+    from attnkit.ops.common.triton import delta_fwd
     from attnkit.ops.common.triton.delta_fwd import delta_fwd_fn
 
+    monkeypatch.setattr(delta_fwd, "BLOCKED_PREPARE", blocked)
     B, H, T, K, V = 1, 2, 70, 16, 16
     q, k, v, a = delta_inputs(B, H, T, K, V, deltanet=True)
     o, ht, saved = delta_fwd_fn(q, k, v, a, None, 64, "ieee")
@@ -515,6 +524,25 @@ def test_deltanet_real_sizes_on_gpu(T, K, packed):
     expected = grads_of(fn("torch", torch.float32), [q, k, v, beta], S0)
     for name, x, y in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dS0"], actual, expected):
         assert_close(name, x.float(), y.float(), 5e-3 if name in ("o", "S") else 1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU")
+@pytest.mark.parametrize("K, deltanet", [(64, True), (128, True), (64, False)], ids=str)
+def test_blocked_prepare_on_gpu(monkeypatch, K, deltanet):
+    """The blocked prepare kernel against the row-by-row one it replaces (``delta_fwd.BLOCKED_PREPARE``), compiled
+    for the GPU at its 64-token chunks, float32 inputs with float32-accurate products: the saved ``T``, ``W``, ``Ũ``
+    and the output agree to float32 rounding (``beta`` near 2 for DeltaNet's keys). When this and the real-size
+    tests pass, the flag's default becomes True."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    inputs = delta_inputs(2, 4, 1000, K, K, deltanet)
+    results = []
+    for blocked in (True, False):
+        monkeypatch.setattr(delta_fwd, "BLOCKED_PREPARE", blocked)
+        o, _, saved = delta_fwd.delta_fwd_fn(*inputs, None, 64, "tf32x3")
+        results.append([o, saved["tm"], saved["w"], saved["u_new"]])
+    for name, x, y in zip(["o", "T", "W", "U"], *results):
+        assert_close(name, x, y, 1e-4)
 
 
 def test_head_dim_limit_and_auto_dispatch(monkeypatch):

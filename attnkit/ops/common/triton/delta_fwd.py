@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton_seq import block_offsets, locate_block
-from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.common.triton_utils import block_dim, interpreting
+
+# The blocked prepare kernel below replaced the row-by-row one (delta_prepare_rows.py) after the thirteenth session's
+# last GPU call: None runs it under the interpreter and keeps CUDA on the row-by-row kernel until
+# test_vla_triton.py's real-size tests pass with it on a GPU (then True, and the old file goes); True / False force
+# one (the tests run both).
+BLOCKED_PREPARE: bool | None = None
 
 
 @triton.jit
@@ -255,9 +261,10 @@ def delta_fwd_fn(
     o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
     solve = "ieee" if precision == "ieee" else "tf32x3"
     BV = block_dim(V)
-    delta_prepare_kernel[(NC, B * H)](
-        k, a, v, w, u, tm, T=T, BV=BV, SB=16, SOLVE_PRECISION=solve, **varlen, **dims
-    )  # fmt: skip
+    prepare = delta_prepare_kernel
+    if not (interpreting() if BLOCKED_PREPARE is None else BLOCKED_PREPARE):
+        from attnkit.ops.common.triton.delta_prepare_rows import delta_prepare_rows_kernel as prepare
+    prepare[(NC, B * H)](k, a, v, w, u, tm, T=T, BV=BV, SB=16, SOLVE_PRECISION=solve, **varlen, **dims)
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), N * H)](
         w, u, a, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=BV_STATE, USE_H0=initial_state is not None,
