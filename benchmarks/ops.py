@@ -1,8 +1,8 @@
 """GPU kernel benchmarks (SPEC §8): every op's implementations against SDPA's flash backend, in one run.
 
-    python benchmarks/ops.py [--ops tapa vla path path_fox] [--seq-lens 1024 ... 32768] [--head-dims 64 128]
-                             [--modes fwd fwdbwd] [--impls sdpa tapa_triton tapa_flex] [--quick] [--out DIR]
-                             [--name NAME]
+    python benchmarks/ops.py [--ops tapa vla path path_fox fox linear deltanet] [--seq-lens 1024 ... 32768]
+                             [--head-dims 64 128] [--modes fwd fwdbwd] [--impls sdpa tapa_triton tapa_flex]
+                             [--quick] [--out DIR] [--name NAME]
     python -m attnkit bench --gpu -- [the same arguments]
 
 bf16, causal, 32768 tokens per batch (``B = max(1, 32768 // T)``), ``H·D = 1024`` (H=16 at D=64, H=8 at D=128).
@@ -50,7 +50,14 @@ if str(ROOT) not in sys.path:
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
-from attnkit.ops import path_attention, softmax_attention, tapa_attention, vla_attention  # noqa: E402
+from attnkit.ops import (  # noqa: E402
+    delta_rule,
+    linear_attention,
+    path_attention,
+    softmax_attention,
+    tapa_attention,
+    vla_attention,
+)
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
 from attnkit.ops.vla.naive import vla_naive  # noqa: E402
 from benchmarks.flex_tapa import causal_block_mask, compiled_flex_attention, tapa_flex  # noqa: E402
@@ -143,6 +150,27 @@ def _fla_chunk_linear_attn(x: dict[str, torch.Tensor]) -> torch.Tensor:
     from fla.ops.linear_attn import chunk_linear_attn
 
     return chunk_linear_attn(x["q"], x["k"], x["v"], normalize=True)[0]
+
+
+def _linear(backend: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return linear_attention(x["q"], x["k"], x["v"], backend=backend)[0]
+
+    return fn
+
+
+def _deltanet(backend: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def fn(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return delta_rule(x["q"], x["k"], x["v"], x["beta"], backend=backend)[0]
+
+    return fn
+
+
+def _fla_deltanet(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """FLA's DeltaNet kernel on the same function: unit keys, ``beta``, scale ``1 / sqrt(K)`` (both defaults)."""
+    from fla.ops.delta_rule import chunk_delta_rule
+
+    return chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"].float())[0]
 
 
 def _tapa_reference(x: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -241,6 +269,30 @@ REGISTRY: dict[str, Op] = {
             "fla_parallel_forgetting_attn": Impl(_fla_parallel_forgetting_attn),
         },
         flops=causal_attention_flops,
+    ),
+    # The baselines' linear-time ops (issue 17): linear attention's kernels (their CUDA default once their GPU tests
+    # pass) and DeltaNet's (VLA's delta-rule kernels), against FLA's kernels of the same functions.
+    "linear": Op(
+        make_inputs=lambda B, T, H, D: make_inputs("linear", B, T, H, D),
+        reference=_linear("torch"),
+        impls={
+            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
+            "linear_triton": Impl(_linear("triton")),
+            "fla_chunk_linear_attn": Impl(_fla_chunk_linear_attn, checked=False),
+        },
+        flops=causal_attention_flops,
+        linear=True,
+    ),
+    "deltanet": Op(
+        make_inputs=lambda B, T, H, D: make_inputs("deltanet", B, T, H, D),
+        reference=_deltanet("torch"),
+        impls={
+            BASELINE: Impl(_sdpa, heads_first=True, checked=False),
+            "deltanet_triton": Impl(_deltanet("triton")),
+            "fla_chunk_delta_rule": Impl(_fla_deltanet, checked=False),
+        },
+        flops=causal_attention_flops,
+        linear=True,
     ),
 }
 

@@ -8,13 +8,13 @@
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
-#                              [reproduce] [mixertests] [pathcheck]
+#                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
 #   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`;
 #   `pathacc pathsuper`; `pathvs` alone;
-#   `pathgrid` alone; `train` alone; `foxtests fox`
+#   `pathgrid` alone; `train` alone; `foxtests fox`; `lineartests linear`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -79,6 +79,21 @@ for step in $steps; do
             timeout 200 python3 -m pytest -v -rf --tb=short tests/ops/test_vla_triton.py tests/models/test_autocast.py \
                 -k "deltanet_real_sizes or deltanet_baseline_triton or cuda" > "$OUT/mixertests.log" 2>&1
             grep -E "passed|failed|FAILED|Error" "$OUT/mixertests.log" | tail -15 ;;
+        lineartests)  # issue 17: linear attention's kernels' GPU tests (they decide linear.AUTO_TRITON) and the blocked
+            # delta-rule prepare kernel against the row-by-row one, with DeltaNet's real sizes (they decide
+            # delta_fwd.BLOCKED_PREPARE)
+            timeout 240 python3 -m pytest -v -rf tests/ops/test_linear_triton.py tests/ops/test_vla_triton.py \
+                -k "gpu" > "$OUT/lineartests.log" 2>&1
+            grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/lineartests.log" | tail -20 ;;
+        linear)  # issue 17: linear attention and DeltaNet against FLA's kernels; then DeltaNet and VLA again with the
+            # blocked prepare kernel (delta_fwd.BLOCKED_PREPARE forced on), same lengths
+            timeout 200 python3 benchmarks/ops.py --ops linear deltanet --seq-lens 2048 8192 32768 --out "$OUT" \
+                --name ops_linear_h200 > "$OUT/linear.log" 2>&1
+            timeout 200 python3 -c "import runpy, sys; from attnkit.ops.common.triton import delta_fwd
+delta_fwd.BLOCKED_PREPARE = True
+sys.argv = ['ops.py', '--ops', 'deltanet', 'vla', '--seq-lens', '2048', '8192', '32768', '--impls', 'deltanet_triton',
+            'vla_triton', '--out', '$OUT', '--name', 'ops_blocked_prepare_h200']
+runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/linear.log" 2>&1 ;;
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
             timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
             tail -12 "$OUT/foxtests.log" ;;
@@ -237,7 +252,7 @@ if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
 else
     du -ch "$OUT"/triton_cache.tar.* | tail -1
 fi
-for log in fox tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
+for log in fox linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done

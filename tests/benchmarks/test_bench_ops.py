@@ -31,7 +31,7 @@ def test_parse_args_defaults_and_quick():
     args = ops.parse_args([])
     assert args.seq_lens == list(ops.SEQ_LENS) and args.head_dims == [64, 128]
     assert args.modes == ["fwd", "fwdbwd"] and args.impls is None
-    assert args.ops == ["tapa", "vla", "path", "path_fox", "fox"]
+    assert args.ops == ["tapa", "vla", "path", "path_fox", "fox", "linear", "deltanet"]
     assert (args.warmup, args.rep, args.name) == (25, 100, "ops")
     quick = ops.parse_args(["--quick", "--rep", "7", "--impls", "sdpa", "tapa_flex"])
     assert quick.seq_lens == list(ops.QUICK_SEQ_LENS) and (quick.warmup, quick.rep) == (10, 7)
@@ -168,6 +168,15 @@ def test_smoke_run_path_on_cpu(tmp_path, monkeypatch):
     for op_name, names in (("path", inputs), ("path_fox", inputs | {"dg"})):
         errors = rows[(op_name, "torch", "fwdbwd")]["errors"]
         assert set(errors) == names and max(errors.values()) < 1e-2, (op_name, errors)
+
+
+@pytest.mark.parametrize("name, impl", [("linear", "linear_triton"), ("deltanet", "deltanet_triton")])
+def test_linear_ops_kernels_match_their_reference(name, impl):
+    """Linear attention's and DeltaNet's kernel entries compute their op's reference (float32 here: the harness's
+    bf16 runs need a GPU, the interpreter's bf16 products being wrong)."""
+    op = ops.REGISTRY[name]
+    x = op.make_inputs(2, 20, 2, 16)
+    torch.testing.assert_close(op.impls[impl].fn(x), op.reference(x), atol=1e-4, rtol=1e-4)
 
 
 def test_fla_path_gate_convention(monkeypatch):
