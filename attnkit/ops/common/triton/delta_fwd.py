@@ -123,10 +123,10 @@ def delta_prepare_kernel(
     (:func:`block_diagonal_inverse`, ``SB − 1`` dependent steps where one block after another took ``BT − BT / SB``),
     then block row by block row ``T_i = D_ii E_i − N_i T`` with ``N = D Z_o`` (``Z_o`` the blocks below the
     diagonal, so ``N_i T`` reads the finished rows ``k < i`` only): one ``[BT, BT]`` product a block row, the rows
-    outside block ``i`` masked to zero. Compiled for sm_90a (Triton 3.6, 4 warps, K = 64): 205 registers, no
-    spills (the row-by-row kernel before it: 255 and 32 bytes). The solve's products are
-    float32-accurate (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product, and with
-    ``beta`` near 2 its entries are large."""
+    outside block ``i`` masked to zero. Compiled for sm_90a (Triton 3.6, K = 64, 4 warps): 186–198 registers and
+    no spills (the row-by-row kernel: 255 and 24–32 bytes); K = 128, 8 warps: 0–204 bytes (880–1904). The solve's
+    products are float32-accurate (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product,
+    and with ``beta`` near 2 its entries are large."""
     row0, L, i_c = chunk_program(cu_seqlens, offsets, tl.program_id(0), tl.program_id(1), T, N, IS_VARLEN, LOG_N)
     NB: tl.constexpr = BT // SB
     o_k, o_v, o_t = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BT)
