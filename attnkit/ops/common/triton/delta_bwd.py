@@ -77,7 +77,8 @@ def delta_bwd_read_kernel(
 ):  # fmt: skip
     """The gradients through the reads: ``dQ = dO hᵀ + tril(dO Uᵀ) A`` and the share
     ``U dh'ᵀ + tril(dO Uᵀ)ᵀ Q`` of ``dA``, per value block as float32 ``[NV, BH, T, K]`` (each a sum over the
-    value dimension). Grid ``(chunk slots, BH, NV)``."""
+    value dimension; with one value block ``dq_part`` is ``dQ`` itself, in its dtype). Grid
+    ``(chunk slots, BH, NV)``."""
     i_p, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -97,19 +98,21 @@ def delta_bwd_read_kernel(
     b_da = tl.dot(b_u, tl.trans(b_dh), input_precision=PRECISION)
     b_da += tl.dot(tl.trans(b_dou), b_q, input_precision=PRECISION)
     p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
-    tl.store(dq_part + p_part, b_dq, mask=m_k)
+    tl.store(dq_part + p_part, b_dq.to(dq_part.dtype.element_ty), mask=m_k)
     tl.store(da_part + p_part, b_da, mask=m_k)
 
 
 @triton.jit
 def delta_bwd_wy_kernel(
-    k, a, v, tm, hs, du, dk_part, da_part, dv, cu_seqlens, offsets, T, NC, N,
+    k, a, v, tm, hs, du, dk_part, da_part, da_read, dv, cu_seqlens, offsets, T, NC, N,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, ADD_READ: tl.constexpr,
 ):  # fmt: skip
     """The gradients through the WY representation: with ``dW = −dU hᵀ`` and ``T`` from the forward,
     ``dV = Tᵀ dU`` (its dtype) and, per value block as float32 shares, ``dK = Tᵀ dW + dZ A`` and the ``dZᵀ K``
-    share of ``dA`` (``dZ`` is linear in ``dT = dW Kᵀ + dU Vᵀ``). Grid ``(chunk slots, BH, NV)``."""
+    share of ``dA`` (``dZ`` is linear in ``dT = dW Kᵀ + dU Vᵀ``). Grid ``(chunk slots, BH, NV)``. ``ADD_READ``
+    (one value block): ``dk_part`` and ``da_part`` are the gradients themselves, in their dtypes, and ``dA`` adds
+    the read kernel's share from ``da_read`` (float32, written by the launch before)."""
     i_p, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
@@ -135,8 +138,10 @@ def delta_bwd_wy_kernel(
     b_dk += tl.dot(b_dz, b_a, input_precision=PRECISION)
     b_da = tl.dot(tl.trans(b_dz), b_k, input_precision=PRECISION)
     p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
-    tl.store(dk_part + p_part, b_dk, mask=m_k)
-    tl.store(da_part + p_part, b_da, mask=m_k)
+    if ADD_READ:
+        b_da += tl.load(da_read + p_part, mask=m_k, other=0.0)
+    tl.store(dk_part + p_part, b_dk.to(dk_part.dtype.element_ty), mask=m_k)
+    tl.store(da_part + p_part, b_da.to(da_part.dtype.element_ty), mask=m_k)
     tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
 
 
@@ -169,17 +174,30 @@ def delta_bwd_fn(
         q, a, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, BV=BV_STATE, USE_DHT=dht is not None, **seq, **dims
     )
     NV = triton.cdiv(V, BV_STATE)
-    # float32 shares per value block: dq, dk, and dA from the reads and from the WY form.
-    parts = torch.empty(4, NV, B, H, T, K, **f32)
     dv = torch.empty_like(v)
     grid = (NC, B * H, NV)
     hs, u_new = saved["hs"], saved["u_new"]
+    wy = dims | launch_config(K, wide=True)
+    if NV == 1:
+        # One value block (V <= 64): the kernels write dq, dk and dA themselves, the WY kernel adding the read
+        # kernel's share of dA; no sums over blocks, no casts.
+        dq, dk, da = torch.empty_like(q), torch.empty_like(k), torch.empty_like(a)
+        da_read = torch.empty(B, H, T, K, **f32)
+        delta_bwd_read_kernel[grid](
+            q, a, hs, dhs, u_new, do, dq, da_read, T=T, NC=NC, BV=BV_STATE, **varlen, **dims
+        )  # fmt: skip
+        delta_bwd_wy_kernel[grid](
+            k, a, v, saved["tm"], hs, du, dk, da, da_read, dv, T=T, NC=NC, BV=BV_STATE, ADD_READ=True, **varlen, **wy
+        )  # fmt: skip
+        return dq, dk, dv, da, dh0
+    # float32 shares per value block: dq, dk, and dA from the reads and from the WY form.
+    parts = torch.empty(4, NV, B, H, T, K, **f32)
     delta_bwd_read_kernel[grid](
         q, a, hs, dhs, u_new, do, parts[0], parts[2], T=T, NC=NC, BV=BV_STATE, **varlen, **dims
     )  # fmt: skip
-    wy = dims | launch_config(K, wide=True)
     delta_bwd_wy_kernel[grid](
-        k, a, v, saved["tm"], hs, du, parts[1], parts[3], dv, T=T, NC=NC, BV=BV_STATE, **varlen, **wy
+        k, a, v, saved["tm"], hs, du, parts[1], parts[3], None, dv, T=T, NC=NC, BV=BV_STATE, ADD_READ=False, **varlen,
+        **wy,
     )  # fmt: skip
     # One sum per gradient, so the three outputs are separate tensors (custom ops may not return aliases).
     dq, dk = (parts[i].sum(0).to(x.dtype) for i, x in enumerate((q, k)))
