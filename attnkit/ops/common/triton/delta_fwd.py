@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnkit.ops.common.triton.tril_inverse import tril_inverse
 from attnkit.ops.common.triton_seq import block_offsets, locate_block
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 
@@ -23,23 +24,6 @@ from attnkit.ops.common.triton_utils import block_dim, interpreting
 # test_vla_triton.py's real-size tests pass with it on a GPU (then True, and the old file goes); True / False force
 # one (the tests run both).
 BLOCKED_PREPARE: bool | None = None
-
-
-@triton.jit
-def block_diagonal_inverse(b_zd, SB: tl.constexpr):
-    """``(I + Z_b)⁻¹`` of every block of ``b_zd [NB, SB, SB]``, block ``b``'s strictly lower-triangular ``Z_b``.
-
-    Forward substitution, one row of every block a step (``SB − 1`` dependent steps for all the blocks together):
-    row ``i`` of a block is ``e_i − Σ_{j<i} Z[i, j] X[j, :]``.
-    """
-    o_s = tl.arange(0, SB)
-    rows = o_s[None, :, None]
-    b_x = tl.where(rows == o_s[None, None, :], 1.0, 0.0) + tl.zeros_like(b_zd)
-    for i in range(1, SB):
-        b_coef = tl.sum(tl.where(rows == i, b_zd, 0.0), 1)  # [NB, SB]: Z[i, j] of every block
-        b_row = tl.sum(b_coef[:, :, None] * b_x, 1)  # [NB, SB]: Σ_j Z[i, j] X[j, :]
-        b_x = tl.where(rows == i, b_x - b_row[:, None, :], b_x)
-    return b_x
 
 
 @triton.jit
@@ -119,34 +103,19 @@ def delta_prepare_kernel(
     row (``t_out [BH, T, BT]``, also for the backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
     (``u_out [BH, T, V]``), float32. Grid ``(chunk slots, BH)`` (:func:`chunk_program`).
 
-    ``T`` by blocks of ``SB`` rows, in registers: the diagonal blocks' inverses ``D`` all at once
-    (:func:`block_diagonal_inverse`, ``SB − 1`` dependent steps where one block after another took ``BT − BT / SB``),
-    then block row by block row ``T_i = D_ii E_i − N_i T`` with ``N = D Z_o`` (``Z_o`` the blocks below the
-    diagonal, so ``N_i T`` reads the finished rows ``k < i`` only): one ``[BT, BT]`` product a block row, the rows
-    outside block ``i`` masked to zero. Compiled for sm_90a (Triton 3.6, K = 64, 4 warps): 186–198 registers and
-    no spills (the row-by-row kernel: 255 and 24–32 bytes); K = 128, 8 warps: 0–204 bytes (880–1904). The solve's
-    products are float32-accurate (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product,
-    and with ``beta`` near 2 its entries are large."""
+    ``T`` by blocks of ``SB`` rows, in registers (:func:`tril_inverse.tril_inverse`). Compiled for sm_90a (Triton
+    3.6, K = 64, 4 warps): 186–198 registers and no spills (the row-by-row kernel: 255 and 24–32 bytes); K = 128,
+    8 warps: 0–204 bytes (880–1904). The solve's products are float32-accurate (``SOLVE_PRECISION``) whatever
+    ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its entries are large."""
     row0, L, i_c = chunk_program(cu_seqlens, offsets, tl.program_id(0), tl.program_id(1), T, N, IS_VARLEN, LOG_N)
     NB: tl.constexpr = BT // SB
     o_k, o_v, o_t = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BT)
-    o_b, o_s = tl.arange(0, NB), tl.arange(0, SB)
-    # k and a as [NB, SB, K]: the blocks' own products batched, the chunk's as their [BT, K] reshapes
-    o_r3 = i_c * BT + o_b[:, None, None] * SB + o_s[None, :, None]
+    o_r3 = i_c * BT + tl.arange(0, NB)[:, None, None] * SB + tl.arange(0, SB)[None, :, None]  # [NB, SB, 1]
     p_3 = (row0 + o_r3) * K + o_k[None, None, :]
     m_3 = (o_r3 < L) & (o_k < K)[None, None, :]
     b_k3 = tl.load(k + p_3, mask=m_3, other=0.0).to(tl.float32)
     b_a3 = tl.load(a + p_3, mask=m_3, other=0.0).to(tl.float32)
-    b_z = tl.dot(tl.reshape(b_k3, (BT, BK)), tl.trans(tl.reshape(b_a3, (BT, BK))), input_precision=SOLVE_PRECISION)
-    block_r, block_c = (o_t // SB)[:, None], (o_t // SB)[None, :]
-    b_zo = tl.reshape(tl.where(block_r > block_c, b_z, 0.0), (NB, SB, BT))  # Z_rc = k_r · a_c below the blocks
-    b_zd = tl.dot(b_k3, tl.trans(b_a3, (0, 2, 1)), input_precision=SOLVE_PRECISION)
-    b_d = block_diagonal_inverse(tl.where(o_s[None, :, None] > o_s[None, None, :], b_zd, 0.0), SB)
-    b_n = tl.reshape(tl.dot(b_d, b_zo, input_precision=SOLVE_PRECISION), (BT, BT))  # N = D Z_o
-    b_e = tl.reshape(tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0), (NB, SB, BT))
-    b_t = tl.reshape(tl.dot(b_d, b_e, input_precision=SOLVE_PRECISION), (BT, BT))  # D as [BT, BT]
-    for bi in tl.static_range(1, NB):  # block row bi: D_ii E_i − N_i T, the rows k < bi of T finished
-        b_t -= tl.dot(tl.where(block_r == bi, b_n, 0.0), b_t, input_precision=SOLVE_PRECISION)
+    b_t = tril_inverse(b_k3, b_a3, BT, SB, BK, SOLVE_PRECISION)
     p_t, m_t, _, _ = seq_tiles(row0, i_c, L, o_t, o_t, BT, BT, BT)
     tl.store(t_out + p_t, b_t, mask=m_t)
     p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
