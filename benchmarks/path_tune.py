@@ -41,7 +41,8 @@ from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 # pass for the carried query: ~3x fewer tensor-core passes, error read off `err`;
 # "bf16x3" three bf16 passes of the hi/lo split (~1e-5 relative, at twice TF32's rate: half 3xTF32's time).
 FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32"), (4, 1, "bf16x3")]
-# Rows per block of the prepare kernel's UT solve (prepare.SOLVE_ROWS), the forward timed with each.
+# Rows per block of the prepare kernel's UT solve (prepare.SOLVE_ROWS), the forward timed with each; --solve-only adds
+# prepare.SOLVE_BATCHED (the diagonal blocks all at once).
 SOLVE = [16, 32]
 # --span-only: the superblocks' span in positions (prepare.SUPERBLOCK; 512 the default): shorter spans move work from
 # the chunk-by-chunk kernels inside a superblock to the sweep between superblocks.
@@ -344,7 +345,7 @@ def local_errors(D: int, T: int, device: torch.device, picked: list[int], jobs: 
 
 
 SETTINGS = (
-    ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows", "superblock")),
+    ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows", "solve_batched", "superblock")),
     ("bwd", ("chunk", "num_warps", "key_tile")),
     ("super", ("tile", "tiles_per_program", "num_warps", "num_stages", "dq_by_atomics")),
     ("local", ("setting",)),
@@ -363,7 +364,7 @@ def table(cells: list[dict]) -> str:
                 setting = " ".join(f"{k}={row[k]}" for k in keys if k in row)
                 if kind == "bwd" and "carry_precision" in row:
                     setting = f"carry_precision={row['carry_precision']}"
-                for knob in ("solve_rows", "superblock"):
+                for knob in ("solve_rows", "solve_batched", "superblock"):
                     if kind == "bwd" and knob in row:
                         setting = f"{knob}={row[knob]}"
                 result = f"{row['ms']:.3f} ms, err {row['err']:.1e}" if "ms" in row else row["error"]
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             solve = [] if narrowed else SOLVE[:1] if args.quick else SOLVE
             solve = [None, *solve] if args.solve_only else solve
             knobs = [("SOLVE_ROWS", rows) for rows in solve] + [("SUPERBLOCK", p) for p in SPAN if args.span_only]
+            knobs += [("SOLVE_BATCHED", True)] if args.solve_only else []  # 16-row blocks, diagonal ones at once
             grads = args.solve_only or args.span_only
             if args.local_only:
                 pick = (

@@ -642,8 +642,9 @@ def test_superblock_tiles_of_their_own(monkeypatch, span):
 
 @pytest.mark.parametrize("chunk, rows", [(32, 16), (64, 16), (64, 32)], ids=["C32-SB16", "C64-SB16", "C64-SB32"])
 def test_prepare_solve_by_blocks(chunk, rows):
-    """The prepare kernel's UT solve by blocks of ``rows`` rows gives the row-by-row solve's ``M``, carried keys and
-    ``M W`` (and ``M`` is the PyTorch ``ut_transform``), over two sequences with a partial last chunk."""
+    """The prepare kernel's UT solve by blocks of ``rows`` rows, one block after another and every diagonal block at
+    once (``BATCHED``), gives the row-by-row solve's ``M``, carried keys and ``M W`` (and ``M`` is the PyTorch
+    ``ut_transform``), over two sequences with a partial last chunk."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.torch_impl import _chunk, ut_transform
     from attnkit.ops.path.triton.prepare import chunk_offsets_of, path_prepare_kernel
@@ -652,16 +653,17 @@ def test_prepare_solve_by_blocks(chunk, rows):
     cu = torch.tensor([0, 60, 150], device=DEVICE, dtype=torch.int32)
     offsets, chunks = chunk_offsets_of(cu, chunk)
     outs = []
-    for sb in (chunk, rows):
+    for sb, batched in ((chunk, False), (rows, False), (rows, True)):
         m = torch.zeros(chunks, 2, chunk, chunk, device=DEVICE)
         kt, mw = torch.zeros_like(k), torch.zeros_like(k)
         path_prepare_kernel[(-(-90 // chunk), 2 * 2)](  # the longest sequence's chunks, N * H
             k, w, beta, m, kt, mw, cu, offsets, 150, 0, H=2, K=24, BK=block_dim(24), BT=chunk, IS_VARLEN=True,
-            PRECISION="ieee", WRITE_MW=True, SB=sb, num_warps=1,
+            PRECISION="ieee", WRITE_MW=True, SB=sb, BATCHED=batched, num_warps=1,
         )  # fmt: skip
         outs.append((m, kt, mw))
-    for name, a, e in zip(("M", "k_carried", "MW"), outs[1], outs[0]):
-        assert_close(name, a, e, 1e-5)
+    for out in outs[1:]:
+        for name, a, e in zip(("M", "k_carried", "MW"), out, outs[0]):
+            assert_close(name, a, e, 1e-5)
     # The first sequence's M against the PyTorch UT transform.
     expected = ut_transform(_chunk(w[:, :60], chunk, torch.float32), _chunk(beta[:, :60], chunk, torch.float32))
     assert_close("M vs ut_transform", outs[1][0][: expected.shape[2]].transpose(0, 1)[None], expected, 1e-5)

@@ -150,7 +150,8 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     config = prepare.launch_config()  # the prepare and carry kernels as the forward launches them
     prepare.path_prepare_kernel[(NC, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=chunk,
-        IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk), **config,
+        IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk),
+        BATCHED=prepare.solve_batched(), **config,
     )  # fmt: skip
     inner = prepare.inner_carry(q.dtype, K) if supers else None  # the carries inside superblocks
     low_grad = prepare.measured_16bit(q.dtype, K) if backward.INNER_LOW_GRAD is None else backward.INNER_LOW_GRAD

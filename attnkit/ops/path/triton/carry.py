@@ -24,6 +24,7 @@ from attnkit.ops.path.triton.prepare import (
     launch_config,
     path_prepare_kernel,
     precisions,
+    solve_batched,
     solve_rows,
 )
 
@@ -141,6 +142,7 @@ def path_carry_fn(
     carry = precisions(k.dtype, K)[1]
     path_prepare_kernel[(triton.cdiv(longest, BT), N * H)](
         k, w, beta, m, kt, None, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=BT,
-        IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=False, SB=solve_rows(BT), **launch_config(),
+        IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=False, SB=solve_rows(BT), BATCHED=solve_batched(),
+        **launch_config(),
     )  # fmt: skip
     return carry_keys_fn(w, kt, m, cu_seqlens, triton.cdiv(longest, BT), k.dtype, False, carry, launch_config())[0]

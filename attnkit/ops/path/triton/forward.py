@@ -29,6 +29,7 @@ from attnkit.ops.path.triton.prepare import (
     launch_config,
     path_prepare_kernel,
     precisions,
+    solve_batched,
     solve_rows,
 )
 
@@ -201,7 +202,7 @@ def path_fwd_fn(
     carry = carry if interpreting() else requested  # the interpreter's dots are exact, and it knows no bf16x3
     path_prepare_kernel[(grid_chunks, N * H)](
         k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=BK, BT=BT, IS_VARLEN=is_varlen,
-        PRECISION=carry, WRITE_MW=True, SB=solve_rows(BT), **launch,
+        PRECISION=carry, WRITE_MW=True, SB=solve_rows(BT), BATCHED=solve_batched(), **launch,
     )  # fmt: skip
     R = prepare.superblock_chunks(K, BT)
     if R < grid_chunks:  # some query chunk has an earlier superblock

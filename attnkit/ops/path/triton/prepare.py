@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnkit.ops.common.triton.tril_inverse import tril_inverse
 from attnkit.ops.common.triton_seq import block_offsets, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 
@@ -90,16 +91,36 @@ def ut_solve_blocked(
 
 
 @triton.jit
+def ut_solve_batched(
+    w, beta, bos, start, L, i_h, o_k,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``Y = L⁻¹``, ``L = I + diag(β) strict_tril(W Wᵀ)`` of the chunk starting at ``start``, in registers
+    (:func:`~attnkit.ops.common.triton.tril_inverse.tril_inverse` with ``K = diag(β) W``, ``A = W``): every
+    ``SB``-row diagonal block's inverse at once (``SB − 1`` dependent steps, where :func:`ut_solve_blocked` takes
+    ``SB`` a block, one block after another), then a ``[BT, BT]`` product a block row; no round trip through
+    ``M`` in memory. The UT matrix is ``M = Y diag(β)``."""
+    o_r = start + tl.arange(0, BT // SB)[:, None, None] * SB + tl.arange(0, SB)[None, :, None]  # [NB, SB, 1]
+    m_r = o_r < L
+    p_r = bos + o_r.to(tl.int64)
+    b_w3 = tl.load(w + p_r * (H * K) + i_h * K + o_k[None, None, :], mask=m_r & (o_k < K)[None, None, :], other=0.0)
+    b_w3 = b_w3.to(tl.float32)
+    b_beta3 = tl.load(beta + p_r * H + i_h, mask=m_r, other=0.0).to(tl.float32)
+    return tril_inverse(b_beta3 * b_w3, b_w3, BT, SB, BK, PRECISION)
+
+
+@triton.jit
 def path_prepare_kernel(
     k, w, beta, m_out, kt_out, mw_out, cu_seqlens, chunk_offsets, T, NC,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, WRITE_MW: tl.constexpr, SB: tl.constexpr = 1 << 20,
+    PRECISION: tl.constexpr, WRITE_MW: tl.constexpr, SB: tl.constexpr = 1 << 20, BATCHED: tl.constexpr = False,
 ):  # fmt: skip
     """``k, w [*, H, K]``, ``beta [*, H]`` (``*`` the packed tokens) -> ``m_out [chunks, H, BT, BT]`` float32
     and ``kt_out [*, H, K]``. Grid ``(chunks of the longest sequence, N * H)``; chunk ``c`` of sequence ``n``
     is row ``chunk_offsets[n] + c`` of ``m_out`` (``n * NC + c`` for a dense batch). With ``WRITE_MW`` also
     ``mw_out [*, H, K]`` float32, ``M W`` of each chunk (the carry across it is then ``x − (x Wᵀ)(M W)``). ``SB``
-    below ``BT``: the UT solve by blocks of ``SB`` rows (:func:`ut_solve_blocked`), else row by row."""
+    below ``BT``: the UT solve by blocks of ``SB`` rows (:func:`ut_solve_blocked`, or with ``BATCHED``
+    :func:`ut_solve_batched`), else row by row."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
@@ -120,7 +141,10 @@ def path_prepare_kernel(
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     p_m = m_out + (i_chunk * H + i_h) * (BT * BT)
-    if SB < BT:
+    if SB < BT and BATCHED:
+        b_m = ut_solve_batched(w, beta, bos, start, L, i_h, o_k, H, K, BK, BT, SB, PRECISION) * b_beta[None, :]
+        tl.store(p_m + rows * BT + cols, b_m)
+    elif SB < BT:
         b_m = ut_solve_blocked(w, beta, p_m, bos, start, L, i_h, o_k, H, K, BK, BT, SB, PRECISION)
     else:
         b_m = ut_solve(b_w, b_beta, BT, PRECISION)
@@ -170,6 +194,17 @@ NO_SUPERBLOCKS = 1 << 30  # a span no sequence reaches: every chunk pair is carr
 
 
 SOLVE_ROWS: int | None = 16  # rows per block of the prepare kernel's UT solve; None: row by row
+
+
+# The UT solve's diagonal blocks all at once (ut_solve_batched, the delta rule's blocked inverse) instead of one after
+# another (ut_solve_blocked). Compiled for sm_90a (Triton 3.6) it has not run on a GPU yet: None takes it under the
+# interpreter only; True / False force it (path_tune.py --solve-only times both; the tests run both).
+SOLVE_BATCHED: bool | None = None
+
+
+def solve_batched() -> bool:
+    """``BATCHED`` of :func:`path_prepare_kernel` (:data:`SOLVE_BATCHED`; None: under the interpreter)."""
+    return interpreting() if SOLVE_BATCHED is None else SOLVE_BATCHED
 
 
 def solve_rows(chunk: int) -> int:
