@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.baselines.fox.triton.forward import precision
 from attnkit.ops.baselines.linear_triton.forward import (
     chunk_site,
     chunk_size,
     num_warps,
+    precision,
     row_tile,
     seq_site,
     state_block,
@@ -86,14 +86,16 @@ def linear_bwd_state_kernel(
     NCS = tl.cdiv(L, BT)
     for i_back in range(0, NCS):
         i_c = NCS - 1 - i_back
-        p_h, _, p_ns = state_offsets(slot0 + i_c, o_k, o_v, K, V)
-        tl.store(dhs + p_h, b_dh, mask=m_kv)
+        # No name is reused across these loops with another shape: Triton (compiled, not interpreted) carries a
+        # name assigned in a loop body and before it, and refuses a change of type (`_` did, at `for i_g`).
+        p_h, m_h, p_ns = state_offsets(slot0 + i_c, o_k, o_v, K, V)
+        tl.store(dhs + p_h, b_dh, mask=m_h)
         tl.store(dns + p_ns, b_dn, mask=m_n)
         for i_g in range(G):
             i_hq = i_h * G + i_g
-            b_q, _, _ = row_tile(q, i_b, i_hq, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)
+            b_q, o_tq, m_tq = row_tile(q, i_b, i_hq, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)
             b_q = b_q.to(tl.float32)
-            b_du, b_dz, _, _ = output_grads(
+            b_du, b_dz, o_td, m_td = output_grads(
                 do, z, delta, i_b, i_hq, bos, i_c, L, T, eps, sdb, sdt, sdh, sdd, o_v, HQ, V, BT, NORMALIZE
             )
             b_dh += tl.dot(tl.trans(b_q), b_du, input_precision=PRECISION)
@@ -227,7 +229,7 @@ def linear_bwd_fn(
     rows = 1 if cu_seqlens is not None else B
     parallel = dict(
         cu_seqlens=varlen["cu_seqlens"], offsets=varlen["offsets"], T=T, NC=NC, N=N, eps=eps, H=H, BV=BV,
-        LOG_N=varlen["LOG_N"], num_warps=num_warps(K, V), **kv_strides, **common,
+        LOG_N=varlen["LOG_N"], num_warps=num_warps(K, V), num_stages=1, **kv_strides, **common,
     )  # fmt: skip
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     linear_bwd_dq_kernel[(NC, rows * HQ)](

@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.baselines.fox.triton.forward import precision
 from attnkit.ops.common.triton.delta_fwd import chunk_layout, chunk_program
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 
@@ -133,6 +132,15 @@ def linear_fwd_output_kernel(
     tl.store(o + p_row[:, None] * V + o_v[None, :], b_u.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
 
 
+def precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s precision: the tensor cores' own for 16-bit inputs; float32-accurate for float32 ones, exact
+    under the interpreter and 3xTF32 on the GPU (compiled for sm_90a with Triton 3.6, exact IEEE products at K = 128
+    spilled 24–28 KB a thread and the dK/dV kernel wanted 246 KB of shared memory, over the 227 KB a block has)."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if interpreting() else "tf32x3"
+
+
 def chunk_size() -> int:
     """Tokens per chunk: 64 on the GPU, 16 under the interpreter (small tests then cross several chunks)."""
     return 16 if interpreting() else 64
@@ -145,7 +153,9 @@ def state_block(V: int) -> int:
 
 
 def num_warps(K: int, V: int) -> int:
-    """Four warps up to 64 channels, eight above (not yet timed on a GPU)."""
+    """Four warps up to 64 channels, eight above (not yet timed on a GPU). Every launch takes one pipeline stage:
+    compiled for sm_90a (Triton 3.6), Triton's default three made the dK/dV kernel want 329 KB of shared memory at
+    K = V = 128 with float32 inputs, over the 227 KB a block has."""
     return 4 if max(K, V) <= 64 else 8
 
 
@@ -186,6 +196,6 @@ def linear_fwd_fn(
         q, k, v, hs, ns, o, z, T=T, NC=NC, eps=eps, HQ=HQ, H=H, NORMALIZE=normalize, **varlen,
         sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2), sqd=q.stride(3),
         skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), skd=k.stride(3),
-        svb=v.stride(0), svt=v.stride(1), svh=v.stride(2), svd=v.stride(3), **dims,
+        svb=v.stride(0), svt=v.stride(1), svh=v.stride(2), svd=v.stride(3), num_stages=1, **dims,
     )  # fmt: skip
     return o, st, nt, hs, ns, z

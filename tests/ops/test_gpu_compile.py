@@ -1,0 +1,96 @@
+"""Kernels that have not yet run on a GPU compile for one (sm_90, Triton's CUDA backend on the CPU): the interpreter
+runs a kernel's Python, so it misses what only the compiler checks, such as a name carried through a loop with another
+shape (linear attention's backward state kernel had one, caught this way before its first GPU run), or more shared
+memory than a Hopper block has (its dK/dV kernel wanted 329 KB at K = 128 in float32 with three stages).
+
+Each launch of a step is recorded with the GPU's choices (chunks, tiles, warps, stages, precisions) instead of run
+(``benchmarks.kernel_resources.record_launches``) and compiled, in a child process without ``TRITON_INTERPRET``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import functools, sys, torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from benchmarks.kernel_resources import record_launches, specialisation
+from attnkit.ops.baselines.linear_triton.backward import linear_bwd_fn
+from attnkit.ops.baselines.linear_triton.forward import linear_fwd_fn
+from attnkit.ops.common.triton import delta_fwd
+from attnkit.ops.path.triton import prepare
+
+def linear(K, dtype, packed):
+    HQ, H, T = 4, 2, 256
+    q, do = (torch.randn(1, T, HQ, K, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(2))
+    cu = torch.tensor([0, 100, 100, T], dtype=torch.int32) if packed else None
+    N = 3 if packed else 1
+    s0, n0 = torch.zeros(N, H, K, K), torch.zeros(N, H, K)
+    o, st, nt, hs, ns, z = linear_fwd_fn(q, k, v, s0, n0, cu, True, 1e-4)
+    linear_bwd_fn(do, q, k, v, o, hs, ns, z, st, nt, cu, True, 1e-4)
+
+def delta_prepare(K, dtype):
+    delta_fwd.BLOCKED_PREPARE = True
+    q, k, v, a = (torch.randn(1, 2, 256, K, dtype=dtype) for _ in range(4))
+    delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32")
+
+def path_prepare(K):
+    prepare.SOLVE_BATCHED = True
+    from attnkit.ops.path.triton.forward import path_fwd_fn
+    q, k, v = (torch.randn(1, 256, 2, K, dtype=torch.bfloat16) for _ in range(3))
+    w = torch.nn.functional.normalize(torch.randn(1, 256, 2, K), dim=-1)
+    path_fwd_fn(q, k, v, w, torch.rand(1, 256, 2) * 2, None, K**-0.5, None)
+
+steps = {
+    "linear": [functools.partial(linear, K, d, p) for K, d, p in
+               ((64, torch.bfloat16, False), (128, torch.float16, True), (128, torch.float32, False))],
+    "delta_prepare": [functools.partial(delta_prepare, K, d) for K, d in ((64, torch.bfloat16), (128, torch.float32))],
+    "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
+}[sys.argv[1]]
+seen = set()
+for step in steps:
+    for launch in record_launches(step):
+        signature, constants, warps, stages = specialisation(launch)
+        name = launch["kernel"].fn.__name__
+        if sys.argv[1] != "linear" and name not in ("delta_prepare_kernel", "path_prepare_kernel"):
+            continue
+        key = (name, repr(sorted(constants.items(), key=str)), warps, stages)
+        if key in seen:
+            continue
+        seen.add(key)
+        source = ASTSource(
+            fn=launch["kernel"], signature={**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants
+        )
+        kernel = compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        if kernel.metadata.shared > 227 * 1024:  # what a block may have on Hopper: the launch would fail
+            raise SystemExit(f"{name} {constants}: {kernel.metadata.shared} bytes of shared memory")
+        print("compiled", name, kernel.metadata.shared, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "group, kernels",
+    [
+        ("linear", {"linear_fwd_state_kernel", "linear_fwd_output_kernel", "linear_bwd_state_kernel",
+                    "linear_bwd_dq_kernel", "linear_bwd_dkdv_kernel"}),
+        ("delta_prepare", {"delta_prepare_kernel"}),
+        ("path_prepare", {"path_prepare_kernel"}),
+    ],
+)  # fmt: skip
+def test_untested_kernels_compile_for_the_gpu(group, kernels):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, group], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("compiled ")}
+    assert compiled >= kernels, sorted(kernels - compiled)
