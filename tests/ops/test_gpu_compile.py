@@ -42,6 +42,14 @@ def delta_prepare(K, dtype):
     q, k, v, a = (torch.randn(1, 2, 256, K, dtype=dtype) for _ in range(4))
     delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32")
 
+def delta_bwd(K, V):
+    from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
+    q, k, a = (torch.randn(1, 2, 256, K) for _ in range(3))
+    v, do = (torch.randn(1, 2, 256, V, dtype=torch.bfloat16) for _ in range(2))
+    saved = {"w": torch.empty(1, 2, 256, K), "hs": torch.empty(1, 2, 4, K, V), "u_new": torch.empty(1, 2, 256, V),
+             "tm": torch.empty(1, 2, 256, 64)}
+    delta_bwd_fn(q.bfloat16(), k, v, a, saved, do, None, 64, "tf32")
+
 def path_prepare(K):
     prepare.SOLVE_BATCHED = True
     from attnkit.ops.path.triton.forward import path_fwd_fn
@@ -54,13 +62,21 @@ steps = {
                ((64, torch.bfloat16, False), (128, torch.float16, True), (128, torch.float32, False))],
     "delta_prepare": [functools.partial(delta_prepare, K, d) for K, d in ((64, torch.bfloat16), (128, torch.float32))],
     "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
+    "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
 }[sys.argv[1]]
+WANTED = {
+    "linear": ("linear_fwd_state_kernel", "linear_fwd_output_kernel", "linear_bwd_state_kernel", "linear_bwd_dq_kernel",
+               "linear_bwd_dkdv_kernel"),
+    "delta_prepare": ("delta_prepare_kernel",),
+    "path_prepare": ("path_prepare_kernel",),
+    "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
+}
 seen = set()
 for step in steps:
     for launch in record_launches(step):
         signature, constants, warps, stages = specialisation(launch)
         name = launch["kernel"].fn.__name__
-        if sys.argv[1] != "linear" and name not in ("delta_prepare_kernel", "path_prepare_kernel"):
+        if name not in WANTED[sys.argv[1]]:
             continue
         key = (name, repr(sorted(constants.items(), key=str)), warps, stages)
         if key in seen:
@@ -83,6 +99,7 @@ for step in steps:
                     "linear_bwd_dq_kernel", "linear_bwd_dkdv_kernel"}),
         ("delta_prepare", {"delta_prepare_kernel"}),
         ("path_prepare", {"path_prepare_kernel"}),
+        ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
     ],
 )  # fmt: skip
 def test_untested_kernels_compile_for_the_gpu(group, kernels):
