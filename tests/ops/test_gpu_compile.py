@@ -4,7 +4,8 @@ shape (linear attention's backward state kernel had one, caught this way before 
 memory than a Hopper block has (its dK/dV kernel wanted 329 KB at K = 128 in float32 with three stages).
 
 Each launch of a step is recorded with the GPU's choices (chunks, tiles, warps, stages, precisions) instead of run
-(``benchmarks.kernel_resources.record_launches``) and compiled, in a child process without ``TRITON_INTERPRET``."""
+(``benchmarks.kernel_resources.record_launches``) and compiled as ``kernel_resources.py`` compiles them
+(``benchmarks.sass_report.compile_report``), in a child process without ``TRITON_INTERPRET``."""
 
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import functools, sys, torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 from benchmarks.kernel_resources import record_launches, specialisation
+from benchmarks.sass_report import compile_report
 from attnkit.ops.baselines.linear_triton.backward import linear_bwd_fn
 from attnkit.ops.baselines.linear_triton.forward import linear_fwd_fn
 from attnkit.ops.common.triton import delta_fwd
@@ -82,13 +82,10 @@ for step in steps:
         if key in seen:
             continue
         seen.add(key)
-        source = ASTSource(
-            fn=launch["kernel"], signature={**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants
-        )
-        kernel = compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-        if kernel.metadata.shared > 227 * 1024:  # what a block may have on Hopper: the launch would fail
-            raise SystemExit(f"{name} {constants}: {kernel.metadata.shared} bytes of shared memory")
-        print("compiled", name, kernel.metadata.shared, flush=True)
+        shared = compile_report(launch["kernel"], signature, constants, warps, stages)["shared"]
+        if shared > 227 * 1024:  # what a block may have on Hopper: the launch would fail
+            raise SystemExit(f"{name} {constants}: {shared} bytes of shared memory")
+        print("compiled", name, shared, flush=True)
 """
 
 
