@@ -11,7 +11,7 @@ import torch
 
 from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
 from attnkit.ops.common.triton.delta_fwd import delta_fwd_fn
-from attnkit.ops.common.triton_utils import interpreting
+from attnkit.ops.common.triton_utils import float32_dots, interpreting
 
 
 def _chunk_size() -> int:
@@ -25,9 +25,7 @@ def _precision(dtype: torch.dtype, single_pass: bool) -> str:
     is a running sum over the whole sequence, where single TF32 rounding would accumulate), unless
     ``single_pass``: the caller's own inputs were 16-bit and were widened to float32 on the way (VLA's write
     directions), so one TF32 pass (10-bit mantissa, finer than the inputs' 7 or 10) loses nothing they had."""
-    if dtype == torch.float32 and not single_pass:
-        return "ieee" if interpreting() else "tf32x3"
-    return "tf32"
+    return "tf32" if single_pass else float32_dots(dtype)
 
 
 @torch.library.custom_op("attnkit::delta_rule_fwd", mutates_args=(), device_types=("cuda", "cpu"))

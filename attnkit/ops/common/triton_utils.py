@@ -19,6 +19,15 @@ def kernel_device(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
+def float32_dots(dtype: torch.dtype) -> str:
+    """``tl.dot``'s precision for operands of ``dtype`` that must keep float32's accuracy: exact (``ieee``) under the
+    interpreter, which has no TF32, and three TF32 passes on the tensor cores; 16-bit operands take the tensor cores'
+    own products (``tf32``), exact for them."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if interpreting() else "tf32x3"
+
+
 def block_dim(n: int, minimum: int = 16) -> int:
     """The power-of-two block that covers ``n`` channels; ``tl.dot`` needs at least 16 along its inner dim."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from attnkit.ops.common import delta_parallel
-from attnkit.ops.common.triton_utils import interpreting
+from attnkit.ops.common.triton_utils import float32_dots, interpreting
 from attnkit.ops.common.utils import autocast_off, compute_dtype
 from attnkit.ops.vla.triton.decode import vla_decode_fn
 from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn, vla_write_bwd_fn, vla_write_fwd_fn
@@ -25,7 +25,7 @@ def gates_chunk_size() -> int:
 
 def _precision() -> str:
     """The gates are float32 whatever the inputs (``A0`` carries ``1/lam0``): 3xTF32 dots on the tensor cores."""
-    return "ieee" if interpreting() else "tf32x3"
+    return float32_dots(torch.float32)
 
 
 @torch.library.custom_op("attnkit::vla_gates_fwd", mutates_args=(), device_types=("cuda", "cpu"))

@@ -22,7 +22,6 @@ from attnkit.ops.baselines.linear_triton.forward import (
     chunk_site,
     chunk_size,
     num_warps,
-    precision,
     row_tile,
     seq_site,
     state_block,
@@ -30,7 +29,7 @@ from attnkit.ops.baselines.linear_triton.forward import (
 )
 from attnkit.ops.common.triton.delta_fwd import chunk_layout
 from attnkit.ops.common.triton.rowdot import output_delta
-from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.common.triton_utils import block_dim, float32_dots
 
 
 @triton.jit
@@ -218,8 +217,9 @@ def linear_bwd_fn(
         svb=v.stride(0), svt=v.stride(1), svh=v.stride(2), svd=v.stride(3),
     )  # fmt: skip
     common = dict(
-        HQ=HQ, K=K, V=V, BK=BK, BT=BT, NORMALIZE=normalize, PRECISION=precision(q.dtype), IS_VARLEN=varlen["IS_VARLEN"]
-    )
+        HQ=HQ, K=K, V=V, BK=BK, BT=BT, NORMALIZE=normalize, PRECISION=float32_dots(q.dtype),
+        IS_VARLEN=varlen["IS_VARLEN"],
+    )  # fmt: skip
     BV_STATE = state_block(V)
     linear_bwd_state_kernel[(triton.cdiv(V, BV_STATE), N * H)](
         q, do, z, delta, dst, dnt, dhs, dns, ds0, dn0, varlen["cu_seqlens"], varlen["offsets"], T, NC, H, eps,

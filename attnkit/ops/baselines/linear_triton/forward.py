@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from attnkit.ops.common.triton.delta_fwd import chunk_layout, chunk_program
-from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.common.triton_utils import block_dim, float32_dots, interpreting
 
 
 @triton.jit
@@ -132,15 +132,6 @@ def linear_fwd_output_kernel(
     tl.store(o + p_row[:, None] * V + o_v[None, :], b_u.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
 
 
-def precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s precision: the tensor cores' own for 16-bit inputs; float32-accurate for float32 ones, exact
-    under the interpreter and 3xTF32 on the GPU (compiled for sm_90a with Triton 3.6, exact IEEE products at K = 128
-    spilled 24–28 KB a thread and the dK/dV kernel wanted 246 KB of shared memory, over the 227 KB a block has)."""
-    if dtype != torch.float32:
-        return "tf32"
-    return "ieee" if interpreting() else "tf32x3"
-
-
 def chunk_size() -> int:
     """Tokens per chunk: 64 on the GPU, 16 under the interpreter (small tests then cross several chunks)."""
     return 16 if interpreting() else 64
@@ -155,7 +146,8 @@ def state_block(V: int) -> int:
 def num_warps(K: int, V: int) -> int:
     """Four warps up to 64 channels, eight above (not yet timed on a GPU). Every launch takes one pipeline stage:
     compiled for sm_90a (Triton 3.6), Triton's default three made the dK/dV kernel want 329 KB of shared memory at
-    K = V = 128 with float32 inputs, over the 227 KB a block has."""
+    K = V = 128 with float32 inputs, over the 227 KB a block has. Float32 inputs take 3xTF32 dots
+    (``triton_utils.float32_dots``): exact products spilled 24–28 KB a thread there."""
     return 4 if max(K, V) <= 64 else 8
 
 
@@ -187,7 +179,7 @@ def linear_fwd_fn(
     nt = torch.empty(N, H, K, **f32)
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
     z = torch.empty(B, T, HQ, **f32) if normalize else torch.empty(0, **f32)
-    dims = dict(K=K, V=V, BK=BK, BV=BV, BT=BT, PRECISION=precision(q.dtype), num_warps=num_warps(K, V))
+    dims = dict(K=K, V=V, BK=BK, BV=BV, BT=BT, PRECISION=float32_dots(q.dtype), num_warps=num_warps(K, V))
     linear_fwd_state_kernel[(triton.cdiv(V, BV), N * H)](
         k, v, s0, n0, hs, ns, st, nt, varlen["cu_seqlens"], varlen["offsets"], T, NC, H, *k.stride(), *v.stride(),
         USE_S0=s0 is not None, IS_VARLEN=varlen["IS_VARLEN"], num_stages=1, **dims,
