@@ -45,8 +45,10 @@ FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4,
 # prepare.SOLVE_BATCHED (the diagonal blocks all at once).
 SOLVE = [16, 32]
 # --span-only: the superblocks' span in positions (prepare.SUPERBLOCK; 512 the default): shorter spans move work from
-# the chunk-by-chunk kernels inside a superblock to the sweep between superblocks.
-SPAN = [256, 512, 1024]
+# the chunk-by-chunk kernels inside a superblock to the sweep between superblocks. The last, prepare.NO_SUPERBLOCKS,
+# has none: every chunk pair is carried chunk by chunk in the UT form (two C x K products a chunk, FLA's way), what
+# K > 128 always runs; at K = 128 it is the design without dense K x K transitions to weigh against them.
+SPAN = [256, 512, 1024, prepare.NO_SUPERBLOCKS]
 # (chunk, num_warps, key_tile) of the backward kernels; key_tile: the key side carries its key chunk
 # (path_bwd_kv_tile_kernel: 49 KB of shared memory at K = 128 against 205 KB for the K x K product) rather than the
 # product; None keeps carries_key_tile's rule.
