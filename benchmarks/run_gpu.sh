@@ -8,7 +8,7 @@
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
-#                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear]
+#                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [foxtune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
@@ -97,6 +97,10 @@ runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/linear.log" 2
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
             timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
             tail -12 "$OUT/foxtests.log" ;;
+        foxtune)  # FoX: the forward's and both backward kernels' tiles at D = 64, T = 8k against SDPA (issue 17's bar, where
+            # the forward took 1.6x SDPA's time in the thirteenth session)
+            timeout ${FOXTUNE_LIMIT:-240} python3 benchmarks/fox_tune.py --seq-lens ${FOXTUNE_SEQ_LENS:-8192} \
+                --head-dims ${FOXTUNE_DIMS:-64} --out "$OUT" > "$OUT/foxtune.log" 2>&1 ;;
         fox)  # FoX forward and forward+backward against SDPA and FLA's parallel_forgetting_attn (issue 17's bar)
             timeout 300 python3 benchmarks/ops.py --ops fox --impls sdpa fox_triton fla_parallel_forgetting_attn \
                 --seq-lens 2048 8192 32768 --out "$OUT" --name ops_fox_h200 > "$OUT/fox.log" 2>&1 ;;
@@ -252,7 +256,7 @@ if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
 else
     du -ch "$OUT"/triton_cache.tar.* | tail -1
 fi
-for log in fox linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
+for log in fox foxtune linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
