@@ -39,16 +39,33 @@ def linear(K, dtype, packed):
 
 def delta_prepare(K, dtype):
     delta_fwd.BLOCKED_PREPARE = True
-    q, k, v, a = (torch.randn(1, 2, 256, K, dtype=dtype) for _ in range(4))
+    q, k, v, a = (torch.randn(1, 256, 2, K, dtype=dtype) for _ in range(4))
     delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32")
 
 def delta_bwd(K, V):
     from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
-    q, k, a = (torch.randn(1, 2, 256, K) for _ in range(3))
-    v, do = (torch.randn(1, 2, 256, V, dtype=torch.bfloat16) for _ in range(2))
+    q, k, a = (torch.randn(1, 256, 2, K) for _ in range(3))
+    v, do = (torch.randn(1, 256, 2, V, dtype=torch.bfloat16) for _ in range(2))
     saved = {"w": torch.empty(1, 2, 256, K), "hs": torch.empty(1, 2, 4, K, V), "u_new": torch.empty(1, 2, 256, V),
              "tm": torch.empty(1, 2, 256, 64)}
     delta_bwd_fn(q.bfloat16(), k, v, a, saved, do, None, 64, "tf32")
+
+def delta_strided(K, V, dtype, deltanet):
+    from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
+    delta_fwd.BLOCKED_PREPARE = None  # CUDA's default: the row-by-row prepare kernel
+    qkv = torch.randn(1, 256, 2, 2 * K + V, dtype=dtype)
+    q, k, v = qkv[..., :K], qkv[..., K : 2 * K], qkv[..., 2 * K :]
+    a, beta = (None, torch.rand(1, 256, 2)) if deltanet else (torch.randn(1, 256, 2, K), None)
+    o, _, saved = delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32", None, beta, K**-0.5)
+    delta_bwd_fn(q, k, v, a, saved, torch.randn_like(o), None, 64, "tf32", None, beta, K**-0.5)
+
+def vla(K, dtype):
+    from attnkit.ops.vla.parallel import vla_triton
+    qkv = torch.randn(1, 256, 2, 3 * K, dtype=dtype)
+    q, k, v = (qkv[..., i * K : (i + 1) * K].requires_grad_() for i in range(3))
+    u = torch.randn(1, 256, 2, K, requires_grad=True)
+    o, _ = vla_triton(q, k, v, u, 0.1, 1e-4, True, True, None, None)
+    o.backward(torch.randn_like(o))
 
 def path_prepare(K):
     prepare.SOLVE_BATCHED = True
@@ -63,6 +80,10 @@ steps = {
     "delta_prepare": [functools.partial(delta_prepare, K, d) for K, d in ((64, torch.bfloat16), (128, torch.float32))],
     "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
+    "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
+                      ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
+                       (128, 128, torch.float16, False))],
+    "vla": [functools.partial(vla, K, torch.bfloat16) for K in (64, 128)],
 }[sys.argv[1]]
 WANTED = {
     "linear": ("linear_fwd_state_kernel", "linear_fwd_output_kernel", "linear_bwd_state_kernel", "linear_bwd_dq_kernel",
@@ -70,6 +91,11 @@ WANTED = {
     "delta_prepare": ("delta_prepare_kernel",),
     "path_prepare": ("path_prepare_kernel",),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
+    "delta_strided": ("delta_prepare_rows_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
+                      "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
+    "vla": ("unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
+            "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",
+            "normalize_dden_kernel", "normalize_bwd_kernel"),
 }
 seen = set()
 for step in steps:
@@ -97,6 +123,12 @@ for step in steps:
         ("delta_prepare", {"delta_prepare_kernel"}),
         ("path_prepare", {"path_prepare_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
+        ("delta_strided", {"delta_prepare_rows_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
+                           "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",
+                           "delta_bwd_sum_kernel"}),
+        ("vla", {"unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
+                 "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",
+                 "normalize_dden_kernel", "normalize_bwd_kernel"}),
     ],
 )  # fmt: skip
 def test_untested_kernels_compile_for_the_gpu(group, kernels):

@@ -207,8 +207,8 @@ def test_packed_delta_rule_kernels_match_each_sequence():
     cu = torch.tensor(offsets, device=DEVICE)
 
     def packed(q, k, v, a, st):
-        o, S = delta_rule_triton(q, k, v, a, st[0], False, cu)
-        return o, (S,)
+        o, S = delta_rule_triton(*bthd(q, k, v, a), st[0], False, cu)
+        return o.transpose(1, 2), (S,)
 
     def per_sequence(q, k, v, a, st):
         outs, states = [], []
@@ -272,6 +272,11 @@ def test_half_inputs():
     check(actual, expected, 5e-3)
 
 
+def bthd(*xs):
+    """``[B, H, T, ·]`` tensors as the kernels' ``[B, T, H, ·]`` views (strided: nothing is copied)."""
+    return [x.transpose(1, 2) for x in xs]
+
+
 def delta_inputs(B, H, T, K, V, deltanet=False):
     q = torch.randn(B, H, T, K, device=DEVICE)
     k = F.normalize(torch.randn(B, H, T, K, device=DEVICE), dim=-1)
@@ -300,8 +305,8 @@ def test_delta_rule_kernels_match_torch(monkeypatch, blocked, deltanet, with_sta
     state = [torch.randn(B, H, V, K, device=DEVICE)] if with_state else None
 
     def triton_fn(q, k, v, a, st):
-        o, S = delta_rule_triton(q, k, v, a, None if st is None else st[0])
-        return o, (S,)
+        o, S = delta_rule_triton(*bthd(q, k, v, a), None if st is None else st[0])
+        return o.transpose(1, 2), (S,)
 
     def torch_fn(q, k, v, a, st):
         o, S = chunk_generalized_delta_rule(q, k, v, a, None if st is None else st[0], 16)
@@ -338,7 +343,8 @@ def test_gate_kernels_match_torch_gates(K, lam0, with_state):
         return alpha, (A_end,)
 
     def triton_fn(k_hat, u, st):
-        return run(vla_gates_triton, k_hat, u, st)
+        alpha, A_end = run(vla_gates_triton, *bthd(k_hat, u), st)
+        return alpha.transpose(1, 2), A_end
 
     def torch_fn(k_hat, u, st):
         return run(vla_chunk_gates, k_hat, u, st)
@@ -355,7 +361,7 @@ def test_gate_kernels_match_torch_gates(K, lam0, with_state):
 def test_gate_kernels_ignore_autocast(dtype):
     """The Gram sums that the gate kernels invert, and the final inverse, are float32 under autocast: the same bits
     as without it."""
-    k_hat, u = (x.float().to(DEVICE) for x in gate_inputs(1, 2, 3, 16, 0.1))
+    k_hat, u = bthd(*(x.float().to(DEVICE) for x in gate_inputs(1, 2, 3, 16, 0.1)))
     expected = vla_gates_triton(k_hat, u, 0.1, None, gates_chunk_size())
     with torch.autocast(DEVICE, dtype=dtype):
         actual = vla_gates_triton(k_hat, u, 0.1, None, gates_chunk_size())
@@ -376,6 +382,7 @@ def test_gate_groups_carry_the_inverse(group):
     prefix = torch.cat([torch.zeros_like(U[:, :, :1, :1]).expand(B, H, 1, K, K), (U.mT @ U).cumsum(2)[:, :, :-1]], 2)
     lam = (0.1 * torch.eye(K, device=DEVICE) + prefix).contiguous()
     precision = "ieee" if DEVICE == "cpu" else "tf32x3"
+    k_hat, u = (x.transpose(1, 2).contiguous() for x in (k_hat, u))
     one = vla_gates_fwd_fn(k_hat, u, lam, C, precision, dict(num_warps=4, num_stages=1, GROUP=1, SB=C))
     grouped = vla_gates_fwd_fn(k_hat, u, lam, C, precision, dict(num_warps=4, num_stages=1, GROUP=group, SB=16))
     for name, x, y in zip(["alpha", "A0", "R", "anorm"], grouped, one):
@@ -398,12 +405,13 @@ def test_normalize_kernels_match_torch():
         return (r / den.clamp_min(eps)).transpose(1, 2), (n[:, :, -1],)
 
     def triton_fn(r, q, k, st):
-        o, n_end = vla_normalize_triton(r, q, k, st[0], eps)
+        o, n_end = vla_normalize_triton(*bthd(r, q, k), st[0], eps)
         return o, (n_end,)
 
     actual, expected = grads_of(triton_fn, [r, q, k], [n0]), grads_of(torch_fn, [r, q, k], [n0])
     for name, x, y in zip(["o", "n_T", "dr", "dq", "dk", "dn0"], actual, expected):
         assert_close(name, x, y, 1e-4)  # float32, as every kernel-vs-PyTorch check of this file
+    r, q, k = (x.transpose(1, 2).contiguous() for x in (r, q, k))
     torch.library.opcheck(vla_normalize_fwd_op, (r, q, k, n0, eps))
     o, n_end, den, starts = vla_normalize_fwd_op(r, q, k, n0, eps)
     for dn_end in (torch.randn_like(n_end), None):
@@ -431,7 +439,7 @@ def test_unit_keys_kernels_match_torch():
 
 
 def test_gate_ops_opcheck():
-    k_hat, u = (x.float().to(DEVICE) for x in gate_inputs(1, 2, 2, 16, 0.1))
+    k_hat, u = (x.float().to(DEVICE).transpose(1, 2).contiguous() for x in gate_inputs(1, 2, 2, 16, 0.1))
     X = torch.randn(1, 2, 2, 48, 16, device=DEVICE) / 16
     lam = 0.1 * torch.eye(16, device=DEVICE) + X.mT @ X  # one SPD penalty per chunk
     torch.library.opcheck(vla_gates_fwd_op, (k_hat, u, lam))
@@ -452,9 +460,9 @@ def test_prepare_kernel_blocks_at_the_gpu_chunk_size(monkeypatch, blocked):
     monkeypatch.setattr(delta_fwd, "BLOCKED_PREPARE", blocked)
     B, H, T, K, V = 1, 2, 70, 16, 16
     q, k, v, a = delta_inputs(B, H, T, K, V, deltanet=True)
-    o, ht, saved = delta_fwd_fn(q, k, v, a, None, 64, "ieee")
+    o, ht, saved = delta_fwd_fn(*bthd(q, k, v, a), None, 64, "ieee")
     o_ref, s_ref = chunk_generalized_delta_rule(q, k, v, a, None, 64)
-    assert_close("o", o, o_ref, 1e-4)
+    assert_close("o", o.transpose(1, 2), o_ref, 1e-4)
     assert_close("S", ht, s_ref, 1e-4)
     kc, ac = k[:, :, :64], a[:, :, :64]
     expected = torch.linalg.inv(torch.eye(64, device=DEVICE) + (kc @ ac.mT).tril(-1))
@@ -462,7 +470,7 @@ def test_prepare_kernel_blocks_at_the_gpu_chunk_size(monkeypatch, blocked):
 
 
 def test_opcheck_and_compile():
-    q, k, v, a = delta_inputs(1, 1, 21, 16, 16)
+    q, k, v, a = bthd(*delta_inputs(1, 1, 21, 16, 16))
     s0 = torch.randn(1, 1, 16, 16, device=DEVICE)
     torch.library.opcheck(delta_rule_fwd_op, (q, k, v, a, s0))
     o, ht, w, hs, u_new, tm = delta_rule_fwd_op(q, k, v, a, s0)
@@ -539,7 +547,7 @@ def test_blocked_prepare_on_gpu(monkeypatch, K, deltanet):
     results = []
     for blocked in (True, False):
         monkeypatch.setattr(delta_fwd, "BLOCKED_PREPARE", blocked)
-        o, _, saved = delta_fwd.delta_fwd_fn(*inputs, None, 64, "tf32x3")
+        o, _, saved = delta_fwd.delta_fwd_fn(*bthd(*inputs), None, 64, "tf32x3")
         results.append([o, saved["tm"], saved["w"], saved["u_new"]])
     for name, x, y in zip(["o", "T", "W", "U"], *results):
         assert_close(name, x, y, 1e-4)

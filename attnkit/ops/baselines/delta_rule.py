@@ -40,18 +40,19 @@ def delta_rule_chunk(
     ``beta [B, T, H]``, ``initial_state = (S [N, H, V, K],)`` or ``None``. Returns ``o [B, T, H, V]`` in
     ``v.dtype`` and ``(S,)`` in float32 (float64 for float64 inputs). ``cu_seqlens`` (kernels only, ``T > 0``):
     packed sequences in one launch per kernel."""
+    S0 = None if initial_state is None else initial_state[0]
+    if use_triton and q.shape[1] > 0:
+        # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
+        from attnkit.ops.common.delta_parallel import delta_rule_triton
+
+        # The kernels read q, k, v and beta as given and form scale·q and beta·k as they load them.
+        o, S = delta_rule_triton(q, k, v, None, S0, False, cu_seqlens, beta=beta, scale=scale)
+        return o, (S,)
     dtype = compute_dtype(q, k, v, beta, *(initial_state or ()))
     out_dtype = v.dtype
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
     beta = beta.to(dtype).transpose(1, 2).unsqueeze(-1)
-    S0 = None if initial_state is None else initial_state[0].to(dtype)
-    if use_triton and q.shape[2] > 0:
-        # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
-        from attnkit.ops.common.delta_parallel import delta_rule_triton
-
-        o, S = delta_rule_triton(q * scale, k, v, beta * k, S0, out_dtype.itemsize == 2, cu_seqlens)
-    else:
-        o, S = chunk_generalized_delta_rule(q * scale, k, v, beta * k, S0, chunk_size)
+    o, S = chunk_generalized_delta_rule(q * scale, k, v, beta * k, None if S0 is None else S0.to(dtype), chunk_size)
     return o.transpose(1, 2).to(out_dtype), (S,)
 
 

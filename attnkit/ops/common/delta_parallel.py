@@ -28,33 +28,42 @@ def _precision(dtype: torch.dtype, single_pass: bool) -> str:
     return "tf32" if single_pass else float32_dots(dtype)
 
 
+def _last_unit(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` itself when its channels are adjacent (the kernels take any other strides), else a contiguous copy."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
 @torch.library.custom_op("attnkit::delta_rule_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def delta_rule_fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    a: torch.Tensor,
+    a: torch.Tensor | None,
     initial_state: torch.Tensor | None,
     single_pass: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, S_T, w, hs, u_new, tm)``: the output, the final state, and what the backward reuses. ``cu_seqlens``:
-    packed sequences, all in one launch per kernel (``initial_state`` and ``S_T`` then one per sequence)."""
-    q, k, v, a = (x.contiguous() for x in (q, k, v, a))
+    """``(o, S_T, w, hs, u_new, tm)``: the output, the final state, and what the backward reuses. ``a`` None:
+    ``a = β k`` from ``beta``. ``cu_seqlens``: packed sequences, all in one launch per kernel (``initial_state`` and
+    ``S_T`` then one per sequence)."""
+    q, k, v, a, beta = (_last_unit(x) for x in (q, k, v, a, beta))
     state = None if initial_state is None else initial_state.contiguous()
-    o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), _precision(k.dtype, single_pass), cu_seqlens)
+    precision = _precision(k.dtype, single_pass)
+    o, ht, saved = delta_fwd_fn(q, k, v, a, state, _chunk_size(), precision, cu_seqlens, beta, scale)
     return o, ht, saved["w"], saved["hs"], saved["u_new"], saved["tm"]
 
 
 @delta_rule_fwd_op.register_fake
-def _(q, k, v, a, initial_state, single_pass=False, cu_seqlens=None):
-    B, H, T, K = k.shape
+def _(q, k, v, a, initial_state, single_pass=False, cu_seqlens=None, beta=None, scale=1.0):
+    B, T, H, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     NC = -(-T // _chunk_size()) + (0 if cu_seqlens is None else N)
     f32 = dict(dtype=torch.float32)
     return (
-        v.new_empty(B, H, T, V),
+        v.new_empty(B, T, H, V),
         k.new_empty(N, H, V, K, **f32),
         k.new_empty(B, H, T, K, **f32),
         k.new_empty(B, H, NC, K, V, **f32),
@@ -68,7 +77,7 @@ def delta_rule_bwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    a: torch.Tensor,
+    a: torch.Tensor | None,
     w: torch.Tensor,
     hs: torch.Tensor,
     u_new: torch.Tensor,
@@ -77,18 +86,20 @@ def delta_rule_bwd_op(
     dht: torch.Tensor | None,
     single_pass: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, da, dS_0)``."""
+    """``(dq, dk, dv, da, dS_0)``, ``da`` the gradient of ``beta`` when ``a`` is None."""
     saved = {"w": w, "hs": hs, "u_new": u_new, "tm": tm}
-    q, k, v, a, do = (x.contiguous() for x in (q, k, v, a, do))
+    q, k, v, a, beta, do = (_last_unit(x) for x in (q, k, v, a, beta, do))
     dht = None if dht is None else dht.contiguous()
     precision = _precision(k.dtype, single_pass)
-    return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), precision, cu_seqlens)
+    return delta_bwd_fn(q, k, v, a, saved, do, dht, _chunk_size(), precision, cu_seqlens, beta, scale)
 
 
 @delta_rule_bwd_op.register_fake
-def _(q, k, v, a, w, hs, u_new, tm, do, dht, single_pass=False, cu_seqlens=None):
-    B, H, _, K = k.shape
+def _(q, k, v, a, w, hs, u_new, tm, do, dht, single_pass=False, cu_seqlens=None, beta=None, scale=1.0):
+    B, T, H, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     # The kernels write contiguous gradients whatever the inputs' strides.
@@ -96,30 +107,34 @@ def _(q, k, v, a, w, hs, u_new, tm, do, dht, single_pass=False, cu_seqlens=None)
         q.new_empty(q.shape),
         k.new_empty(k.shape),
         v.new_empty(v.shape),
-        a.new_empty(a.shape),
+        a.new_empty(a.shape) if beta is None else beta.new_empty(beta.shape),
         k.new_empty(N, H, V, K, dtype=torch.float32),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, a, initial_state, *rest = inputs
-    ctx.single_pass = bool(rest and rest[0])
-    ctx.cu_seqlens = rest[1] if len(rest) > 1 else None
+    q, k, v, a, initial_state, single_pass, cu_seqlens, beta, scale = (list(inputs) + [False, None, None, 1.0])[:9]
+    ctx.single_pass, ctx.cu_seqlens, ctx.scale = bool(single_pass), cu_seqlens, scale
     _, _, w, hs, u_new, tm = output
     ctx.mark_non_differentiable(w, hs, u_new, tm)
     # Unused outputs get None, not zero tensors (hs, w, u_new, tm would be four T-long float32 fills a step).
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, a, w, hs, u_new, tm)
+    ctx.save_for_backward(q, k, v, a, beta, w, hs, u_new, tm)
     ctx.state_dtype = None if initial_state is None else initial_state.dtype
 
 
 def _backward(ctx, do, dht, *_):
     if do is None and dht is None:
-        return (None,) * 7
-    q, k, v, a, w, hs, u_new, tm = ctx.saved_tensors
-    do = torch.zeros_like(v) if do is None else do  # the output has v's shape and dtype
-    dq, dk, dv, da, dh0 = delta_rule_bwd_op(q, k, v, a, w, hs, u_new, tm, do, dht, ctx.single_pass, ctx.cu_seqlens)
-    return dq, dk, dv, da, None if ctx.state_dtype is None else dh0.to(ctx.state_dtype), None, None
+        return (None,) * 9
+    q, k, v, a, beta, w, hs, u_new, tm = ctx.saved_tensors
+    do = v.new_zeros(v.shape) if do is None else do  # the output has v's shape and dtype
+    dq, dk, dv, da, dh0 = delta_rule_bwd_op(
+        q, k, v, a, w, hs, u_new, tm, do, dht, ctx.single_pass, ctx.cu_seqlens, beta, ctx.scale
+    )
+    dh0 = None if ctx.state_dtype is None else dh0.to(ctx.state_dtype)
+    if beta is None:
+        return dq, dk, dv, da, dh0, None, None, None, None
+    return dq, dk, dv, None, dh0, None, None, da, None
 
 
 delta_rule_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -129,15 +144,19 @@ def delta_rule_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    a: torch.Tensor,
+    a: torch.Tensor | None,
     initial_state: torch.Tensor | None,
     single_pass: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attnkit.ops.common.delta.chunk_generalized_delta_rule` through the kernels: ``q, k, a [B,H,T,K]``,
-    ``v [B,H,T,V]``, ``initial_state [N,H,V,K]`` or None -> ``(o [B,H,T,V], S_T [N,H,V,K])``, ``S_T`` in the
-    dtype of the inputs (float32 inside). ``single_pass``: one TF32 pass per dot for float32 tensors that carry
-    16-bit information (see ``_precision``). ``cu_seqlens [N + 1]``: packed sequences (``B == 1``), each its own
-    recurrence from its row of ``initial_state``, in one launch per kernel (no host sync)."""
-    o, ht, *_ = delta_rule_fwd_op(q, k, v, a, initial_state, single_pass, cu_seqlens)
-    return o, ht.to(k.dtype)
+    """:func:`attnkit.ops.common.delta.chunk_generalized_delta_rule` through the kernels, in the caller's layout:
+    ``q, k, a [B, T, H, K]``, ``v [B, T, H, V]`` (any strides, each in its own float dtype; ``a`` None for
+    ``a = β k`` with ``beta [B, T, H]``, DeltaNet), ``initial_state [N, H, V, K]`` or None ->
+    ``(o [B, T, H, V] in v.dtype, S_T [N, H, V, K] float32)``, the queries scaled by ``scale`` inside the kernels.
+    ``single_pass``: one TF32 pass per dot for float32 tensors that carry 16-bit information (see ``_precision``).
+    ``cu_seqlens [N + 1]``: packed sequences (``B == 1``), each its own recurrence from its row of
+    ``initial_state``, in one launch per kernel (no host sync)."""
+    o, ht, *_ = delta_rule_fwd_op(q, k, v, a, initial_state, single_pass, cu_seqlens, beta, scale)
+    return o, ht

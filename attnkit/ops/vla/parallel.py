@@ -32,23 +32,23 @@ def _precision() -> str:
 def vla_gates_fwd_op(
     k_hat: torch.Tensor, u: torch.Tensor, lam: torch.Tensor, normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k_hat, u [B, H, NC·C, K]`` float32, ``lam [B, H, NC, K, K]`` (each chunk's penalty ``Λ_c``) ->
-    ``(alpha, A0, R, ‖a‖)``: the write directions (unit, or ``a = A k̂`` itself without ``normalize``) and what
-    the backward reuses."""
-    chunk = k_hat.shape[2] // lam.shape[2]
+    """``k_hat [B, NC·C, H, K]`` float32, ``u [B, NC·C, H, K]``, ``lam [B, H, NC, K, K]`` (each chunk's penalty
+    ``Λ_c``) -> ``(alpha, A0, R, ‖a‖)``: the write directions (unit, or ``a = A k̂`` itself without ``normalize``)
+    and what the backward reuses."""
+    chunk = k_hat.shape[1] // lam.shape[2]
     k_hat, u, lam = (x.contiguous() for x in (k_hat, u, lam))
     return vla_gates_fwd_fn(k_hat, u, lam, chunk, _precision(), normalize=normalize)
 
 
 @vla_gates_fwd_op.register_fake
 def _(k_hat, u, lam, normalize=True):
-    B, H, T, K = k_hat.shape
+    B, T, H, K = k_hat.shape
     f32 = dict(dtype=torch.float32)
     return (
-        k_hat.new_empty(B, H, T, K, **f32),
+        k_hat.new_empty(B, T, H, K, **f32),
         lam.new_empty(lam.shape, **f32),
-        k_hat.new_empty(B, H, T, K, **f32),
-        k_hat.new_empty(B, H, T, **f32),
+        k_hat.new_empty(B, T, H, K, **f32),
+        k_hat.new_empty(B, T, H, **f32),
     )
 
 
@@ -63,7 +63,7 @@ def vla_gates_bwd_op(
     normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dk_hat, du, dlam)``: ``du`` holds the paths within each chunk; ``dlam`` carries the rest."""
-    chunk = u.shape[2] // a0.shape[2]
+    chunk = u.shape[1] // a0.shape[2]
     u, dalpha = u.contiguous(), dalpha.contiguous()
     return vla_gates_bwd_fn(u, alpha, a0, r, anorm, dalpha, chunk, _precision(), normalize=normalize)
 
@@ -96,8 +96,9 @@ vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("attnkit::vla_unit_keys", mutates_args=(), device_types=("cuda", "cpu"))
 def vla_unit_keys_op(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k [..., K]`` -> ``(k / ‖k‖, ‖k‖)`` in float32, row by row in one kernel."""
-    return unit_rows_fwd_fn(k.contiguous())
+    """``k [B, T, H, K]`` (any strides with adjacent channels) -> ``(k / ‖k‖, ‖k‖)`` in float32, contiguous, row by
+    row in one kernel."""
+    return unit_rows_fwd_fn(k if k.stride(-1) == 1 else k.contiguous())
 
 
 @vla_unit_keys_op.register_fake
@@ -147,24 +148,26 @@ def vla_write_fwd_op(
     chunk_size: int,
     normalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gate stage in kernels alone: ``k_hat, u [B, H, T, K]`` float32, ``lam_init [N, H, K, K]`` (``A_init⁻¹``)
-    or None (``lam0·I``) -> ``(alpha, A_end, A0, R, ‖a‖)``; packed sequences in the same launches."""
-    k_hat, u = k_hat.contiguous(), u.contiguous()
+    """The gate stage in kernels alone: ``k_hat [B, T, H, K]`` float32, ``u [B, T, H, K]`` (any strides with
+    adjacent channels, any float dtype), ``lam_init [N, H, K, K]`` (``A_init⁻¹``) or None (``lam0·I``) ->
+    ``(alpha, A_end, A0, R, ‖a‖)``; packed sequences in the same launches."""
+    k_hat = k_hat.contiguous()
+    u = u if u.stride(-1) == 1 else u.contiguous()
     lam_init = None if lam_init is None else lam_init.contiguous()
     return vla_write_fwd_fn(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, _precision(), normalize)
 
 
 @vla_write_fwd_op.register_fake
 def _(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize):
-    B, H, T, K = k_hat.shape
+    B, T, H, K = k_hat.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     NC = -(-T // chunk_size) + (0 if cu_seqlens is None else N)
     return (
-        k_hat.new_empty(B, H, T, K),
+        k_hat.new_empty(B, T, H, K),
         k_hat.new_empty(N, H, K, K),
         k_hat.new_empty(B, H, NC, K, K),
-        k_hat.new_empty(B, H, T, K),
-        k_hat.new_empty(B, H, T),
+        k_hat.new_empty(B, T, H, K),
+        k_hat.new_empty(B, T, H),
     )
 
 
@@ -182,8 +185,9 @@ def vla_write_bwd_op(
     chunk_size: int,
     normalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dk_hat, du, dlam_init)``: every path, within and across chunks."""
-    u, dalpha = u.contiguous(), dalpha.contiguous()
+    """``(dk_hat, du, dlam_init)``: every path, within and across chunks; ``du`` in ``u``'s dtype."""
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    dalpha = dalpha.contiguous()
     da_end = None if da_end is None else da_end.contiguous()
     return vla_write_bwd_fn(
         u, alpha, a0, r, anorm, a_end, dalpha, da_end, cu_seqlens, chunk_size, _precision(), normalize
@@ -192,7 +196,7 @@ def vla_write_bwd_op(
 
 @vla_write_bwd_op.register_fake
 def _(u, alpha, a0, r, anorm, a_end, dalpha, da_end, cu_seqlens, chunk_size, normalize):
-    return u.new_empty(u.shape), u.new_empty(u.shape), a_end.new_empty(a_end.shape)
+    return alpha.new_empty(alpha.shape), u.new_empty(u.shape), a_end.new_empty(a_end.shape)
 
 
 def _setup_write(ctx, inputs, output):
@@ -229,8 +233,9 @@ def vla_gates_triton(
     normalize_write: bool = True,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attnkit.ops.vla.torch_impl.vla_chunk_gates` through the kernels (same arguments and results; ``T``
-    need not fill whole chunks), ``cu_seqlens``: packed sequences (``B == 1``, ``A_init`` and the final ``A`` one
+    """:func:`attnkit.ops.vla.torch_impl.vla_chunk_gates` through the kernels (same results, in the ``[B, T, H, K]``
+    layout: ``k_hat`` float32, ``u`` any strides and float dtype; ``T`` need not fill whole chunks), ``cu_seqlens``:
+    packed sequences (``B == 1``, ``A_init`` and the final ``A`` one
     per sequence), all in the same launches.
 
     The penalty at every chunk's start, ``Λ_c = A_init⁻¹ + Σ_{chunks before c} UᵀU``, and the final
@@ -241,9 +246,9 @@ def vla_gates_triton(
     """
     lam_init = None
     if A_init is not None:
-        lam_init = torch.linalg.inv_ex(0.5 * (A_init + A_init.transpose(-1, -2)).double())[0].to(u.dtype)
+        lam_init = torch.linalg.inv_ex(0.5 * (A_init + A_init.transpose(-1, -2)).double())[0].float()
     alpha, A_end, *_ = vla_write_fwd_op(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize_write)
-    return alpha, A_end.to(u.dtype)
+    return alpha, A_end
 
 
 @torch.library.custom_op("attnkit::vla_normalize_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -255,20 +260,21 @@ def vla_normalize_fwd_op(
     eps: float,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``r [B, H, T, V]`` (``S_t q_t``), ``q, k [B, H, T, K]``, ``n0 [N, H, K]`` -> ``(o [B, T, H, V], n_T, den,
-    starts)``: the normalised output in ``r.dtype`` and ``n`` after the last token (float32), then what the
-    backward reuses. ``cu_seqlens``: packed sequences in the same launches."""
-    r, q, k = (x.contiguous() for x in (r, q, k))
+    """``r [B, T, H, V]`` (``S_t q_t``), ``q, k [B, T, H, K]`` (any strides with adjacent channels), ``n0 [N, H, K]``
+    -> ``(o [B, T, H, V], n_T, den, starts)``: the normalised output in ``r.dtype`` and ``n`` after the last token
+    (float32), then what the backward reuses. ``cu_seqlens``: packed sequences in the same launches."""
+    r = r.contiguous()
+    q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     return normalize_fwd_fn(r, q, k, n0, eps, gates_chunk_size(), cu_seqlens)
 
 
 @vla_normalize_fwd_op.register_fake
 def _(r, q, k, n0, eps, cu_seqlens=None):
-    B, H, T, K = k.shape
+    B, T, H, K = k.shape
     NC = -(-T // gates_chunk_size()) + (0 if cu_seqlens is None else cu_seqlens.shape[0] - 1)
     f32 = dict(dtype=torch.float32)
     return (
-        r.new_empty(B, T, H, r.shape[-1]),
+        r.new_empty(r.shape),
         k.new_empty(n0.shape, **f32),
         k.new_empty(B, H, T, **f32),
         k.new_empty(B, H, NC, K, **f32),
@@ -287,17 +293,17 @@ def vla_normalize_bwd_op(
     eps: float,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dr, dq, dk, dn0)``."""
-    r, q, k, do = (x.contiguous() for x in (r, q, k, do))
+    """``(dr, dq, dk, dn0)``, the first three in the dtypes of ``r``, ``q``, ``k``."""
+    r = r.contiguous()
+    q, k, do = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, do))
     return normalize_bwd_fn(r, q, k, den, starts, do, dn_end, eps, gates_chunk_size(), cu_seqlens)
 
 
 @vla_normalize_bwd_op.register_fake
 def _(r, q, k, den, starts, do, dn_end, eps, cu_seqlens=None):
-    B, H, _, K = k.shape
+    B, _, H, K = k.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    f32 = dict(dtype=torch.float32)
-    return r.new_empty(r.shape), q.new_empty(q.shape), k.new_empty(k.shape, **f32), k.new_empty(N, H, K, **f32)
+    return r.new_empty(r.shape), q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(N, H, K, dtype=torch.float32)
 
 
 def _setup_normalize(ctx, inputs, output):
@@ -307,18 +313,16 @@ def _setup_normalize(ctx, inputs, output):
     ctx.mark_non_differentiable(den, starts)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(r, q, k, den, starts)
-    ctx.eps, ctx.dtypes = eps, (k.dtype, n0.dtype)
+    ctx.eps, ctx.n0_dtype = eps, n0.dtype
 
 
 def _normalize_backward(ctx, do, dn_end, *_):
     if do is None and dn_end is None:
         return (None,) * 6
     r, q, k, den, starts = ctx.saved_tensors
-    if do is None:
-        B, H, T, V = r.shape
-        do = r.new_zeros(B, T, H, V)
+    do = r.new_zeros(r.shape) if do is None else do
     dr, dq, dk, dn0 = vla_normalize_bwd_op(r, q, k, den, starts, do, dn_end, ctx.eps, ctx.cu_seqlens)
-    return dr, dq, dk.to(ctx.dtypes[0]), dn0.to(ctx.dtypes[1]), None, None
+    return dr, dq, dk, dn0.to(ctx.n0_dtype), None, None
 
 
 vla_normalize_fwd_op.register_autograd(_normalize_backward, setup_context=_setup_normalize)
@@ -332,7 +336,7 @@ def vla_normalize_triton(
     eps: float,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``o [B, H, T, V]`` (``S_t q_t``) divided by ``max(q_t·n_t, eps)``, ``n_t = n0 + Σ_{s≤t} k_s``: returns the
+    """``o [B, T, H, V]`` (``S_t q_t``) divided by ``max(q_t·n_t, eps)``, ``n_t = n0 + Σ_{s≤t} k_s``: returns the
     result as ``[B, T, H, V]`` in ``o.dtype`` and ``n_T`` in ``n0``'s dtype; ``cu_seqlens``: packed sequences
     (``n0`` one per sequence)."""
     out, n_end, *_ = vla_normalize_fwd_op(o, q, k, n0, eps, cu_seqlens)
@@ -381,20 +385,16 @@ def vla_triton(
     dtype = compute_dtype(q, k, v, u, *(initial_state or ()))
     B, T, H, K = k.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    out_dtype = v.dtype
-    # The kernels' contiguous [B, H, T, ·] layout, one copy per input: q and v in their own dtype (the kernels
-    # read them as given, float32 inside), k and u widened on the way; every later step is then contiguous.
-    q, v = (x.transpose(1, 2).contiguous() for x in (q, v))
-    k, u = (x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format) for x in (k, u))
+    # Every kernel reads q, k, v and u as given ([B, T, H, ·], through their strides, in their dtypes) and writes
+    # [B, T, H, ·]: no copy, cast or transpose of them here, forward or backward.
     if initial_state is None:
-        S0, A_init, n0 = None, None, k.new_zeros(N, H, K)
+        S0, A_init, n0 = None, None, k.new_zeros(N, H, K, dtype=torch.float32)
     else:
-        S0, A_init, n0 = (s.to(dtype) for s in initial_state)
+        S0, A_init, n0 = initial_state
     k_hat = vla_unit_keys_op(k)[0]
     alpha, A_end = vla_gates_triton(k_hat, u, lam0, A_init, gates_chunk_size(), normalize_write, cu_seqlens)
     # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
-    o, S_end = delta_parallel.delta_rule_triton(q, k_hat, v, alpha, S0, out_dtype.itemsize == 2, cu_seqlens)
+    o, S_end = delta_parallel.delta_rule_triton(q, k_hat, v, alpha, S0, v.dtype.itemsize == 2, cu_seqlens)
     out, n_end = vla_normalize_triton(o, q, k, n0, eps, cu_seqlens)
-    if not normalize_output:
-        out = o.transpose(1, 2)  # the normaliser's kernels then give n_T alone
-    return out.to(out_dtype), (S_end, A_end, n_end)
+    # The final states are [N, H, ·] (float64 when the caller's state is).
+    return (out if normalize_output else o), tuple(x.to(dtype) for x in (S_end, A_end, n_end))

@@ -18,16 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.baselines.linear_triton.forward import (
-    chunk_site,
-    chunk_size,
-    num_warps,
-    row_tile,
-    seq_site,
-    state_block,
-    state_offsets,
-)
-from attnkit.ops.common.triton.delta_fwd import chunk_layout
+from attnkit.ops.baselines.linear_triton.forward import chunk_size, num_warps, state_block, state_offsets
+from attnkit.ops.common.triton.delta_fwd import chunk_layout, chunk_site, row_tile, seq_site
 from attnkit.ops.common.triton.rowdot import output_delta
 from attnkit.ops.common.triton_utils import block_dim, float32_dots
 

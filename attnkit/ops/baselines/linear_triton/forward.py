@@ -13,41 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.delta_fwd import chunk_layout, chunk_program
+from attnkit.ops.common.triton.delta_fwd import chunk_layout, chunk_site, row_tile, seq_site
 from attnkit.ops.common.triton_utils import block_dim, float32_dots, interpreting
-
-
-@triton.jit
-def seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN: tl.constexpr):
-    """``(i_b, i_h, bos, L, c0)`` of program ``i_nh = n·H + h`` of a launch over (sequence, key/value head): the
-    batch row (int64), the head, the sequence's first token in the row (int64), its length and its first chunk
-    slot."""
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        return bos * 0, i_h, bos, L, tl.load(offsets + i_n)
-    return i_n.to(tl.int64), i_h, i_n.to(tl.int64) * 0, T, 0
-
-
-@triton.jit
-def chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, HEADS: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
-    """``(i_b, i_head, bos, L, i_c)`` of program ``(i_p, i_bh)`` of a launch over (chunk slot, batch row × head):
-    the chunk's batch row (int64), head, its sequence's first token in the row (int64), the sequence's length (0
-    for slots past the last chunk) and the chunk's index in the sequence (``delta_fwd.chunk_program`` with row 0:
-    offsets within the row)."""
-    bos, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh * 0, T, N, IS_VARLEN, LOG_N)
-    return (i_bh // HEADS).to(tl.int64), i_bh % HEADS, bos, L, i_c
-
-
-@triton.jit
-def row_tile(x, i_b, i_h, bos, i_c, L, sb, st, sh, sd, o_d, D: tl.constexpr, BT: tl.constexpr):
-    """``(tile [BT, ·], o_t, m_t)``: chunk ``i_c``'s rows of head ``i_h`` of a ``[B, T, heads, D]`` tensor read
-    through its strides in its dtype (zeros past the sequence and past ``D``), the positions and their mask."""
-    o_t = i_c * BT + tl.arange(0, BT)
-    m_t = o_t < L
-    p = x + i_b * sb + i_h * sh + (bos + o_t.to(tl.int64))[:, None] * st + o_d[None, :] * sd
-    return tl.load(p, mask=m_t[:, None] & (o_d < D)[None, :], other=0.0), o_t, m_t
 
 
 @triton.jit

@@ -10,7 +10,10 @@ With ``h`` the state at a chunk's start, ``h' = h + Aᵀ U`` at its end, ``U = �
 
 Three kernels: the reverse state pass (stores ``dU`` and ``dh'`` per chunk), then two per-chunk kernels, one for
 the gradients through the reads (``dQ`` and part of ``dA``) and one through the WY form (``dK``, ``dV``, the
-rest of ``dA``): split so that each fits shared memory at ``K = 128``.
+rest of ``dA``): split so that each fits shared memory at ``K = 128``. Inputs and gradients are in the caller's
+``[B, T, H, ·]`` layout and dtypes (``delta_fwd.py``); with ``q`` scaled by ``scale``, ``dq = scale · dQ``; with
+``a = β k`` (DeltaNet), ``dk`` gains ``β dA`` and ``dβ = Σ_d dA ⊙ k``. With more than one value block the two
+per-chunk kernels leave float32 shares per block and :func:`delta_bwd_sum_kernel` adds them up.
 """
 
 from __future__ import annotations
@@ -21,25 +24,33 @@ import triton.language as tl
 
 from attnkit.ops.common.triton.delta_fwd import (
     chunk_layout,
-    chunk_program,
+    chunk_site,
+    dense_rows,
+    dense_tokens,
     launch_config,
     launch_dims,
-    seq_program,
+    row_tile,
+    seq_site,
     seq_tiles,
+    strides,
+    write_rows,
 )
 
 
 @triton.jit
 def delta_bwd_state_kernel(
-    q, a, w, do, dht, dhs, du, dh0, cu_seqlens, offsets, T, NC, H,
+    q, a, beta, w, do, dht, dhs, du, dh0, cu_seqlens, offsets, T, NC, H, scale,
+    sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_DHT: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """``q, a [BH, T, K]``, ``w [BH, T, K]`` float32, ``do [BH, T, V]``, ``dht [NH, V, K]`` (gradient of the
-    final state) -> ``dhs [BH, NC, K, V]`` (``dh'`` of each chunk), ``du [BH, T, V]``, ``dh0 [NH, V, K]``, all
-    float32. Grid ``(value blocks, NH)`` (:func:`seq_program`)."""
+    """``q [B, T, H, K]``, ``a`` (and ``beta``) as the forward's, ``w [BH, T, K]`` float32, ``do [B, T, H, V]``
+    (strided), ``dht [NH, V, K]`` (gradient of the final state) -> ``dhs [BH, NC, K, V]`` (``dh'`` of each chunk),
+    ``du [BH, T, V]``, ``dh0 [NH, V, K]``, all float32. Grid ``(value blocks, NH)`` (:func:`seq_site`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    row0, L, c0, i_bh = seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_bh = i_b * H + i_h
+    row0 = i_bh * T + bos
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -53,13 +64,13 @@ def delta_bwd_state_kernel(
     NCS = tl.cdiv(L, BT)
     for i_back in range(0, NCS):
         i_c = NCS - 1 - i_back
-        p_dhs = (i_bh.to(tl.int64) * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(dhs + p_dhs, b_dh, mask=m_kv)
         p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-        b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+        b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-        b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
         # tril(Q Aᵀ)ᵀ = triu(A Qᵀ)
         b_aq = tl.where(rows <= cols, tl.dot(b_a, tl.trans(b_q), input_precision=PRECISION), 0.0)
         b_du = tl.dot(b_aq, b_do, input_precision=PRECISION) + tl.dot(b_a, b_dh, input_precision=PRECISION)
@@ -71,24 +82,26 @@ def delta_bwd_state_kernel(
 
 @triton.jit
 def delta_bwd_read_kernel(
-    q, a, hs, dhs, u_new, do, dq_part, da_part, cu_seqlens, offsets, T, NC, N,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+    q, a, beta, hs, dhs, u_new, do, dq, da_part, cu_seqlens, offsets, T, NC, N, scale,
+    sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The gradients through the reads: ``dQ = dO hᵀ + tril(dO Uᵀ) A`` and the share
-    ``U dh'ᵀ + tril(dO Uᵀ)ᵀ Q`` of ``dA``, per value block as float32 ``[NV, BH, T, K]`` (each a sum over the
-    value dimension; with one value block ``dq_part`` is ``dQ`` itself, in its dtype). Grid
-    ``(chunk slots, BH, NV)``."""
-    i_p, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
+    ``U dh'ᵀ + tril(dO Uᵀ)ᵀ Q`` of ``dA``, float32 ``[NV, BH, T, K]`` per value block (each a sum over the value
+    dimension). ``ONE_BLOCK``: ``dq`` is ``scale · dQ`` itself, ``[B, T, H, K]`` in its dtype; else float32 shares
+    like ``da_part``. Grid ``(chunk slots, BH, NV)``."""
+    i_p, i_v = tl.program_id(0), tl.program_id(2)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, tl.program_id(1), T, N, H, IS_VARLEN, LOG_N)
+    i_bh = i_b * H + i_h
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+    p_k, m_k, p_v, m_v = seq_tiles(i_bh * T + bos, i_c, L, o_k, o_v, K, V, BT)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :] & (o_k * 0 + L > 0)[:, None]
-    p_hs = (i_bh.to(tl.int64) * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+    p_hs = (i_bh * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+    b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
     b_u = tl.load(u_new + p_v, mask=m_v, other=0.0)
-    b_do = tl.load(do + p_v, mask=m_v, other=0.0).to(tl.float32)
+    b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
     b_h = tl.load(hs + p_hs, mask=m_kv, other=0.0)
     b_dh = tl.load(dhs + p_hs, mask=m_kv, other=0.0)
     rows = tl.arange(0, BT)[:, None]
@@ -98,30 +111,59 @@ def delta_bwd_read_kernel(
     b_da = tl.dot(b_u, tl.trans(b_dh), input_precision=PRECISION)
     b_da += tl.dot(tl.trans(b_dou), b_q, input_precision=PRECISION)
     p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
-    tl.store(dq_part + p_part, b_dq.to(dq_part.dtype.element_ty), mask=m_k)
+    if ONE_BLOCK:
+        p_dq, m_dq = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
+        tl.store(dq + p_dq, (b_dq * scale).to(dq.dtype.element_ty), mask=m_dq)
+    else:
+        tl.store(dq + p_part, b_dq, mask=m_k)
     tl.store(da_part + p_part, b_da, mask=m_k)
 
 
 @triton.jit
+def write_grads(
+    b_dk, b_da, k, beta, dk, da, dbeta, i_b, i_h, bos, i_c, L, T, skb, skt, skh, skd, sbeb, sbet, sbeh,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """Stores the finished ``dk`` and ``dA`` of a chunk (float32 ``[BT, BK]`` tiles) in the caller's layout and
+    dtypes: ``da [B, T, H, K]``, or, with ``beta`` (``a = β k``), ``dk + β dA`` and ``dbeta [B, T, H]``
+    (``Σ_d dA ⊙ k``, contiguous)."""
+    o_k = tl.arange(0, BK)
+    p_d, m_d = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
+    if beta is None:
+        tl.store(da + p_d, b_da.to(da.dtype.element_ty), mask=m_d)
+    else:
+        b_k, o_t, m_t = row_tile(k, i_b, i_h, bos, i_c, L, skb, skt, skh, skd, o_k, K, BT)
+        p_beta = i_b * sbeb + i_h.to(tl.int64) * sbeh + (bos + o_t.to(tl.int64)) * sbet
+        b_beta = tl.load(beta + p_beta, mask=m_t, other=0.0).to(tl.float32)
+        b_dk += b_beta[:, None] * b_da
+        p_dbeta = dense_tokens(i_b, i_h, bos, o_t, T, H)
+        tl.store(dbeta + p_dbeta, tl.sum(b_da * b_k.to(tl.float32), 1).to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dk + p_d, b_dk.to(dk.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
 def delta_bwd_wy_kernel(
-    k, a, v, tm, hs, du, dk_part, da_part, da_read, dv, cu_seqlens, offsets, T, NC, N,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, ADD_READ: tl.constexpr,
+    k, a, beta, v, tm, hs, du, dk, da, dbeta, da_read, dv, cu_seqlens, offsets, T, NC, N,
+    skb, skt, skh, skd, sab, sat, sah, sad, sbeb, sbet, sbeh, svb, svt, svh, svd,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The gradients through the WY representation: with ``dW = −dU hᵀ`` and ``T`` from the forward,
-    ``dV = Tᵀ dU`` (its dtype) and, per value block as float32 shares, ``dK = Tᵀ dW + dZ A`` and the ``dZᵀ K``
-    share of ``dA`` (``dZ`` is linear in ``dT = dW Kᵀ + dU Vᵀ``). Grid ``(chunk slots, BH, NV)``. ``ADD_READ``
-    (one value block): ``dk_part`` and ``da_part`` are the gradients themselves, in their dtypes, and ``dA`` adds
-    the read kernel's share from ``da_read`` (float32, written by the launch before)."""
-    i_p, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
+    ``dV = Tᵀ dU`` (``[B, T, H, V]``, its dtype) and ``dK = Tᵀ dW + dZ A`` and the ``dZᵀ K`` share of ``dA``
+    (``dZ`` is linear in ``dT = dW Kᵀ + dU Vᵀ``). Grid ``(chunk slots, BH, NV)``. ``ONE_BLOCK``: ``dA`` adds the
+    read kernel's share from ``da_read`` (float32, written by the launch before) and the kernel writes the finished
+    gradients (:func:`write_grads`); else ``dk`` and ``da`` take float32 shares ``[NV, BH, T, K]``."""
+    i_p, i_v = tl.program_id(0), tl.program_id(2)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, tl.program_id(1), T, N, H, IS_VARLEN, LOG_N)
+    i_bh = i_b * H + i_h
+    row0 = i_bh * T + bos
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :] & (o_k * 0 + L > 0)[:, None]
-    p_hs = (i_bh.to(tl.int64) * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+    p_hs = (i_bh * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_k = row_tile(k, i_b, i_h, bos, i_c, L, skb, skt, skh, skd, o_k, K, BT)[0].to(tl.float32)
+    b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+    b_v = row_tile(v, i_b, i_h, bos, i_c, L, svb, svt, svh, svd, o_v, V, BT)[0].to(tl.float32)
     b_du = tl.load(du + p_v, mask=m_v, other=0.0)
     b_h = tl.load(hs + p_hs, mask=m_kv, other=0.0)
     rows = tl.arange(0, BT)[:, None]
@@ -137,31 +179,73 @@ def delta_bwd_wy_kernel(
     b_dz = tl.where(rows > cols, b_dz, 0.0)
     b_dk += tl.dot(b_dz, b_a, input_precision=PRECISION)
     b_da = tl.dot(tl.trans(b_dz), b_k, input_precision=PRECISION)
+    p_dv, m_dv = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_v, V, BT)
+    tl.store(dv + p_dv, b_dv.to(dv.dtype.element_ty), mask=m_dv)
     p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
-    if ADD_READ:
+    if ONE_BLOCK:
         b_da += tl.load(da_read + p_part, mask=m_k, other=0.0)
-    tl.store(dk_part + p_part, b_dk.to(dk_part.dtype.element_ty), mask=m_k)
-    tl.store(da_part + p_part, b_da.to(da_part.dtype.element_ty), mask=m_k)
-    tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_v)
+        write_grads(
+            b_dk, b_da, k, beta, dk, da, dbeta, i_b, i_h, bos, i_c, L, T,
+            skb, skt, skh, skd, sbeb, sbet, sbeh, H, K, BK, BT,
+        )  # fmt: skip
+    else:
+        tl.store(dk + p_part, b_dk, mask=m_k)
+        tl.store(da + p_part, b_da, mask=m_k)
+
+
+@triton.jit
+def delta_bwd_sum_kernel(
+    parts, k, beta, dq, dk, da, dbeta, T, NV, scale, skb, skt, skh, skd, sbeb, sbet, sbeh,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """More than one value block: the float32 shares ``parts [4, NV, BH, T, K]`` (``dQ``, ``dK`` and the two of
+    ``dA``) summed over the blocks into ``dq = scale · dQ`` and what :func:`write_grads` stores. Every row of the
+    ``[BH, T]`` slots holds a token (packed sequences fill the row), so no sequence bookkeeping. Grid
+    ``(⌈T / BT⌉, BH)``."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+    o_k = tl.arange(0, BK)
+    p_k, m_k, _, _ = seq_tiles(i_bh.to(tl.int64) * T, i_c, T, o_k, o_k, K, K, BT)
+    share = tl.num_programs(1).to(tl.int64) * T * K
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_da = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(0, NV):
+        b_dq += tl.load(parts + i_v * share + p_k, mask=m_k, other=0.0)
+        b_dk += tl.load(parts + (NV + i_v) * share + p_k, mask=m_k, other=0.0)
+        b_da += tl.load(parts + (2 * NV + i_v) * share + p_k, mask=m_k, other=0.0)
+        b_da += tl.load(parts + (3 * NV + i_v) * share + p_k, mask=m_k, other=0.0)
+    bos = i_b * 0
+    p_dq, m_dq = dense_rows(i_b, i_h, bos, i_c, T, T, H, o_k, K, BT)
+    tl.store(dq + p_dq, (b_dq * scale).to(dq.dtype.element_ty), mask=m_dq)
+    write_grads(
+        b_dk, b_da, k, beta, dk, da, dbeta, i_b, i_h, bos, i_c, T, T,
+        skb, skt, skh, skd, sbeb, sbet, sbeh, H, K, BK, BT,
+    )  # fmt: skip
 
 
 def delta_bwd_fn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    a: torch.Tensor,
+    a: torch.Tensor | None,
     saved: dict[str, torch.Tensor],
     do: torch.Tensor,
     dht: torch.Tensor | None,
     chunk_size: int,
     precision: str,
     cu_seqlens: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, da, dS_0)``: the first four in the dtypes of their inputs, ``dS_0 [N, H, V, K]`` float32;
-    ``saved`` from :func:`delta_fwd_fn` with the same ``cu_seqlens`` (its ``offsets`` recomputed when absent),
-    ``do [B, H, T, V]`` contiguous, ``dht`` the gradient of ``S_T`` or None."""
-    B, H, T, K = k.shape
+    """``(dq, dk, dv, da, dS_0)``: the first four ``[B, T, H, ·]`` contiguous in the dtypes of their inputs (``da``
+    is ``dbeta [B, T, H]`` when ``beta`` is given), ``dS_0 [N, H, V, K]`` float32. Inputs as
+    :func:`delta_fwd.delta_fwd_fn` took them, ``saved`` from it with the same ``cu_seqlens`` (its ``offsets``
+    recomputed when absent), ``do [B, T, H, V]`` (any strides, unit last stride), ``dht`` the gradient of ``S_T`` or
+    None."""
+    B, T, H, K = k.shape
     V = v.shape[-1]
+    a_or_k = k if a is None else a
     _, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size, saved.get("offsets"))
     N = varlen["N"]
     BV_STATE, dims = launch_dims(K, V, chunk_size, precision)
@@ -170,36 +254,43 @@ def delta_bwd_fn(
     du = torch.empty(B, H, T, V, **f32)
     dh0 = torch.empty(N, H, V, K, **f32)
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
+    write = strides(a=a_or_k, beta=beta)
+    reads = strides(q=q, do=do) | write
     delta_bwd_state_kernel[(triton.cdiv(V, BV_STATE), N * H)](
-        q, a, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, BV=BV_STATE, USE_DHT=dht is not None, **seq, **dims
-    )
+        q, a_or_k, beta, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, scale=scale, BV=BV_STATE,
+        USE_DHT=dht is not None, **reads, **seq, **dims,
+    )  # fmt: skip
     NV = triton.cdiv(V, BV_STATE)
-    dv = torch.empty_like(v)
     grid = (NC, B * H, NV)
     hs, u_new = saved["hs"], saved["u_new"]
     wy = dims | launch_config(K, wide=True)
-    if NV == 1:
-        # One value block (V <= 64): the kernels write dq, dk and dA themselves, the WY kernel adding the read
-        # kernel's share of dA; no sums over blocks, no casts.
-        dq, dk, da = torch.empty_like(q), torch.empty_like(k), torch.empty_like(a)
+    dv = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    dk = torch.empty(B, T, H, K, dtype=k.dtype, device=k.device)
+    dq = torch.empty(B, T, H, K, dtype=q.dtype, device=q.device)
+    if beta is None:
+        da, dbeta = torch.empty(B, T, H, K, dtype=a.dtype, device=a.device), None
+    else:
+        da, dbeta = None, torch.empty(B, T, H, dtype=beta.dtype, device=beta.device)
+    one = NV == 1
+    common = dict(T=T, NC=NC, H=H, BV=BV_STATE, ONE_BLOCK=one, **varlen)
+    if one:
+        # One value block (V <= 64): the kernels write the gradients themselves, the WY kernel adding the read
+        # kernel's share of dA.
         da_read = torch.empty(B, H, T, K, **f32)
-        delta_bwd_read_kernel[grid](
-            q, a, hs, dhs, u_new, do, dq, da_read, T=T, NC=NC, BV=BV_STATE, **varlen, **dims
-        )  # fmt: skip
-        delta_bwd_wy_kernel[grid](
-            k, a, v, saved["tm"], hs, du, dk, da, da_read, dv, T=T, NC=NC, BV=BV_STATE, ADD_READ=True, **varlen, **wy
-        )  # fmt: skip
-        return dq, dk, dv, da, dh0
-    # float32 shares per value block: dq, dk, and dA from the reads and from the WY form.
-    parts = torch.empty(4, NV, B, H, T, K, **f32)
+        outs_read, outs_wy = (dq, da_read), (dk, da, dbeta, da_read)
+    else:
+        # float32 shares per value block, summed by one more kernel: dQ, dK, and dA from the reads and the WY form.
+        parts = torch.empty(4, NV, B, H, T, K, **f32)
+        outs_read, outs_wy = (parts[0], parts[2]), (parts[1], parts[3], None, None)
     delta_bwd_read_kernel[grid](
-        q, a, hs, dhs, u_new, do, parts[0], parts[2], T=T, NC=NC, BV=BV_STATE, **varlen, **dims
+        q, a_or_k, beta, hs, dhs, u_new, do, *outs_read, scale=scale, **reads, **common, **dims
     )  # fmt: skip
     delta_bwd_wy_kernel[grid](
-        k, a, v, saved["tm"], hs, du, parts[1], parts[3], None, dv, T=T, NC=NC, BV=BV_STATE, ADD_READ=False, **varlen,
-        **wy,
+        k, a_or_k, beta, v, saved["tm"], hs, du, *outs_wy, dv, **strides(k=k, v=v), **write, **common, **wy
     )  # fmt: skip
-    # One sum per gradient, so the three outputs are separate tensors (custom ops may not return aliases).
-    dq, dk = (parts[i].sum(0).to(x.dtype) for i, x in enumerate((q, k)))
-    da = (parts[2].sum(0) + parts[3].sum(0)).to(a.dtype)
-    return dq, dk, dv, da, dh0
+    if not one:
+        delta_bwd_sum_kernel[(triton.cdiv(T, chunk_size), B * H)](
+            parts, k, beta, dq, dk, da, dbeta, T, NV, scale, H=H, K=K, BK=dims["BK"], BT=chunk_size,
+            num_warps=dims["num_warps"], num_stages=1, **strides(k=k, beta=beta),
+        )  # fmt: skip
+    return dq, dk, dv, (da if beta is None else dbeta), dh0

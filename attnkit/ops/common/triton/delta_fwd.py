@@ -4,9 +4,12 @@ Chunks of ``BT`` tokens, with the state kept as ``h = Sᵀ`` (``[K, V]``). Per c
 ``README.md``, "The S update"): ``T = (I + strict_tril(K Aᵀ))⁻¹`` by blocked forward substitution, ``W = T K``,
 ``Ũ = T V``; across chunks, sequentially, ``U = Ũ − W h``, ``h ← h + Aᵀ U``; then per chunk
 ``O = Q h + tril(Q Aᵀ) U``. Three kernels: prepare (parallel over chunks), state (sequential over chunks, parallel
-over heads and value blocks), output (parallel over chunks). Tensors are ``[B, H, T, ·]`` contiguous, ``B·H``
-flattened; packed sequences (``cu_seqlens``, ``B == 1``) run in the same launches, each chunk within one sequence
-(the sequences' first chunks computed on the device, :func:`chunk_layout`).
+over heads and value blocks), output (parallel over chunks). The caller's ``q, k, v, a`` (and ``beta``) are
+``[B, T, H, ·]``, read through their strides in their own dtypes, ``q`` times ``scale`` and, for DeltaNet, ``a = β k``
+formed as they are loaded; ``o`` is written ``[B, T, H, V]``. What the kernels keep for each other (``W``, ``U``,
+``T``, the chunk states) is ``[B, H, T, ·]`` float32, ``B·H`` flattened. Packed sequences (``cu_seqlens``,
+``B == 1``) run in the same launches, each chunk within one sequence (the sequences' first chunks computed on the
+device, :func:`chunk_layout`).
 """
 
 from __future__ import annotations
@@ -39,12 +42,6 @@ def seq_tiles(row0, i_c, length, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT:
 
 
 @triton.jit
-def chunk_tiles(i_c, i_bh, T, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    """:func:`seq_tiles` of chunk ``i_c`` of head ``i_bh`` in dense ``[BH, T, ·]`` tensors."""
-    return seq_tiles(i_bh.to(tl.int64) * T, i_c, T, o_k, o_v, K, V, BT)
-
-
-@triton.jit
 def chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
     """Where program ``(i_p, i_bh)`` of a launch over chunks works, as ``(row0, length, i_c)``: the first row of its
     sequence in ``[BH, T]`` rows, the sequence's length and the chunk's index in it. Dense: chunk ``i_p`` of row
@@ -72,6 +69,75 @@ def seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN: tl.constexpr):
     return i_nh.to(tl.int64) * T, T, 0, i_nh
 
 
+@triton.jit
+def seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN: tl.constexpr):
+    """``(i_b, i_h, bos, L, c0)`` of program ``i_nh = n·H + h`` of a launch over (sequence, key/value head): the
+    batch row (int64), the head, the sequence's first token in the row (int64), its length and its first chunk
+    slot."""
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        L = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+        return bos * 0, i_h, bos, L, tl.load(offsets + i_n)
+    return i_n.to(tl.int64), i_h, i_n.to(tl.int64) * 0, T, 0
+
+
+@triton.jit
+def chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, HEADS: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr):
+    """``(i_b, i_head, bos, L, i_c)`` of program ``(i_p, i_bh)`` of a launch over (chunk slot, batch row × head):
+    the chunk's batch row (int64), head, its sequence's first token in the row (int64), the sequence's length (0
+    for slots past the last chunk) and the chunk's index in the sequence (:func:`chunk_program` with row 0:
+    offsets within the row)."""
+    bos, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh * 0, T, N, IS_VARLEN, LOG_N)
+    return (i_bh // HEADS).to(tl.int64), i_bh % HEADS, bos, L, i_c
+
+
+@triton.jit
+def row_offsets(i_b, i_h, bos, i_c, L, sb, st, sh, sd, o_d, D: tl.constexpr, BT: tl.constexpr):
+    """``(offsets, mask, o_t, m_t)`` of chunk ``i_c``'s ``[BT, ·]`` rows of head ``i_h`` of a ``[B, T, heads, D]``
+    tensor of strides ``(sb, st, sh, sd)`` (64-bit; masked past the sequence and past ``D``), the positions and
+    their mask."""
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < L
+    p = i_b * sb + i_h.to(tl.int64) * sh + (bos + o_t.to(tl.int64))[:, None] * st + o_d[None, :] * sd
+    return p, m_t[:, None] & (o_d < D)[None, :], o_t, m_t
+
+
+@triton.jit
+def row_tile(x, i_b, i_h, bos, i_c, L, sb, st, sh, sd, o_d, D: tl.constexpr, BT: tl.constexpr):
+    """``(tile [BT, ·], o_t, m_t)``: chunk ``i_c``'s rows of head ``i_h`` of a ``[B, T, heads, D]`` tensor read
+    through its strides in its dtype (zeros past the sequence and past ``D``), the positions and their mask."""
+    p, m, o_t, m_t = row_offsets(i_b, i_h, bos, i_c, L, sb, st, sh, sd, o_d, D, BT)
+    return tl.load(x + p, mask=m, other=0.0), o_t, m_t
+
+
+@triton.jit
+def dense_rows(i_b, i_h, bos, i_c, L, T, H: tl.constexpr, o_d, D: tl.constexpr, BT: tl.constexpr):
+    """:func:`row_offsets` ``(offsets, mask)`` in a contiguous ``[B, T, H, D]`` tensor (the outputs)."""
+    p, m, _, _ = row_offsets(i_b * T, i_h, bos, i_c, L, H * D, H * D, D, 1, o_d, D, BT)  # i_b·T: 64-bit first
+    return p, m
+
+
+@triton.jit
+def dense_tokens(i_b, i_h, bos, o_t, T, H: tl.constexpr):
+    """Offsets of positions ``o_t`` of head ``i_h`` in a contiguous ``[B, T, H]`` tensor (64-bit)."""
+    return (i_b * T + bos + o_t.to(tl.int64)) * H + i_h
+
+
+@triton.jit
+def write_rows(
+    a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K: tl.constexpr, BT: tl.constexpr
+):
+    """The chunk's write directions ``a_t`` as a float32 ``[BT, ·K]`` tile: ``a``'s rows, times ``beta_t`` when
+    ``beta [B, T, H]`` is given (DeltaNet: ``a`` is then ``k``, and ``β k`` exists only here)."""
+    b_a, o_t, m_t = row_tile(a, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, o_k, K, BT)
+    b_a = b_a.to(tl.float32)
+    if beta is not None:
+        p_beta = beta + i_b * sbeb + i_h.to(tl.int64) * sbeh + (bos + o_t.to(tl.int64)) * sbet
+        b_a *= tl.load(p_beta, mask=m_t, other=0.0).to(tl.float32)[:, None]
+    return b_a
+
+
 def chunk_layout(
     cu_seqlens: torch.Tensor | None,
     batch: int,
@@ -93,50 +159,76 @@ def chunk_layout(
     return offsets, NC + N, dict(cu_seqlens=cu_seqlens, offsets=offsets, N=N, IS_VARLEN=True, LOG_N=N.bit_length())
 
 
+STRIDES = {"q": "sq", "k": "sk", "v": "sv", "a": "sa", "beta": "sbe", "do": "sdo"}
+
+
+def strides(**tensors: torch.Tensor | None) -> dict[str, int]:
+    """The kernels' stride arguments of the caller's ``[B, T, H, ·]`` tensors: ``sqb, sqt, sqh, sqd`` for ``q=``, and
+    so on (:data:`STRIDES`; ``beta [B, T, H]`` has three); zeros for None."""
+    out = {}
+    for name, x in tensors.items():
+        dims = "bth" if name == "beta" else "bthd"
+        out |= {STRIDES[name] + d: (0 if x is None else x.stride(i)) for i, d in enumerate(dims)}
+    return out
+
+
 @triton.jit
 def delta_prepare_kernel(
-    k, a, v, w_out, u_out, t_out, cu_seqlens, offsets, T, N,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+    k, a, beta, v, w_out, u_out, t_out, cu_seqlens, offsets, T, N,
+    skb, skt, skh, skd, sab, sat, sah, sad, sbeb, sbet, sbeh, svb, svt, svh, svd,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    SB: tl.constexpr, PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
+    LOG_N: tl.constexpr,
 ):  # fmt: skip
-    """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by
-    row (``t_out [BH, T, BT]``, also for the backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
-    (``u_out [BH, T, V]``), float32. Grid ``(chunk slots, BH)`` (:func:`chunk_program`).
+    """``k, a [B, T, H, K]``, ``v [B, T, H, V]`` (strided; ``a = β k`` when ``beta`` is given, :func:`write_rows`)
+    -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by row (``t_out [BH, T, BT]``, also for the
+    backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V`` (``u_out [BH, T, V]``), float32. Grid
+    ``(chunk slots, BH)`` (:func:`chunk_program`).
 
     ``T`` by blocks of ``SB`` rows, in registers (:func:`tril_inverse.tril_inverse`). Compiled for sm_90a (Triton
     3.6, K = 64, 4 warps): 186–198 registers and no spills (the row-by-row kernel: 255 and 24–32 bytes); K = 128,
     8 warps: 0–204 bytes (880–1904). The solve's products are float32-accurate (``SOLVE_PRECISION``) whatever
     ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its entries are large."""
-    row0, L, i_c = chunk_program(cu_seqlens, offsets, tl.program_id(0), tl.program_id(1), T, N, IS_VARLEN, LOG_N)
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
+    row0 = (i_b * H + i_h) * T + bos
     NB: tl.constexpr = BT // SB
     o_k, o_v, o_t = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BT)
     o_r3 = i_c * BT + tl.arange(0, NB)[:, None, None] * SB + tl.arange(0, SB)[None, :, None]  # [NB, SB, 1]
-    p_3 = (row0 + o_r3) * K + o_k[None, None, :]
+    tok3 = bos + o_r3.to(tl.int64)
     m_3 = (o_r3 < L) & (o_k < K)[None, None, :]
-    b_k3 = tl.load(k + p_3, mask=m_3, other=0.0).to(tl.float32)
-    b_a3 = tl.load(a + p_3, mask=m_3, other=0.0).to(tl.float32)
+    p_k3 = i_b * skb + i_h.to(tl.int64) * skh + tok3 * skt + o_k[None, None, :] * skd
+    p_a3 = i_b * sab + i_h.to(tl.int64) * sah + tok3 * sat + o_k[None, None, :] * sad
+    b_k3 = tl.load(k + p_k3, mask=m_3, other=0.0).to(tl.float32)
+    b_a3 = tl.load(a + p_a3, mask=m_3, other=0.0).to(tl.float32)
+    if beta is not None:
+        p_beta = beta + i_b * sbeb + i_h.to(tl.int64) * sbeh + tok3 * sbet
+        b_a3 *= tl.load(p_beta, mask=o_r3 < L, other=0.0).to(tl.float32)
     b_t = tril_inverse(b_k3, b_a3, BT, SB, BK, SOLVE_PRECISION)
     p_t, m_t, _, _ = seq_tiles(row0, i_c, L, o_t, o_t, BT, BT, BT)
     tl.store(t_out + p_t, b_t, mask=m_t)
+    # read again, not held through the solve
+    b_k = row_tile(k, i_b, i_h, bos, i_c, L, skb, skt, skh, skd, o_k, K, BT)[0].to(tl.float32)
+    b_v = row_tile(v, i_b, i_h, bos, i_c, L, svb, svt, svh, svd, o_v, V, BT)[0].to(tl.float32)
     p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-    b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)  # read again, not held through the solve
-    b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
     tl.store(w_out + p_k, tl.dot(b_t, b_k, input_precision=PRECISION), mask=m_k)
     tl.store(u_out + p_v, tl.dot(b_t, b_v, input_precision=PRECISION), mask=m_v)
 
 
 @triton.jit
 def delta_fwd_state_kernel(
-    w, u, a, h0, hs, u_new, ht, cu_seqlens, offsets, T, NC, H,
+    w, u, a, beta, h0, hs, u_new, ht, cu_seqlens, offsets, T, NC, H, sab, sat, sah, sad, sbeb, sbet, sbeh,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_H0: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """The sequential part. ``w [BH, T, K]``, ``u [BH, T, V]`` float32 from the prepare kernel, ``a [BH, T, K]``,
-    ``h0 [NH, V, K]`` (``S_0`` of each sequence and head) -> ``hs [BH, NC, K, V]`` (the state at each chunk's start,
-    float32), ``u_new [BH, T, V]`` (``U = Ũ − W h``, float32), ``ht [NH, V, K]`` float32 (the final ``S``). Grid
-    ``(value blocks, NH)`` (:func:`seq_program`)."""
+    """The sequential part. ``w [BH, T, K]``, ``u [BH, T, V]`` float32 from the prepare kernel, ``a`` (and
+    ``beta``) as the prepare kernel's, ``h0 [NH, V, K]`` (``S_0`` of each sequence and head) -> ``hs [BH, NC, K, V]``
+    (the state at each chunk's start, float32), ``u_new [BH, T, V]`` (``U = Ũ − W h``, float32), ``ht [NH, V, K]``
+    float32 (the final ``S``). Grid ``(value blocks, NH)`` (:func:`seq_site`)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    row0, L, c0, i_bh = seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_bh = i_b * H + i_h
+    row0 = i_bh * T + bos
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -146,11 +238,11 @@ def delta_fwd_state_kernel(
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_c in range(0, tl.cdiv(L, BT)):
-        p_hs = (i_bh.to(tl.int64) * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        p_hs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(hs + p_hs, b_h, mask=m_kv)
         p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
         b_u = tl.load(u + p_v, mask=m_v, other=0.0) - tl.dot(b_w, b_h, input_precision=PRECISION)
         tl.store(u_new + p_v, b_u, mask=m_v)
         b_h += tl.dot(tl.trans(b_a), b_u, input_precision=PRECISION)
@@ -159,27 +251,31 @@ def delta_fwd_state_kernel(
 
 @triton.jit
 def delta_fwd_output_kernel(
-    q, a, hs, u_new, o, cu_seqlens, offsets, T, NC, N,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    q, a, beta, hs, u_new, o, cu_seqlens, offsets, T, NC, N, scale,
+    sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
 ):  # fmt: skip
-    """``O = Q h + tril(Q Aᵀ) U`` per chunk: ``q, a [BH, T, K]``, ``hs``, ``u_new`` from the state kernel ->
-    ``o [BH, T, V]`` (its dtype). Grid ``(chunk slots, BH, value blocks)``."""
-    i_p, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
+    """``O = Q h + tril(Q Aᵀ) U`` per chunk, ``Q`` the queries times ``scale``: ``q [B, T, H, K]`` (strided), ``a``
+    (and ``beta``) as the prepare kernel's, ``hs``, ``u_new`` from the state kernel -> ``o [B, T, H, V]``
+    (contiguous, its dtype). Grid ``(chunk slots, BH, value blocks)``."""
+    i_p, i_v = tl.program_id(0), tl.program_id(2)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, tl.program_id(1), T, N, H, IS_VARLEN, LOG_N)
+    i_bh = i_b * H + i_h
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-    b_q = tl.load(q + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+    _, _, p_v, m_v = seq_tiles(i_bh * T + bos, i_c, L, o_k, o_v, K, V, BT)
+    b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+    b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
     b_u = tl.load(u_new + p_v, mask=m_v, other=0.0)
-    p_hs = (i_bh.to(tl.int64) * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
+    p_hs = (i_bh * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :] & (o_k * 0 + L > 0)[:, None]  # no state past the last chunk
     b_h = tl.load(hs + p_hs, mask=m_kv, other=0.0)
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     b_qa = tl.where(rows >= cols, tl.dot(b_q, tl.trans(b_a), input_precision=PRECISION), 0.0)
     b_o = tl.dot(b_q, b_h, input_precision=PRECISION) + tl.dot(b_qa, b_u, input_precision=PRECISION)
-    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    p_o, m_o = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_v, V, BT)
+    tl.store(o + p_o, b_o.to(o.dtype.element_ty), mask=m_o)
 
 
 def launch_config(key_dim: int, wide: bool = False) -> dict[str, int]:
@@ -204,19 +300,23 @@ def delta_fwd_fn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    a: torch.Tensor,
+    a: torch.Tensor | None,
     initial_state: torch.Tensor | None,
     chunk_size: int,
     precision: str,
     cu_seqlens: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``q, k, a [B, H, T, K]``, ``v [B, H, T, V]`` contiguous, ``initial_state [N, H, V, K]`` or None ->
-    ``(o [B, H, T, V] in v.dtype, S_T [N, H, V, K] float32, saved)`` where ``saved`` holds the chunk states, ``U``
-    and each chunk's ``T`` for the backward (float32, ``T·(V + BT + K·V/BT)`` numbers per head: linear in ``T``)
-    and the packed layout. ``cu_seqlens [N + 1]``: packed sequences (``B == 1``), each its own recurrence, all in
-    one launch per kernel."""
-    B, H, T, K = k.shape
+    """``q, k [B, T, H, K]``, ``v [B, T, H, V]`` and ``a [B, T, H, K]``, or ``beta [B, T, H]`` for ``a = β k``
+    (DeltaNet), any strides with unit last stride, each in its own dtype; ``initial_state [N, H, V, K]`` or None ->
+    ``(o [B, T, H, V] in v.dtype, S_T [N, H, V, K] float32, saved)``, the queries scaled by ``scale``. ``saved``
+    holds the chunk states, ``U`` and each chunk's ``T`` for the backward (float32 ``[B, H, T, ·]``,
+    ``T·(V + BT + K·V/BT)`` numbers per head: linear in ``T``) and the packed layout. ``cu_seqlens [N + 1]``: packed
+    sequences (``B == 1``), each its own recurrence, all in one launch per kernel."""
+    B, T, H, K = k.shape
     V = v.shape[-1]
+    a_or_k = k if a is None else a
     offsets, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size)
     N = varlen["N"]
     BV_STATE, dims = launch_dims(K, V, chunk_size, precision)
@@ -227,19 +327,24 @@ def delta_fwd_fn(
     hs = torch.empty(B, H, NC, K, V, **f32)
     u_new = torch.empty(B, H, T, V, **f32)
     ht = torch.empty(N, H, V, K, **f32)
-    o = torch.empty(B, H, T, V, dtype=v.dtype, device=v.device)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    write = strides(a=a_or_k, beta=beta)
     solve = "ieee" if precision == "ieee" else "tf32x3"
     BV = block_dim(V)
     prepare = delta_prepare_kernel
     if not (interpreting() if BLOCKED_PREPARE is None else BLOCKED_PREPARE):
         from attnkit.ops.common.triton.delta_prepare_rows import delta_prepare_rows_kernel as prepare
-    prepare[(NC, B * H)](k, a, v, w, u, tm, T=T, BV=BV, SB=16, SOLVE_PRECISION=solve, **varlen, **dims)
+    prepare[(NC, B * H)](
+        k, a_or_k, beta, v, w, u, tm, T=T, H=H, BV=BV, SB=16, SOLVE_PRECISION=solve, **strides(k=k, v=v), **write,
+        **varlen, **dims,
+    )  # fmt: skip
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), N * H)](
-        w, u, a, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=BV_STATE, USE_H0=initial_state is not None,
-        **seq, **dims,
+        w, u, a_or_k, beta, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=BV_STATE,
+        USE_H0=initial_state is not None, **write, **seq, **dims,
     )  # fmt: skip
     delta_fwd_output_kernel[(NC, B * H, triton.cdiv(V, BV_STATE))](
-        q, a, hs, u_new, o, T=T, NC=NC, BV=BV_STATE, **varlen, **dims
+        q, a_or_k, beta, hs, u_new, o, T=T, NC=NC, scale=scale, H=H, BV=BV_STATE, **strides(q=q), **write, **varlen,
+        **dims,
     )  # fmt: skip
     return o, ht, {"w": w, "hs": hs, "u_new": u_new, "tm": tm, "offsets": offsets}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.delta_fwd import chunk_program, seq_tiles
+from attnkit.ops.common.triton.delta_fwd import chunk_site, row_tile, seq_tiles, write_rows
 
 
 @triton.jit
@@ -43,11 +43,14 @@ def t_block(row0, i_c, length, bi, bj, BT: tl.constexpr, SB: tl.constexpr):
 
 @triton.jit
 def delta_prepare_rows_kernel(
-    k, a, v, w_out, u_out, t_out, cu_seqlens, offsets, T, N,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
-    PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+    k, a, beta, v, w_out, u_out, t_out, cu_seqlens, offsets, T, N,
+    skb, skt, skh, skd, sab, sat, sah, sad, sbeb, sbet, sbeh, svb, svt, svh, svd,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    SB: tl.constexpr, PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
+    LOG_N: tl.constexpr,
 ):  # fmt: skip
-    """``k, a [BH, T, K]``, ``v [BH, T, V]`` -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by
+    """``k, a [B, T, H, K]``, ``v [B, T, H, V]`` (strided; ``a = β k`` when ``beta`` is given, as
+    ``delta_fwd.delta_prepare_kernel``'s) -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by
     row (``t_out [BH, T, BT]``, also for the backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V``
     (``u_out [BH, T, V]``), float32. Grid ``(chunk slots, BH)`` (:func:`chunk_program`).
 
@@ -56,14 +59,15 @@ def delta_prepare_rows_kernel(
     ``t_out`` (the program's own writes, behind a barrier). The solve's products are float32-accurate
     (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its
     entries are large."""
-    row0, L, i_c = chunk_program(cu_seqlens, offsets, tl.program_id(0), tl.program_id(1), T, N, IS_VARLEN, LOG_N)
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
+    row0 = (i_b * H + i_h) * T + bos
     NB: tl.constexpr = BT // SB
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     o_s = tl.arange(0, SB)
     for bi in tl.static_range(NB):
-        p_i, m_i, _, _ = seq_tiles(row0, i_c * NB + bi, L, o_k, o_k, K, K, SB)
-        b_ki = tl.load(k + p_i, mask=m_i, other=0.0).to(tl.float32)
-        b_ai = tl.load(a + p_i, mask=m_i, other=0.0).to(tl.float32)
+        b_ki = row_tile(k, i_b, i_h, bos, i_c * NB + bi, L, skb, skt, skh, skd, o_k, K, SB)[0].to(tl.float32)
+        b_ai = write_rows(a, beta, i_b, i_h, bos, i_c * NB + bi, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, SB)
         # Zᵀ of the diagonal block: a_r · k_c for r < c
         b_zt = tl.dot(b_ai, tl.trans(b_ki), input_precision=SOLVE_PRECISION)
         b_zt = tl.where(o_s[:, None] < o_s[None, :], b_zt, 0.0)
@@ -73,8 +77,9 @@ def delta_prepare_rows_kernel(
         for bj in tl.static_range(bi):
             b_acc = tl.zeros([SB, SB], dtype=tl.float32)
             for bk in tl.static_range(bj, bi):
-                p_kk, m_kk, _, _ = seq_tiles(row0, i_c * NB + bk, L, o_k, o_k, K, K, SB)
-                b_ak = tl.load(a + p_kk, mask=m_kk, other=0.0).to(tl.float32)
+                b_ak = write_rows(
+                    a, beta, i_b, i_h, bos, i_c * NB + bk, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, SB
+                )
                 b_zik = tl.dot(b_ki, tl.trans(b_ak), input_precision=SOLVE_PRECISION)  # Z_ik = K_i A_kᵀ
                 p_t, m_t = t_block(row0, i_c, L, bk, bj, BT, SB)
                 b_tkj = tl.load(t_out + p_t, mask=m_t, other=0.0)
@@ -88,7 +93,7 @@ def delta_prepare_rows_kernel(
     p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
     p_t, m_t, _, _ = seq_tiles(row0, i_c, L, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
     b_t = tl.load(t_out + p_t, mask=m_t, other=0.0)
-    b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+    b_k = row_tile(k, i_b, i_h, bos, i_c, L, skb, skt, skh, skd, o_k, K, BT)[0].to(tl.float32)
+    b_v = row_tile(v, i_b, i_h, bos, i_c, L, svb, svt, svh, svd, o_v, V, BT)[0].to(tl.float32)
     tl.store(w_out + p_k, tl.dot(b_t, b_k, input_precision=PRECISION), mask=m_k)
     tl.store(u_out + p_v, tl.dot(b_t, b_v, input_precision=PRECISION), mask=m_v)

@@ -22,6 +22,10 @@ factorisation): with ``da_t = (dα̂_t − α̂_t (α̂_t·dα̂_t)) / ‖a_t‖
 
 (the ``t`` in later chunks reach ``u_s`` through ``dΛ``). All float32, dots float32-accurate (``PRECISION``):
 ``A0`` carries ``1/lam0`` and ``a`` is a difference of nearby vectors when ``u`` aligns with ``k̂``.
+
+Per-token tensors are ``[B, T, H, ·]``: ``u`` the caller's, read through its strides in its dtype; ``k̂``, ``α̂``,
+``R``, ``‖a‖`` and the gradients contiguous (``du`` in ``u``'s dtype). The chunks' ``[K, K]`` matrices are
+``[B, H, NC, K, K]``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.delta_fwd import chunk_layout, chunk_program, seq_program, seq_tiles
+from attnkit.ops.common.triton.delta_fwd import (
+    chunk_layout,
+    chunk_site,
+    dense_rows,
+    dense_tokens,
+    row_tile,
+    seq_site,
+)
 from attnkit.ops.common.triton_utils import block_dim
 
 
@@ -79,25 +90,26 @@ def square_tile(i_nh, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def gram_prefix_kernel(
-    u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, H, lam0,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_INIT: tl.constexpr, PRECISION: tl.constexpr,
+    u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, lam0, sub, sut, suh, sud,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_INIT: tl.constexpr,
+    PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The penalty at every chunk's start, ``lam [BH, NC, K, K]`` (``Λ_c = Λ_init + Σ_{chunks before c} UᵀU``), and
     the final inverse penalty ``a_end [NH, K, K]`` (``Λ_end⁻¹`` by the sweep, symmetrised), float32, from
-    ``u [BH, T, K]`` and ``lam_init [NH, K, K]`` (``lam0·I`` without ``USE_INIT``). Grid ``(NH,)``: one program
+    ``u [B, T, H, K]`` and ``lam_init [NH, K, K]`` (``lam0·I`` without ``USE_INIT``). Grid ``(NH,)``: one program
     per sequence and head walks its chunks."""
     i_nh = tl.program_id(0)
-    row0, L, c0, i_bh = seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_bh = i_b * H + i_h
     o_k, m_kk, p_kk, p_state = square_tile(i_nh, K, BK)
     if USE_INIT:
         b_lam = tl.load(lam_init + p_state, mask=m_kk, other=0.0)
     else:
         b_lam = tl.where((o_k[:, None] == o_k[None, :]) & m_kk, lam0, 0.0)
     for i_c in range(0, tl.cdiv(L, BT)):
-        tl.store(lam + (i_bh.to(tl.int64) * NC + c0 + i_c) * K * K + p_kk, b_lam, mask=m_kk)
-        p_k, m_k, _, _ = seq_tiles(row0, i_c, L, o_k, o_k, K, K, BT)
-        b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
+        tl.store(lam + (i_bh * NC + c0 + i_c) * K * K + p_kk, b_lam, mask=m_kk)
+        b_u = row_tile(u, i_b, i_h, bos, i_c, L, sub, sut, suh, sud, o_k, K, BT)[0].to(tl.float32)
         b_lam += tl.dot(tl.trans(b_u), b_u, input_precision=PRECISION)
     b_a = padded_inverse(b_lam, K, BK)
     tl.store(a_end + p_state, 0.5 * (b_a + tl.trans(b_a)), mask=m_kk)
@@ -105,15 +117,18 @@ def gram_prefix_kernel(
 
 @triton.jit
 def gram_suffix_kernel(
-    u, a_end, da_end, dlam, du, dlam_init, cu_seqlens, offsets, T, NC, H,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_DA_END: tl.constexpr, PRECISION: tl.constexpr,
+    u, a_end, da_end, dlam, du, du_out, dlam_init, cu_seqlens, offsets, T, NC, sub, sut, suh, sud,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_DA_END: tl.constexpr,
+    PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The backward of :func:`gram_prefix_kernel`: with ``D_c = dΛ_end + Σ_{chunks after c} dΛ`` (``dΛ_end =
-    −A_end dA_end A_end``), adds ``U_c (D_c + D_cᵀ)`` to ``du [BH, T, K]`` in place (the paths through later
-    chunks' penalties) and stores ``dlam_init [NH, K, K] = dΛ_end + Σ_c dΛ_c``, float32. Grid ``(NH,)``."""
+    −A_end dA_end A_end``), stores ``du_out [B, T, H, K]`` (its dtype): ``du`` (float32, the shares within the
+    chunks) plus ``U_c (D_c + D_cᵀ)`` (the paths through later chunks' penalties), and
+    ``dlam_init [NH, K, K] = dΛ_end + Σ_c dΛ_c`` float32. Grid ``(NH,)``."""
     i_nh = tl.program_id(0)
-    row0, L, c0, i_bh = seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
+    i_bh = i_b * H + i_h
     o_k, m_kk, p_kk, p_state = square_tile(i_nh, K, BK)
     if USE_DA_END:
         b_a = tl.load(a_end + p_state, mask=m_kk, other=0.0)
@@ -125,24 +140,24 @@ def gram_suffix_kernel(
     NCS = tl.cdiv(L, BT)
     for i_back in range(0, NCS):
         i_c = NCS - 1 - i_back
-        p_k, m_k, _, _ = seq_tiles(row0, i_c, L, o_k, o_k, K, K, BT)
-        b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_du = tl.load(du + p_k, mask=m_k, other=0.0)
-        tl.store(du + p_k, b_du + tl.dot(b_u, b_d + tl.trans(b_d), input_precision=PRECISION), mask=m_k)
-        b_d += tl.load(dlam + (i_bh.to(tl.int64) * NC + c0 + i_c) * K * K + p_kk, mask=m_kk, other=0.0)
+        b_u = row_tile(u, i_b, i_h, bos, i_c, L, sub, sut, suh, sud, o_k, K, BT)[0].to(tl.float32)
+        p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
+        b_du = tl.load(du + p_k, mask=m_k, other=0.0) + tl.dot(b_u, b_d + tl.trans(b_d), input_precision=PRECISION)
+        tl.store(du_out + p_k, b_du.to(du_out.dtype.element_ty), mask=m_k)
+        b_d += tl.load(dlam + (i_bh * NC + c0 + i_c) * K * K + p_kk, mask=m_kk, other=0.0)
     tl.store(dlam_init + p_state, b_d, mask=m_kk)
 
 
 @triton.jit
 def vla_gates_fwd_kernel(
-    k_hat, u, lam, alpha, a0_out, r_out, anorm_out, cu_seqlens, offsets, T, NC, N,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, GROUP: tl.constexpr,
+    k_hat, u, lam, alpha, a0_out, r_out, anorm_out, cu_seqlens, offsets, T, NC, N, sub, sut, suh, sud,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, GROUP: tl.constexpr,
     PRECISION: tl.constexpr, NORMALIZE: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
 ):  # fmt: skip
-    """``k_hat, u [BH, T, K]``, ``lam [BH, NC, K, K]`` float32 -> ``alpha [BH, T, K]`` and, for the backward,
-    ``a0_out [BH, NC, K, K]`` (``A0``), ``r_out [BH, T, K]`` (``R``), ``anorm_out [BH, T]`` (``‖a_t‖``), all
-    float32. Grid ``(⌈NC / GROUP⌉, BH)``. ``NORMALIZE`` false: ``alpha`` is ``a`` itself (``‖a‖`` stored all the
-    same).
+    """``k_hat [B, T, H, K]`` float32, ``u [B, T, H, K]`` (strided), ``lam [BH, NC, K, K]`` float32 ->
+    ``alpha [B, T, H, K]`` and, for the backward, ``a0_out [BH, NC, K, K]`` (``A0``), ``r_out [B, T, H, K]``
+    (``R``), ``anorm_out [B, T, H]`` (``‖a_t‖``), all float32. Grid ``(⌈NC / GROUP⌉, BH)``. ``NORMALIZE``
+    false: ``alpha`` is ``a`` itself (``‖a‖`` stored all the same).
 
     A program takes ``GROUP`` consecutive chunks and sweeps only the first one's penalty. It then walks its
     tokens in blocks of ``SB`` rows carrying the current inverse ``A`` (``A ← A − R_bᵀ R_b`` after each block, one
@@ -158,7 +173,7 @@ def vla_gates_fwd_kernel(
     b_a0 = chunk_inverse(lam, i_g * GROUP, i_bh, NC, K, BK)[0]
     for j in range(0, GROUP):
         i_p = i_g * GROUP + j
-        row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
+        i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
         if IS_VARLEN:  # a dense row starts only at a group's start
             if (j > 0) & (i_c == 0):
                 b_a0 = chunk_inverse(lam, tl.minimum(i_p, NC - 1), i_bh, NC, K, BK)[0]
@@ -166,10 +181,10 @@ def vla_gates_fwd_kernel(
         m_kk = (o_k < K)[:, None] & (o_k < K)[None, :] & (o_k * 0 + i_p < NC)[None, :]
         tl.store(a0_out + p_kk, b_a0, mask=m_kk)
         for b in range(0, NB):
-            i_b = i_c * NB + b
-            p_k, m_k, _, _ = seq_tiles(row0, i_b, L, o_k, o_k, K, K, SB)
-            b_kh = tl.load(k_hat + p_k, mask=m_k, other=0.0).to(tl.float32)
-            b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
+            i_sb = i_c * NB + b
+            p_k, m_k = dense_rows(i_b, i_h, bos, i_sb, L, T, H, o_k, K, SB)
+            b_kh = tl.load(k_hat + p_k, mask=m_k, other=0.0)
+            b_u = row_tile(u, i_b, i_h, bos, i_sb, L, sub, sut, suh, sud, o_k, K, SB)[0].to(tl.float32)
             b_y = tl.dot(b_u, b_a0, input_precision=PRECISION)  # rows A u_t
             b_d = tl.zeros([SB], dtype=tl.float32)
             for t in range(0, SB):
@@ -188,32 +203,34 @@ def vla_gates_fwd_kernel(
             if NORMALIZE:
                 b_a = b_a / b_norm[:, None]
             tl.store(alpha + p_k, b_a, mask=m_k)
-            o_tok = i_b * SB + o_s
-            tl.store(anorm_out + row0 + o_tok, b_norm, mask=o_tok < L)
+            o_tok = i_sb * SB + o_s
+            tl.store(anorm_out + dense_tokens(i_b, i_h, bos, o_tok, T, H), b_norm, mask=o_tok < L)
             # A after the block: A − Σ_t r_t r_tᵀ (rows past T are zero)
             b_a0 -= tl.dot(tl.trans(b_r), b_r, input_precision=PRECISION)
 
 
 @triton.jit
 def vla_gates_bwd_kernel(
-    u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, cu_seqlens, offsets, T, NC, N,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr, NORMALIZE: tl.constexpr,
+    u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, cu_seqlens, offsets, T, NC, N, sub, sut, suh, sud,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    NORMALIZE: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
 ):  # fmt: skip
-    """``u [BH, T, K]``, the forward's ``alpha``, ``a0``, ``r``, ``anorm`` and ``dalpha [BH, T, K]`` ->
-    ``dk_hat``, ``du [BH, T, K]`` (the within-chunk share) and ``dlam [BH, NC, K, K]``, float32. Grid
+    """``u [B, T, H, K]`` (strided), the forward's ``alpha``, ``a0``, ``r``, ``anorm`` and ``dalpha
+    [B, T, H, K]`` -> ``dk_hat``, ``du [B, T, H, K]`` (the within-chunk share) and ``dlam [BH, NC, K, K]``,
+    float32. Grid
     ``(NC, BH)``. ``NORMALIZE`` as the forward's: without it ``da = dalpha`` and ``a = alpha``."""
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
-    row0, L, i_c = chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN, LOG_N)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BT)
-    p_k, m_k, _, _ = seq_tiles(row0, i_c, L, o_k, o_k, K, K, BT)
+    p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
     o_tok = i_c * BT + o_t
-    b_u = tl.load(u + p_k, mask=m_k, other=0.0).to(tl.float32)
+    b_u = row_tile(u, i_b, i_h, bos, i_c, L, sub, sut, suh, sud, o_k, K, BT)[0].to(tl.float32)
     b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
     b_r = tl.load(r + p_k, mask=m_k, other=0.0)
     b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_norm = tl.load(anorm + row0 + o_tok, mask=o_tok < L, other=1.0)
+    b_norm = tl.load(anorm + dense_tokens(i_b, i_h, bos, o_tok, T, H), mask=o_tok < L, other=1.0)
     m_kk = (o_k < K)[:, None] & (o_k < K)[None, :] & (o_k * 0 + L > 0)[:, None]
     p_kk = (i_bh.to(tl.int64) * NC + i_p) * K * K + o_k[:, None] * K + o_k[None, :]
     b_a0 = tl.load(a0 + p_kk, mask=m_kk, other=0.0)
@@ -251,6 +268,11 @@ def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
     return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1, GROUP=group, SB=16)
 
 
+def u_strides(u: torch.Tensor) -> dict[str, int]:
+    """The gate kernels' stride arguments of ``u [B, T, H, K]``."""
+    return dict(zip(("sub", "sut", "suh", "sud"), u.stride()))
+
+
 def vla_gates_fwd_fn(
     k_hat: torch.Tensor,
     u: torch.Tensor,
@@ -262,21 +284,22 @@ def vla_gates_fwd_fn(
     cu_seqlens: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k_hat, u [B, H, T, K]`` contiguous, ``lam [B, H, NC, K, K]`` float32 contiguous (the chunk slots of
-    :func:`chunk_layout`: ``⌈T / C⌉`` dense) -> ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, H, T, K]``,
-    ``A0 [B, H, NC, K, K]``, ``‖a‖ [B, H, T]``, float32. ``config``: warps, stages and ``GROUP`` instead of
-    :func:`launch_config` (the benchmarks' sweep); ``normalize``: ``alpha = a / ‖a‖`` (else ``a``);
-    ``cu_seqlens``, ``offsets``: packed sequences (``B == 1``) and their first chunks."""
-    B, H, T, K = k_hat.shape
-    NC = lam.shape[2]
+    """``k_hat [B, T, H, K]`` float32 contiguous, ``u [B, T, H, K]`` (any strides and float dtype),
+    ``lam [B, H, NC, K, K]`` float32 contiguous (the chunk slots of :func:`chunk_layout`: ``⌈T / C⌉`` dense) ->
+    ``(alpha, A0, R, ‖a‖)``: ``alpha, R [B, T, H, K]``, ``A0`` like ``lam``, ``‖a‖ [B, T, H]``, float32.
+    ``config``: warps, stages and ``GROUP`` instead of :func:`launch_config` (the benchmarks' sweep);
+    ``normalize``: ``alpha = a / ‖a‖`` (else ``a``); ``cu_seqlens``, ``offsets``: packed sequences (``B == 1``)
+    and their first chunks."""
+    B, T, H, K = k_hat.shape
+    NC = lam.shape[-3]
     _, _, varlen = chunk_layout(cu_seqlens, B, T, chunk_size, offsets)
     f32 = dict(dtype=torch.float32, device=k_hat.device)
-    alpha, r = torch.empty(B, H, T, K, **f32), torch.empty(B, H, T, K, **f32)
-    a0, anorm = torch.empty(B, H, NC, K, K, **f32), torch.empty(B, H, T, **f32)
+    alpha, r = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, K, **f32)
+    a0, anorm = torch.empty(lam.shape, **f32), torch.empty(B, T, H, **f32)
     config = config or launch_config(K, NC * B * H)
     vla_gates_fwd_kernel[(triton.cdiv(NC, config["GROUP"]), B * H)](
-        k_hat, u, lam, alpha, a0, r, anorm, T=T, NC=NC, K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision,
-        NORMALIZE=normalize, **varlen, **config,
+        k_hat, u, lam, alpha, a0, r, anorm, T=T, NC=NC, H=H, K=K, BK=block_dim(K), BT=chunk_size,
+        PRECISION=precision, NORMALIZE=normalize, **u_strides(u), **varlen, **config,
     )  # fmt: skip
     return alpha, a0, r, anorm
 
@@ -295,17 +318,18 @@ def vla_gates_bwd_fn(
     cu_seqlens: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dk_hat, du_within, dlam)`` float32 from the forward's saved tensors and ``dalpha`` (all contiguous);
-    ``normalize``, ``cu_seqlens`` and ``offsets`` as the forward's."""
-    B, H, T, K = u.shape
-    NC = a0.shape[2]
+    """``(dk_hat, du_within, dlam)`` float32 (``[B, T, H, K]`` contiguous, and ``dlam`` like ``a0``) from the
+    forward's saved tensors and ``dalpha`` (contiguous; ``u`` any strides); ``normalize``, ``cu_seqlens`` and
+    ``offsets`` as the forward's."""
+    B, T, H, K = u.shape
+    NC = a0.shape[-3]
     _, _, varlen = chunk_layout(cu_seqlens, B, T, chunk_size, offsets)
     dk_hat, du = torch.empty_like(alpha), torch.empty_like(alpha)
     dlam = torch.empty_like(a0)
     config = {n: x for n, x in (config or launch_config(K)).items() if n not in ("GROUP", "SB")}
     vla_gates_bwd_kernel[(NC, B * H)](
-        u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T=T, NC=NC, K=K, BK=block_dim(K), BT=chunk_size,
-        PRECISION=precision, NORMALIZE=normalize, **varlen, **config,
+        u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T=T, NC=NC, H=H, K=K, BK=block_dim(K), BT=chunk_size,
+        PRECISION=precision, NORMALIZE=normalize, **u_strides(u), **varlen, **config,
     )  # fmt: skip
     return dk_hat, du, dlam
 
@@ -321,17 +345,19 @@ def vla_write_fwd_fn(
     normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole gate stage: the chunks' penalties (:func:`gram_prefix_kernel`), then the write directions.
-    ``k_hat, u [B, H, T, K]`` float32 contiguous, ``lam_init [N, H, K, K]`` (``A_init⁻¹``) or None for
-    ``lam0·I`` -> ``(alpha [B, H, T, K], A_end [N, H, K, K], A0, R, ‖a‖)``, float32."""
-    B, H, T, K = k_hat.shape
+    ``k_hat [B, T, H, K]`` float32 contiguous, ``u [B, T, H, K]`` (any strides and float dtype), ``lam_init
+    [N, H, K, K]`` (``A_init⁻¹``) or None for ``lam0·I`` -> ``(alpha [B, T, H, K], A_end [N, H, K, K], A0, R,
+    ‖a‖)``, float32."""
+    B, T, H, K = k_hat.shape
     offsets, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size)
     N = varlen["N"]
     lam = torch.empty(B, H, NC, K, K, dtype=torch.float32, device=u.device)
     a_end = torch.empty(N, H, K, K, dtype=torch.float32, device=u.device)
     warps = launch_config(K)["num_warps"]
     gram_prefix_kernel[(N * H,)](
-        u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, H, lam0, K=K, BK=block_dim(K), BT=chunk_size,
+        u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, lam0, H=H, K=K, BK=block_dim(K), BT=chunk_size,
         USE_INIT=lam_init is not None, PRECISION=precision, IS_VARLEN=cu_seqlens is not None, num_warps=warps,
+        **u_strides(u),
     )  # fmt: skip
     alpha, a0, r, anorm = vla_gates_fwd_fn(
         k_hat, u, lam, chunk_size, precision, normalize=normalize, cu_seqlens=cu_seqlens, offsets=offsets
@@ -353,19 +379,21 @@ def vla_write_bwd_fn(
     precision: str,
     normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dk_hat, du, dlam_init)`` float32: the backward of :func:`vla_write_fwd_fn`, from ``dalpha`` and the
-    gradient of ``A_end`` (or None)."""
-    B, H, T, K = u.shape
+    """``(dk_hat, du, dlam_init)``: the backward of :func:`vla_write_fwd_fn`, from ``dalpha`` and the gradient of
+    ``A_end`` (or None); ``dk_hat`` float32 and ``du`` in ``u``'s dtype, ``[B, T, H, K]`` contiguous,
+    ``dlam_init`` float32."""
+    B, T, H, K = u.shape
     offsets, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size)
     N = varlen["N"]
-    dk_hat, du, dlam = vla_gates_bwd_fn(
+    dk_hat, du_within, dlam = vla_gates_bwd_fn(
         u, alpha, a0, r, anorm, dalpha, chunk_size, precision, normalize=normalize, cu_seqlens=cu_seqlens,
         offsets=offsets,
     )  # fmt: skip
+    du = torch.empty(B, T, H, K, dtype=u.dtype, device=u.device)
     dlam_init = torch.empty(N, H, K, K, dtype=torch.float32, device=u.device)
     gram_suffix_kernel[(N * H,)](
-        u, a_end, da_end, dlam, du, dlam_init, cu_seqlens, offsets, T, NC, H, K=K, BK=block_dim(K), BT=chunk_size,
-        USE_DA_END=da_end is not None, PRECISION=precision, IS_VARLEN=cu_seqlens is not None,
-        num_warps=launch_config(K)["num_warps"],
+        u, a_end, da_end, dlam, du_within, du, dlam_init, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K),
+        BT=chunk_size, USE_DA_END=da_end is not None, PRECISION=precision, IS_VARLEN=cu_seqlens is not None,
+        num_warps=launch_config(K)["num_warps"], **u_strides(u),
     )  # fmt: skip
     return dk_hat, du, dlam_init

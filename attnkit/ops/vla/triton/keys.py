@@ -13,21 +13,36 @@ ROWS = 64  # rows a program
 
 
 @triton.jit
-def unit_rows_fwd_kernel(x, y, norm, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    """``x [R, K]`` -> ``y = x / ‖x‖`` row by row (float32) and ``norm [R]``. Grid ``(⌈R / BR⌉,)``."""
-    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+def token_rows(i_r, R, T, H, sb, st, sh, sd, o_k, K: tl.constexpr, BR: tl.constexpr):
+    """``(offsets, mask, rows)`` of the ``BR`` rows from ``i_r·BR`` of the ``R`` rows of a ``[B, T, H, K]`` tensor of
+    strides ``(sb, st, sh, sd)``, counted in ``(b, t, h)`` order (64-bit)."""
+    o_r = i_r.to(tl.int64) * BR + tl.arange(0, BR)
+    i_h = o_r % H
+    i_t = (o_r // H) % T
+    i_b = o_r // H // T
+    p = (i_b * sb + i_t * st + i_h * sh)[:, None] + o_k[None, :] * sd
+    return p, (o_r < R)[:, None] & (o_k < K)[None, :], o_r
+
+
+@triton.jit
+def unit_rows_fwd_kernel(
+    x, y, norm, R, T, H, sxb, sxt, sxh, sxd, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr
+):  # fmt: skip
+    """``x [B, T, H, K]`` (strided, any float dtype; ``R = B·T·H`` rows) -> ``y = x / ‖x‖`` row by row
+    (``[B, T, H, K]`` contiguous, float32) and ``norm [B, T, H]``. Grid ``(⌈R / BR⌉,)``."""
     o_k = tl.arange(0, BK)
-    p_x = o_r[:, None] * K + o_k[None, :]
-    m_x = (o_r < R)[:, None] & (o_k < K)[None, :]
+    p_x, m_x, o_r = token_rows(tl.program_id(0), R, T, H, sxb, sxt, sxh, sxd, o_k, K, BR)
     b_x = tl.load(x + p_x, mask=m_x, other=0.0).to(tl.float32)
     b_n = tl.sqrt(tl.sum(b_x * b_x, 1))
-    tl.store(y + p_x, b_x / b_n[:, None], mask=m_x)
+    p_y = o_r[:, None] * K + o_k[None, :]
+    tl.store(y + p_y, b_x / b_n[:, None], mask=m_x)
     tl.store(norm + o_r, b_n, mask=o_r < R)
 
 
 @triton.jit
 def unit_rows_bwd_kernel(y, norm, dy, dx, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    """``dx = (dy − y (y·dy)) / ‖x‖`` row by row (``dx`` in its dtype). Grid ``(⌈R / BR⌉,)``."""
+    """``dx = (dy − y (y·dy)) / ‖x‖`` row by row (``dx`` in its dtype; every tensor contiguous). Grid
+    ``(⌈R / BR⌉,)``."""
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     p_x = o_r[:, None] * K + o_k[None, :]
@@ -40,17 +55,18 @@ def unit_rows_bwd_kernel(y, norm, dy, dx, R, K: tl.constexpr, BK: tl.constexpr, 
 
 
 def unit_rows_fwd_fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` contiguous -> ``(x / ‖x‖ float32, ‖x‖ [...] float32)``."""
-    K = x.shape[-1]
-    R = x.numel() // max(K, 1)
+    """``x [B, T, H, K]`` (any strides) -> ``(x / ‖x‖ [B, T, H, K] contiguous float32, ‖x‖ [B, T, H] float32)``."""
+    B, T, H, K = x.shape
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     norm = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    unit_rows_fwd_kernel[(triton.cdiv(R, ROWS),)](x, y, norm, R, K=K, BK=block_dim(K), BR=ROWS)
+    R = B * T * H
+    unit_rows_fwd_kernel[(triton.cdiv(R, ROWS),)](x, y, norm, R, T, H, *x.stride(), K=K, BK=block_dim(K), BR=ROWS)
     return y, norm
 
 
 def unit_rows_bwd_fn(y: torch.Tensor, norm: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The gradient of ``x`` (in ``dtype``) from the forward's ``y``, ``norm`` and ``dy`` (contiguous)."""
+    """The gradient of ``x`` (``[B, T, H, K]`` contiguous, in ``dtype``) from the forward's ``y``, ``norm`` and
+    ``dy`` (contiguous)."""
     K = y.shape[-1]
     R = y.numel() // max(K, 1)
     dx = torch.empty(y.shape, dtype=dtype, device=y.device)
