@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from attnkit.ops.common.utils import rel_rms
 
-__all__ = ["assert_close", "count_aten_ops", "leave_process_group", "rel_rms", "tol_for"]
+__all__ = [
+    "assert_close",
+    "count_aten_ops",
+    "full_size_ops_outside_kernels",
+    "leave_process_group",
+    "rel_rms",
+    "tol_for",
+]
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
@@ -59,6 +68,48 @@ def count_aten_ops(fn: Callable[[], object]) -> collections.Counter[str]:
             continue
         name = event.name.removeprefix("aten::")
         if name not in UNCOUNTED_OPS:
+            counts[name] += 1
+    return counts
+
+
+KERNEL_RANGE = "triton_interpreter_launch"
+
+
+@contextlib.contextmanager
+def _marked_kernel_launches() -> Iterator[None]:
+    """Every launch through Triton's interpreter inside a profiler range named :data:`KERNEL_RANGE`."""
+    from triton.runtime import interpreter
+
+    real = interpreter.GridExecutor.__call__
+
+    def call(self, *args, **kwargs):
+        with record_function(KERNEL_RANGE):
+            return real(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = call
+    try:
+        yield
+    finally:
+        interpreter.GridExecutor.__call__ = real
+
+
+def full_size_ops_outside_kernels(fn: Callable[[], object], size: int) -> collections.Counter[str]:
+    """The leaf ATen operators that ``fn`` dispatches outside the Triton kernels (under the interpreter, whose
+    argument copies are inside the launches) on a tensor of at least ``size`` elements, by name: copies
+    (``copy_``, which ``contiguous``, ``to`` and ``transpose(…).contiguous()`` end in) and arithmetic. Views,
+    allocations and fills are not counted (:data:`UNCOUNTED_OPS`, less ``copy_``)."""
+    free = UNCOUNTED_OPS - {"copy_"}
+    with _marked_kernel_launches(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    counts: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if not event.name.startswith("aten::") or any(c.name.startswith("aten::") for c in event.cpu_children):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and parent.name != KERNEL_RANGE:
+            parent = parent.cpu_parent
+        name = event.name.removeprefix("aten::")
+        if parent is None and name not in free and max(map(math.prod, event.input_shapes), default=0) >= size:
             counts[name] += 1
     return counts
 

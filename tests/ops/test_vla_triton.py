@@ -24,7 +24,7 @@ from attnkit.ops.vla.parallel import (
     vla_normalize_triton,
 )
 from attnkit.ops.vla.torch_impl import vla_chunk_gates
-from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close
+from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close, full_size_ops_outside_kernels
 from tests.ops.test_vla import make_inputs, make_state
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,6 +195,121 @@ def test_operator_count_with_state():
         totals.append(sum(counts.values()))
         assert totals[-1] <= 30, counts
     assert len(set(totals)) == 1, totals
+
+
+def fused(*xs):
+    """``[B, T, H, ·]`` tensors (and ``[B, T, H]`` ones) of one dtype as slices of one fused projection
+    ``[B, T, Σ H·d]``, the way a layer's ``qkv`` projection hands them over: strided views whose tokens lie
+    ``Σ H·d`` apart."""
+    B, T = xs[0].shape[:2]
+    whole = torch.cat([x.reshape(B, T, -1) for x in xs], -1)
+    views, start = [], 0
+    for x in xs:
+        width = x[0, 0].numel()
+        views.append(whole[..., start : start + width].view(x.shape))
+        start += width
+    assert not any(v.is_contiguous() for v in views)
+    return views
+
+
+def deltanet_inputs(B, T, H, K, V, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    beta = 0.5 + 1.49 * torch.rand(B, T, H, generator=gen)
+    return [x.to(dtype).to(DEVICE) for x in (q, k, v)] + [beta.to(DEVICE)]
+
+
+STRIDED_CASES = {  # B, T, cu_seqlens, with_state
+    "odd-length-state": (2, 37, None, True),
+    "odd-length": (3, 21, None, False),
+    "ragged-empty-state": (1, 61, [0, 0, 13, 13, 61], True),
+    "ragged-one-token": (1, 45, [0, 1, 30, 45], False),
+}
+
+
+@pytest.mark.parametrize("case", STRIDED_CASES.values(), ids=STRIDED_CASES.keys())
+def test_strided_vla_matches_torch_backend(case):
+    """``q, k, v, u`` as slices of one fused projection (no copy on the way in): the kernels read them through their
+    strides and match the PyTorch backend in the output, the final states and every gradient, dense and packed."""
+    B, T, offsets, with_state = case
+    H, K, V = 2, 16, 24
+    inputs = [x.float().to(DEVICE) for x in make_inputs(B, T, H, K, V)]
+    N = B if offsets is None else len(offsets) - 1
+    state = [s.float().to(DEVICE) for s in make_state(N, H, K, V, 0.1)] if with_state else None
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+
+    def fn(backend):
+        def run(q, k, v, u, st):
+            return vla(backend, cu_seqlens=cu)(*fused(q, k, v, u), st)
+
+        return run
+
+    check(grads_of(fn("triton"), inputs, state), grads_of(fn("torch"), inputs, state), 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", STRIDED_CASES.values(), ids=STRIDED_CASES.keys())
+def test_strided_deltanet_matches_torch_backend(case, dtype):
+    """DeltaNet's ``q, k, v`` and ``beta`` as slices of one fused projection, read in their own dtype (``scale·q`` and
+    ``β k`` formed in the kernels), against the PyTorch backend: output, final state, every gradient (``dbeta``
+    included), dense and packed, float16 at the bar of the other half-precision tests."""
+    from attnkit.ops import delta_rule
+
+    B, T, offsets, with_state = case
+    H, K, V = 2, 16, 80  # two value blocks: the gradients' shares summed by a kernel
+    inputs = deltanet_inputs(B, T, H, K, V, dtype)
+    N = B if offsets is None else len(offsets) - 1
+    state = [torch.randn(N, H, V, K, device=DEVICE)] if with_state else None
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+
+    def fn(backend):
+        def run(q, k, v, beta, st):
+            kwargs = dict(initial_state=st and st[0], output_final_state=True, cu_seqlens=cu, backend=backend)
+            o, S = delta_rule(*fused(q, k, v), fused(beta, beta)[0], scale=0.3, **kwargs)
+            return o, (S,)
+
+        return run
+
+    actual, expected = grads_of(fn("triton"), inputs, state), grads_of(fn("torch"), inputs, state)
+    assert actual[0].dtype == dtype
+    for name, x, y in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dS0"], actual, expected):
+        assert x.dtype == y.dtype, name
+        assert_close(name, x, y, 1e-4 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="profiled on the CPU, under the interpreter")
+@pytest.mark.parametrize("offsets", [None, [0, 7, 7, 40]], ids=["dense", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("op", ["vla", "deltanet"])
+def test_no_copies_outside_the_kernels(op, dtype, offsets):
+    """A forward+backward on slices of a fused projection dispatches no copy, cast, transpose or product of a
+    ``[B, T, H, D]``-sized tensor outside the kernels: they read the inputs through their strides in their own
+    dtypes and write ``o`` and the gradients in the callers' layout and dtypes. (Before, every input was transposed
+    to ``[B, H, T, D]`` and widened, DeltaNet's ``scale·q`` and ``β k`` were products, and ``o`` and the gradients
+    went back the same way.) What remains for VLA is autograd summing the gradients of ``q``, ``k`` and ``k̂``, which
+    reach each of them from two of its operators."""
+    from attnkit.ops import delta_rule
+
+    B, T, H, D = (2, 40, 2, 16) if offsets is None else (1, 40, 2, 16)
+    if op == "vla":
+        q, k, v, u = (x.float() for x in make_inputs(B, T, H, D, D))
+        leaves = [x.to(dtype) for x in (q, k, v)] + [u]
+    else:
+        leaves = deltanet_inputs(B, T, H, D, D, dtype)
+    # The slices themselves are the leaves: the profile holds the op's own work, not the fused buffer's backward.
+    views = fused(*leaves[:3]) + [fused(leaves[3], leaves[3])[0]]  # beta (u) float32 beside them
+    views = [x.detach().requires_grad_() for x in views]
+    do = torch.randn(B, T, H, D, dtype=dtype)
+    cu = None if offsets is None else torch.tensor(offsets)
+    run = vla_attention if op == "vla" else delta_rule
+
+    def step():
+        torch.autograd.grad(run(*views, cu_seqlens=cu, backend="triton")[0], views, do)
+
+    counts = full_size_ops_outside_kernels(step, B * T * H * D)
+    assert counts == ({"add": 3} if op == "vla" else {}), counts
 
 
 def test_packed_delta_rule_kernels_match_each_sequence():
