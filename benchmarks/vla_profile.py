@@ -37,8 +37,8 @@ def gate_sweep(B: int, T: int, H: int) -> list[dict]:
     rows = []
     for K in (64, 128):
         h = H * 64 // K
-        k_hat = torch.nn.functional.normalize(torch.randn(B, h, T, K, device="cuda"), dim=-1)
-        u = torch.nn.functional.normalize(torch.randn(B, h, T, K, device="cuda"), dim=-1) / K**0.5
+        k_hat = torch.nn.functional.normalize(torch.randn(B, T, h, K, device="cuda"), dim=-1)  # [B, T, H, K]
+        u = torch.nn.functional.normalize(torch.randn(B, T, h, K, device="cuda"), dim=-1) / K**0.5
         X = torch.randn(B, h, T // 64, 2 * K, K, device="cuda") / K
         lam = 0.1 * torch.eye(K, device="cuda") + X.mT @ X
         w = 4 if K == 64 else 8
