@@ -47,7 +47,7 @@ def delta_rule_chunk(
 
         # The kernels read q, k, v and beta as given and form scale·q and beta·k as they load them.
         o, S = delta_rule_triton(q, k, v, None, S0, False, cu_seqlens, beta=beta, scale=scale)
-        return o, (S,)
+        return o, (S.to(compute_dtype(q, k, v, beta, S0)),)  # float32 inside; float64 for a float64 state
     dtype = compute_dtype(q, k, v, beta, *(initial_state or ()))
     out_dtype = v.dtype
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
