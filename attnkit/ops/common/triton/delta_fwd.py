@@ -187,7 +187,8 @@ def delta_prepare_kernel(
 
     ``T`` by blocks of ``SB`` rows, in registers (:func:`tril_inverse.tril_inverse`). Compiled for sm_90a (Triton
     3.6, K = 64, 4 warps): 186–198 registers and no spills (the row-by-row kernel: 255 and 24–32 bytes); K = 128,
-    8 warps: 0–204 bytes (880–1904). The solve's products are float32-accurate (``SOLVE_PRECISION``) whatever
+    8 warps: 0–204 bytes (880–1904). With the strided ``[B, T, H, ·]`` loads (bf16 ``k``, ``a``): 255 registers and
+    no spills at K = 64, 200 bytes at K = 128. The solve's products are float32-accurate (``SOLVE_PRECISION``) whatever
     ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its entries are large."""
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
