@@ -33,6 +33,7 @@ from attnkit.ops.common.triton.delta_fwd import (
     seq_site,
     seq_tiles,
     strides,
+    token_values,
     write_rows,
 )
 
@@ -133,8 +134,7 @@ def write_grads(
         tl.store(da + p_d, b_da.to(da.dtype.element_ty), mask=m_d)
     else:
         b_k, o_t, m_t = row_tile(k, i_b, i_h, bos, i_c, L, skb, skt, skh, skd, o_k, K, BT)
-        p_beta = i_b * sbeb + i_h.to(tl.int64) * sbeh + (bos + o_t.to(tl.int64)) * sbet
-        b_beta = tl.load(beta + p_beta, mask=m_t, other=0.0).to(tl.float32)
+        b_beta = token_values(beta, i_b, i_h, bos, o_t, m_t, sbeb, sbet, sbeh)
         b_dk += b_beta[:, None] * b_da
         p_dbeta = dense_tokens(i_b, i_h, bos, o_t, T, H)
         tl.store(dbeta + p_dbeta, tl.sum(b_da * b_k.to(tl.float32), 1).to(dbeta.dtype.element_ty), mask=m_t)

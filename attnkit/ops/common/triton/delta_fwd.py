@@ -57,19 +57,6 @@ def chunk_program(cu_seqlens, offsets, i_p, i_bh, T, N, IS_VARLEN: tl.constexpr,
 
 
 @triton.jit
-def seq_program(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN: tl.constexpr):
-    """The sequence of program ``i_nh = n·H + h`` of a launch over (sequence, head), as ``(row0, length, c0, i_bh)``:
-    the first row of the sequence in ``[BH, T]`` rows, its length, the per-chunk slot of its first chunk and the
-    row block ``i_bh`` of its slots (``i_nh`` dense; the head when packed)."""
-    if IS_VARLEN:
-        i_n, i_h = i_nh // H, i_nh % H
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        length = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-        return i_h.to(tl.int64) * T + bos, length, tl.load(offsets + i_n), i_h
-    return i_nh.to(tl.int64) * T, T, 0, i_nh
-
-
-@triton.jit
 def seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN: tl.constexpr):
     """``(i_b, i_h, bos, L, c0)`` of program ``i_nh = n·H + h`` of a launch over (sequence, key/value head): the
     batch row (int64), the head, the sequence's first token in the row (int64), its length and its first chunk
@@ -125,6 +112,14 @@ def dense_tokens(i_b, i_h, bos, o_t, T, H: tl.constexpr):
 
 
 @triton.jit
+def token_values(x, i_b, i_h, bos, o_t, m_t, sb, st, sh):
+    """Positions ``o_t`` (any shape, within the sequence at ``bos``) of head ``i_h`` of a ``[B, T, heads]`` tensor of
+    strides ``(sb, st, sh)``, as float32 (64-bit offsets; zeros where ``m_t`` is False)."""
+    p = x + i_b * sb + i_h.to(tl.int64) * sh + (bos + o_t.to(tl.int64)) * st
+    return tl.load(p, mask=m_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def write_rows(
     a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K: tl.constexpr, BT: tl.constexpr
 ):
@@ -133,8 +128,7 @@ def write_rows(
     b_a, o_t, m_t = row_tile(a, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, o_k, K, BT)
     b_a = b_a.to(tl.float32)
     if beta is not None:
-        p_beta = beta + i_b * sbeb + i_h.to(tl.int64) * sbeh + (bos + o_t.to(tl.int64)) * sbet
-        b_a *= tl.load(p_beta, mask=m_t, other=0.0).to(tl.float32)[:, None]
+        b_a *= token_values(beta, i_b, i_h, bos, o_t, m_t, sbeb, sbet, sbeh)[:, None]
     return b_a
 
 
@@ -203,8 +197,7 @@ def delta_prepare_kernel(
     b_k3 = tl.load(k + p_k3, mask=m_3, other=0.0).to(tl.float32)
     b_a3 = tl.load(a + p_a3, mask=m_3, other=0.0).to(tl.float32)
     if beta is not None:
-        p_beta = beta + i_b * sbeb + i_h.to(tl.int64) * sbeh + tok3 * sbet
-        b_a3 *= tl.load(p_beta, mask=o_r3 < L, other=0.0).to(tl.float32)
+        b_a3 *= token_values(beta, i_b, i_h, bos, o_r3, o_r3 < L, sbeb, sbet, sbeh)
     b_t = tril_inverse(b_k3, b_a3, BT, SB, BK, SOLVE_PRECISION)
     p_t, m_t, _, _ = seq_tiles(row0, i_c, L, o_t, o_t, BT, BT, BT)
     tl.store(t_out + p_t, b_t, mask=m_t)
