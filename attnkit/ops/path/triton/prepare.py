@@ -197,9 +197,11 @@ SOLVE_ROWS: int | None = 16  # rows per block of the prepare kernel's UT solve; 
 
 
 # The UT solve's diagonal blocks all at once (ut_solve_batched, the delta rule's blocked inverse) instead of one after
-# another (ut_solve_blocked). Compiled for sm_90a (Triton 3.6) it has not run on a GPU yet: None takes it under the
-# interpreter only; True / False force it (path_tune.py --solve-only times both; the tests run both).
-SOLVE_BATCHED: bool | None = None
+# another (ut_solve_blocked, SOLVE_ROWS at a time). On the H200 (fifteenth session, T = 4096, bf16) it took the forward
+# from 3.53 to 3.30 ms at D = 64 and from 3.48 to 3.14 at D = 128, forward+backward from 17.36 to 16.90 and from 37.22
+# to 36.75 ms (path_solve_session15_h200.json): the default. False solves block after block; None takes the batched
+# solve under the interpreter only (the tests run both).
+SOLVE_BATCHED: bool | None = True
 
 
 def solve_batched() -> bool:
