@@ -182,14 +182,17 @@ def bwd_config(width: int) -> dict[str, tuple[int, int, int, int]]:
     """``(BM, BN, num_warps, num_stages)`` of the dK/dV and dQ kernels for the widest channel block; tiny under the
     interpreter.
 
-    Chosen by the spills of Triton 3.6's sm_90 code (ptxas; not yet timed on a GPU). dK/dV holds two ``[BN, D]``
-    float32 accumulators besides its key and value tiles: 32 query rows against 128 keys on eight warps spill 20
-    bytes at D = 64 and 160 at D = 128 with one stage (64 × 128 spilled 564 and 1492), 32 × 32 spills 228 at
-    D = 256. dQ: 128 × 64 (D = 64) and 128 × 32 (D = 128) on eight warps do not spill; 32 × 32 spills 268 at 256."""
+    Up to 64 channels, timed (``benchmarks/fox_tune.py`` on the H200, fifteenth session, D = 64, T = 8k, bf16): dK/dV
+    32 query rows against 64 keys and dQ 64 × 64, both on four warps with three stages, 7.16 ms against 8.51 with the
+    spill-chosen launches below (forward+backward 1.24× SDPA's with the forward's timed tiles). Wider: chosen by the
+    spills of Triton 3.6's sm_90 code (ptxas; not yet timed). dK/dV holds two ``[BN, D]`` float32 accumulators
+    besides its key and value tiles: 32 query rows against 128 keys on eight warps spill 20 bytes at D = 64 and 160
+    at D = 128 with one stage (64 × 128 spilled 564 and 1492), 32 × 32 spills 228 at D = 256. dQ: 128 × 64 (D = 64)
+    and 128 × 32 (D = 128) on eight warps do not spill; 32 × 32 spills 268 at 256."""
     if interpreting():
         return {"dkdv": (16, 16, 1, 1), "dq": (16, 16, 1, 1)}
     if width <= 64:
-        return {"dkdv": (32, 128, 8, 2), "dq": (128, 64, 8, 2)}
+        return {"dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}
     if width <= 128:
         return {"dkdv": (32, 128, 8, 1), "dq": (128, 32, 8, 2)}
     return {"dkdv": (32, 32, 8, 2), "dq": (32, 32, 4, 2)}

@@ -135,11 +135,15 @@ def fox_fwd_kernel(
 def fwd_config(width: int) -> tuple[int, int, int, int]:
     """``(BM, BN, num_warps, num_stages)`` for the widest channel block; tiny under the interpreter.
 
-    FlashAttention-2's tile shapes where Triton 3.6's sm_90 code does not spill (ptxas: 0 bytes at D = 64 and 128
-    with 128 × 64 tiles on eight warps, where four warps spill 32 / 1460 bytes; 20 bytes at D = 256 with 32 × 32);
-    not yet timed on a GPU."""
+    Up to 64 channels: 128 × 64 tiles on four warps, three stages, the fastest of ``benchmarks/fox_tune.py``'s rows on
+    the H200 (fifteenth session, D = 64, T = 8k, bf16: 1.82 ms, 0.97× SDPA's flash forward, against 2.96 ms on eight
+    warps and two stages, although ptxas reports 32 bytes of spills there). Up to 128: FlashAttention-2's tile shapes
+    where Triton 3.6's sm_90 code does not spill (0 bytes with 128 × 64 tiles on eight warps, where four warps spill
+    1460), not yet timed; 20 bytes at D = 256 with 32 × 32."""
     if interpreting():
         return 16, 16, 1, 1
+    if width <= 64:
+        return 128, 64, 4, 3
     if width <= 128:
         return 128, 64, 8, 2
     return 32, 32, 4, 2
