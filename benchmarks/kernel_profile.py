@@ -3,14 +3,18 @@
 time the GPU waits on the host: launches, syncs, allocation).
 
     python benchmarks/kernel_profile.py --op path [--impls path_triton fla_parallel_path_attn]
-        [--batch 8] [--seq-len 4096] [--head-dims 64 128] [--out DIR] [--name NAME]
+        [--batch 8] [--seq-len 4096] [--head-dims 64 128] [--out DIR] [--name NAME] [--set MODULE.NAME=VALUE ...]
 
-bf16 inputs as ``benchmarks/ops.py`` makes them (H = 1024 // D); writes ``DIR/NAME.json`` after each table.
+bf16 inputs as ``benchmarks/ops.py`` makes them (H = 1024 // D); writes ``DIR/NAME.json`` after each table. ``--set``
+profiles with a module attribute changed, a Python literal, e.g. every PaTH pair chunk by chunk:
+``--set attnkit.ops.path.triton.prepare.SUPERBLOCK=1073741824`` (``prepare.NO_SUPERBLOCKS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import sys
 import time
 from functools import partial
@@ -59,6 +63,23 @@ def profile_kernels(run, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def apply_setting(text: str) -> tuple[str, object]:
+    """``MODULE.NAME=VALUE`` -> sets ``MODULE.NAME`` to the literal ``VALUE``; returns ``(MODULE.NAME, VALUE)``."""
+    target, sep, literal = text.partition("=")
+    module_name, _, attr = target.rpartition(".")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--set: expected MODULE.NAME=VALUE, got {text!r}")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise ValueError(f"--set: {module_name} has no attribute {attr!r}")
+    try:
+        value = ast.literal_eval(literal)
+    except (ValueError, SyntaxError) as error:
+        raise ValueError(f"--set: {literal!r} is not a Python literal") from error
+    setattr(module, attr, value)
+    return target, value
+
+
 def print_table(name: str, shape: str, table: list[dict], wall_ms: float | None = None, top: int = 25) -> None:
     total = sum(r["us"] for r in table)
     wall = "" if wall_ms is None else f", {wall_ms:.3f} ms wall"
@@ -76,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", help="default: profile_OP_h200")
+    parser.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE", help="module attributes to change")
     args = parser.parse_args(argv)
     op = REGISTRY[args.op]
     name = args.name or f"profile_{args.op}_h200"
-    payload = {"environment": environment(torch.device("cuda")), "tables": []}
+    try:
+        settings = dict(apply_setting(text) for text in args.set)
+    except ValueError as error:
+        parser.error(str(error))
+    payload = {"environment": environment(torch.device("cuda")), "settings": settings, "tables": []}
     for D in args.head_dims:
         B, T, H = args.batch, args.seq_len, WIDTH // D
         x = {n: t.cuda().bfloat16() for n, t in op.make_inputs(B, T, H, D).items()}

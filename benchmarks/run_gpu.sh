@@ -137,9 +137,12 @@ runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/linear.log" 2
                 > "$OUT/path.log" 2>&1 ;;
         pathtune)  # PaTH: forward warps/stages, backward chunk/warps at T = 4k, D = 64 and 128
             timeout 300 python3 benchmarks/path_tune.py --out "$OUT" > "$OUT/pathtune.log" 2>&1 ;;
-        pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128
+        pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128 (PATHPROF_DIMS);
+            # PATHPROF_SET: kernel_profile.py's --set, e.g. attnkit.ops.path.triton.prepare.SUPERBLOCK=1073741824 to
+            # profile every pair chunk by chunk (FLA's decomposition) beside FLA's kernels
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
-                --out "$OUT" > "$OUT/pathprof.log" 2>&1 ;;
+                --head-dims ${PATHPROF_DIMS:-64 128} ${PATHPROF_SET:+--set $PATHPROF_SET} --out "$OUT" \
+                > "$OUT/pathprof.log" 2>&1 ;;
         pathbwd)  # PaTH: chunk, warps and key-tile kernel of the chunk-by-chunk backward kernels (BWD) at T = 4k, D = 128
             timeout 300 python3 benchmarks/path_tune.py --bwd-only --seq-lens ${BWD_SEQ_LENS:-4096} \
                 --head-dims ${BWD_DIMS:-128} --out "$OUT" > "$OUT/pathbwd.log" 2>&1 ;;

@@ -1,0 +1,36 @@
+"""benchmarks/kernel_profile.py's --set: a module attribute changed for the profile, bad settings refused."""
+
+import pytest
+
+from attnkit.ops.path.triton import prepare
+from benchmarks.kernel_profile import apply_setting, main
+
+
+def test_apply_setting_sets_a_literal(monkeypatch):
+    monkeypatch.setattr(prepare, "SUPERBLOCK", prepare.SUPERBLOCK)  # put back after the test
+    target, value = apply_setting(f"attnkit.ops.path.triton.prepare.SUPERBLOCK={prepare.NO_SUPERBLOCKS}")
+    assert target == "attnkit.ops.path.triton.prepare.SUPERBLOCK" and value == prepare.NO_SUPERBLOCKS
+    assert prepare.SUPERBLOCK == prepare.NO_SUPERBLOCKS
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("attnkit.ops.path.triton.prepare.SUPERBLOCK", "MODULE.NAME=VALUE"),
+        ("SUPERBLOCK=1", "MODULE.NAME=VALUE"),
+        ("attnkit.ops.path.triton.prepare.NO_SUCH=1", "no attribute 'NO_SUCH'"),
+        ("attnkit.ops.path.triton.prepare.SUPERBLOCK=big", "not a Python literal"),
+    ],
+)
+def test_bad_settings_are_refused(monkeypatch, text, message):
+    monkeypatch.setattr(prepare, "SUPERBLOCK", prepare.SUPERBLOCK)
+    saved = prepare.SUPERBLOCK
+    with pytest.raises(ValueError, match=message):
+        apply_setting(text)
+    assert prepare.SUPERBLOCK == saved
+
+
+def test_main_refuses_a_bad_setting_before_profiling(capsys):
+    with pytest.raises(SystemExit) as error:
+        main(["--op", "path", "--set", "attnkit.ops.path.triton.prepare.SUPERBLOCK=big"])
+    assert error.value.code == 2 and "not a Python literal" in capsys.readouterr().err
