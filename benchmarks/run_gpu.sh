@@ -80,19 +80,19 @@ for step in $steps; do
                 -k "deltanet_real_sizes or deltanet_baseline_triton or cuda" > "$OUT/mixertests.log" 2>&1
             grep -E "passed|failed|FAILED|Error" "$OUT/mixertests.log" | tail -15 ;;
         lineartests)  # issue 17: linear attention's kernels' GPU tests (they decide linear.AUTO_TRITON) and the blocked
-            # delta-rule prepare kernel against the row-by-row one, with DeltaNet's real sizes (they decide
-            # delta_fwd.BLOCKED_PREPARE)
+            # delta-rule prepare kernel (the default) against the row-by-row one, with DeltaNet's real sizes
             timeout 240 python3 -m pytest -v -rf tests/ops/test_linear_triton.py tests/ops/test_vla_triton.py \
                 -k "gpu" > "$OUT/lineartests.log" 2>&1
             grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/lineartests.log" | tail -20 ;;
         linear)  # issue 17: linear attention and DeltaNet against FLA's kernels; then DeltaNet and VLA again with the
-            # blocked prepare kernel (delta_fwd.BLOCKED_PREPARE forced on), same lengths
+            # row-by-row prepare kernel (delta_fwd.BLOCKED_PREPARE forced off), same lengths: it decides whether
+            # delta_prepare_rows.py goes
             timeout 200 python3 benchmarks/ops.py --ops linear deltanet --seq-lens 2048 8192 32768 --out "$OUT" \
                 --name ops_linear_h200 > "$OUT/linear.log" 2>&1
             timeout 200 python3 -c "import runpy, sys; from attnkit.ops.common.triton import delta_fwd
-delta_fwd.BLOCKED_PREPARE = True
+delta_fwd.BLOCKED_PREPARE = False
 sys.argv = ['ops.py', '--ops', 'deltanet', 'vla', '--seq-lens', '2048', '8192', '32768', '--impls', 'deltanet_triton',
-            'vla_triton', '--out', '$OUT', '--name', 'ops_blocked_prepare_h200']
+            'vla_triton', '--out', '$OUT', '--name', 'ops_rows_prepare_h200']
 runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/linear.log" 2>&1 ;;
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
             timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1

@@ -52,7 +52,7 @@ def delta_bwd(K, V):
 
 def delta_strided(K, V, dtype, deltanet):
     from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
-    delta_fwd.BLOCKED_PREPARE = None  # CUDA's default: the row-by-row prepare kernel
+    delta_fwd.BLOCKED_PREPARE = True  # CUDA's default: the blocked prepare kernel
     qkv = torch.randn(1, 256, 2, 2 * K + V, dtype=dtype)
     q, k, v = qkv[..., :K], qkv[..., K : 2 * K], qkv[..., 2 * K :]
     a, beta = (None, torch.rand(1, 256, 2)) if deltanet else (torch.randn(1, 256, 2, K), None)
@@ -91,7 +91,7 @@ WANTED = {
     "delta_prepare": ("delta_prepare_kernel",),
     "path_prepare": ("path_prepare_kernel",),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
-    "delta_strided": ("delta_prepare_rows_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
+    "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
     "vla": ("unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
             "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",
@@ -123,7 +123,7 @@ for step in steps:
         ("delta_prepare", {"delta_prepare_kernel"}),
         ("path_prepare", {"path_prepare_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
-        ("delta_strided", {"delta_prepare_rows_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
+        ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",
                            "delta_bwd_sum_kernel"}),
         ("vla", {"unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",

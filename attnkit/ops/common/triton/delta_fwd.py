@@ -22,11 +22,13 @@ from attnkit.ops.common.triton.tril_inverse import tril_inverse
 from attnkit.ops.common.triton_seq import block_offsets, locate_block
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 
-# The blocked prepare kernel below replaced the row-by-row one (delta_prepare_rows.py) after the thirteenth session's
-# last GPU call: None runs it under the interpreter and keeps CUDA on the row-by-row kernel until
-# test_vla_triton.py's real-size tests pass with it on a GPU (then True, and the old file goes); True / False force
-# one (the tests run both).
-BLOCKED_PREPARE: bool | None = None
+# The blocked prepare kernel below replaced the row-by-row one (delta_prepare_rows.py): on the H200 (fifteenth session)
+# it matched the row-by-row kernel at real sizes (test_blocked_prepare_on_gpu: DeltaNet at K = 64 and 128, VLA at 64,
+# to 1e-4 in float32), so it is CUDA's default; the row-by-row kernel took 1.55 of VLA's 7.03 ms at B = 32, T = 1k,
+# D = 64 (vla_profile_session15_h200.json). Not yet timed against it: `bash benchmarks/run_gpu.sh linear` does (its
+# second run forces False); then the old file goes. False forces the row-by-row kernel, None takes the blocked one
+# under the interpreter only (the tests run both).
+BLOCKED_PREPARE: bool | None = True
 
 
 @triton.jit

@@ -1,10 +1,10 @@
 """The delta rule's prepare kernel as it ran on the GPU through the twelfth session: the chunk's ``T = (I + Z)⁻¹``
 one 16-row diagonal block after another, row by row, and the blocks below them through ``t_out`` behind a barrier.
 
-``delta_fwd.delta_prepare_kernel`` (all diagonal blocks at once, the rest in registers) replaces it. Until that one
-has passed its GPU tests (``tests/ops/test_vla_triton.py``'s real sizes; this session had no device time left),
-CUDA launches keep this one (``delta_fwd.BLOCKED_PREPARE``); the interpreter's tests run both. Delete this file
-when the flag goes.
+``delta_fwd.delta_prepare_kernel`` (all diagonal blocks at once, the rest in registers) replaces it: it passed its GPU
+tests in the fifteenth session and is the default (``delta_fwd.BLOCKED_PREPARE``). This one stays, forced by
+``BLOCKED_PREPARE = False``, until the two have been timed against each other (``bash benchmarks/run_gpu.sh
+linear``); the interpreter's tests run both. Delete this file when the flag goes.
 """
 
 from __future__ import annotations
