@@ -387,6 +387,41 @@ def test_inner_checkpoints(monkeypatch, every):
     assert rule == []
 
 
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
+@pytest.mark.parametrize(
+    "B, T, HQ, H, K, V, offsets, span",
+    [
+        (1, 150, 4, 2, 16, 16, [0, 20, 20, 150], 4),  # superblocks of four chunks, packed with an empty sequence, GQA
+        (2, 75, 3, 1, 24, 40, None, 100),  # no superblocks: every pair chunk by chunk; a group of three, K, V odd
+        (1, 160, 2, 2, 16, 16, None, 3),  # ten chunks in superblocks of three: partial superblocks
+    ],
+    ids=["superblocks-varlen-gqa", "no-superblocks", "partial-superblocks"],
+)
+def test_inner_pairs_in_one_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, span, stages):
+    """``backward.INNER_ONE_KERNEL``: the query kernel adds the key side of the pairs between chunks (``dK̃``,
+    ``dV``, both sides of the gates) by atomics and the key kernel is not launched; ``backward.INNER_STAGES``
+    launches the kernels between chunks with more stages. The forward and every gradient against the PyTorch
+    backend (``beta`` near 2), and equal to the two-kernel backward's within float32 reordering."""
+    from attnkit.ops.path.triton import backward, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
+    inputs = [x.to(DEVICE) for x in make_inputs(B, T, HQ, H, K, V, gate=True, dtype=torch.float32, beta_low=1.9)]
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    do = torch.randn(B, T, HQ, V, device=DEVICE)
+    two_kernels = backend_grads(inputs, do, "triton", cu)
+    monkeypatch.setattr(backward, "INNER_ONE_KERNEL", True)
+    monkeypatch.setattr(backward, "INNER_STAGES", stages)
+    launched = []
+    kernel = backward.path_bwd_kv_kernel
+    monkeypatch.setattr(backward, "path_bwd_kv_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or kernel[grid]})())  # fmt: skip
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    assert launched == []
+    for name, a, e, t in zip(GRAD_NAMES, actual, expected, two_kernels):
+        assert_close(name, a, e, 1e-5)
+        assert_close(name, a, t, 1e-5)
+
+
 @pytest.mark.parametrize(
     "solve, launched", [("bf16x3", "ieee"), (None, "substitution")], ids=["products", "substitution"]
 )

@@ -47,6 +47,20 @@ INNER_LOW_GRAD: bool | None = None
 # recomputes none: ~2 carries a chunk pair instead of ~2.7. Timed on the H200 (T = 4k, D = 64): 20.06 ms against the
 # default's 20.13, within noise, so the default keeps the smaller scratch.
 INNER_EVERY: int | None = None
+# The pairs between chunks in one query-major kernel: path_bwd_q_kernel also adds dK̃_m, dV_m and the gates' key side
+# (and their query side) by float32 atomics at each pair, and path_bwd_kv_kernel, which recomputed every pair's logits
+# and their gradient and carried its own K × K product, is not launched. FLA 0.6.0's in-superblock backward is one
+# such kernel; on the H200 (twelfth session's profile, D = 64, 4k) our two took 2.89 ms on the pairs its one takes in
+# 1.11 (benchmarks/results/path_h200.md, fifteenth session). Up to K = 128 (wider heads take the key-tile kernel).
+# Compiled for sm_90a by Triton 3.6 (benchmarks/kernel_resources.py --setting): the query kernel with the key side
+# keeps 255 registers and 72 KB of shared memory at K = 64 (196 bytes of spills against 172 without it), 68 KB at
+# K = 128 (812 against 760). Not yet timed: path_tune.py's LOCAL row "inner pairs in one kernel".
+INNER_ONE_KERNEL = False
+# num_stages of the kernels between chunks (software pipelining of their loops' loads): 1 since they were written;
+# FLA's inner kernel runs Triton's default, 3. At 3 stages the key kernel takes 209 KB of shared memory at K = 64
+# (72 KB at 1; one block an SM), the query kernel 144 KB; the one-kernel form at 2 stages 104 KB (K = 64) and 92 KB
+# (K = 128). path_tune.py's LOCAL rows time 2 and 3.
+INNER_STAGES = 1
 
 
 def checkpoint_every(chunks: int) -> int:
@@ -317,18 +331,22 @@ def carry_across(
 
 @triton.jit
 def path_bwd_q_kernel(
-    x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, scratch, cu_seqlens, chunk_offsets, T, NC,
-    c_base, EVERY, SLOTS, scale,
+    x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dkt, dv, dgcum, scratch, cu_seqlens, chunk_offsets, T,
+    NC, c_base, EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    CARRY_PRECISION: tl.constexpr, DA: tl.constexpr, LOW_GRAD: tl.constexpr = False,
+    CARRY_PRECISION: tl.constexpr, DA: tl.constexpr, LOW_GRAD: tl.constexpr = False, KV: tl.constexpr = False,
 ):  # fmt: skip
     """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]`` (stored) and, by atomic adds,
     either (``DA``) ``da [chunks, H, BK, BK]``, the gradient of each chunk's carry ``A_m``, or ``dw [*, H, K]`` and
     ``dm [chunks, H, BT, BT]``, all float32 and zero-initialised. Grid ``(chunks of this wave, N * HQ)``: program
     ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32: the carried
     query at the right end of every segment of ``EVERY`` key chunks (checkpoints), then one segment's worth,
-    recomputed from its checkpoint before the segment is walked left to right."""
+    recomputed from its checkpoint before the segment is walked left to right. With ``KV`` (:data:`INNER_ONE_KERNEL`)
+    it also adds each pair's ``dK̃_m = scale · dSᵀ L_{c,m}``, ``dV_m = Pᵀ dO`` (``dkt [*, H, K]``, ``dv [*, H, V]``)
+    and both sides of the gates' gradient (``dgcum [*, HQ]``: the key rows' ``−colsum(dS)`` at each pair, the query
+    rows' ``rowsum(dS)`` summed over the pairs) by float32 atomics: :func:`path_bwd_kv_kernel`'s outputs, which is
+    then not launched."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_c = c_base + i_j
     i_n, i_hq = i_nh // HQ, i_nh % HQ
@@ -363,6 +381,7 @@ def path_bwd_q_kernel(
     if USE_G:
         b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
     b_gam = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgq = tl.zeros([BT], dtype=tl.float32)  # with KV and gates: the query rows' side, summed over the pairs
     # Left to right, a segment at a time: Γ is the gradient of L_{c,m-1}; crossing chunk m adds L_{c,m}ᵀ Γ to dA_m.
     for i_s in range(0, tl.cdiv(i_c, EVERY)):
         lo = i_s * EVERY
@@ -411,11 +430,25 @@ def path_bwd_q_kernel(
             b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
             b_ds = b_p * (b_dp - b_delta[:, None])
+            if KV:  # the key chunk's side of the pair (path_bwd_kv_kernel's key_chunk_grads), by atomics
+                if LOW_GRAD:
+                    b_dkm = tl.dot(tl.trans(b_ds).to(b_do.dtype), b_l.to(b_do.dtype), input_precision=PRECISION)
+                else:
+                    b_dkm = tl.dot(tl.trans(b_ds), b_l, input_precision=PRECISION)
+                tl.atomic_add(dkt + p_mk, b_dkm * scale, mask=m_k, sem="relaxed")
+                b_dvm = tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
+                p_dv = dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :]
+                tl.atomic_add(p_dv, b_dvm, mask=m_v, sem="relaxed")
+                if USE_G:
+                    tl.atomic_add(dgcum + p_m * HQ + i_hq, -tl.sum(b_ds, 0), sem="relaxed")
+                    b_dgq += tl.sum(b_ds, 1)
             if LOW_GRAD:
                 b_gam += tl.dot(b_ds.to(b_do.dtype), b_kt.to(b_do.dtype), input_precision=PRECISION) * scale
             else:
                 b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
     tl.store(dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
+    if KV and USE_G:
+        tl.atomic_add(dgcum + p_i * HQ + i_hq, b_dgq, mask=m_i, sem="relaxed")
 
 
 def path_bwd_between_fn(
@@ -474,7 +507,7 @@ def path_bwd_between_fn(
         return dkt, dv, dx, dw, dm, da, dgcum
     precision, carry = precisions(v.dtype, K)
     carry = carry_precision or carry
-    launch = dict(num_warps=backward_config(K)[1], num_stages=1)
+    launch = dict(num_warps=backward_config(K)[1], num_stages=INNER_STAGES)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,
                   PRECISION=precision, CARRY_PRECISION=carry, LOW_GRAD=low_grad, **launch)  # fmt: skip
     # Chunks in waves: a program keeps its carried tile at every segment's end plus one segment.
@@ -489,6 +522,7 @@ def path_bwd_between_fn(
         wave = max(1, min(n_long - 1, SCRATCH_BYTES // (per_chunk * 4)))
         return wave, torch.empty(wave * per_chunk, **f32)
 
+    one_kernel = INNER_ONE_KERNEL and not carries_key_tile(K)  # the query kernel adds the key side too
     if carries_key_tile(K):
         wave, scratch = waves(H)
         for m_base in range(0, n_long - 1, wave):
@@ -496,14 +530,14 @@ def path_bwd_between_fn(
                 x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, scratch, cu_seqlens, T, m_base, every, slots,
                 scale, BG=BG, **common,
             )  # fmt: skip
-    else:
+    elif not one_kernel:
         path_bwd_kv_kernel[(n_long - 1, N * H)](
             x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, cu_seqlens, T, scale, BG=BG, **common,
         )  # fmt: skip
     wave, scratch = waves(HQ)
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
-            x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, scratch, cu_seqlens, offsets, T, NC,
-            c_base, every, slots, scale, DA=sums_da, **common,
+            x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dkt, dv, dgcum, scratch, cu_seqlens, offsets, T,
+            NC, c_base, every, slots, scale, DA=sums_da, KV=one_kernel, **common,
         )  # fmt: skip
     return dkt, dv, dx, dw, dm, da, dgcum
