@@ -41,10 +41,9 @@ from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 # pass for the carried query: ~3x fewer tensor-core passes, error read off `err`;
 # "bf16x3" three bf16 passes of the hi/lo split (~1e-5 relative, at twice TF32's rate: half 3xTF32's time).
 FWD = [(4, 1, None), (8, 1, None), (4, 2, None), (8, 2, None), (2, 1, None), (4, 1, "tf32"), (4, 1, "bf16x3")]
-# Rows per block of the prepare kernel's UT solve (prepare.SOLVE_ROWS), the forward timed with each, one block after
-# another (prepare.SOLVE_BATCHED = False); --solve-only adds the row-by-row solve and 16-row blocks one after another
-# against the default (16-row blocks, the diagonal ones at once: prepare.SOLVE_BATCHED, the default since the
-# fifteenth session).
+# Rows per block of the prepare kernel's UT solve (prepare.SOLVE_ROWS; the diagonal blocks at once:
+# prepare.SOLVE_BATCHED), the forward timed with each; --solve-only adds the row-by-row solve and 16-row blocks one
+# after another (SOLVE_BATCHED = False, the default before the fifteenth session).
 SOLVE = [16, 32]
 # --span-only: the superblocks' span in positions (prepare.SUPERBLOCK; 512 the default): shorter spans move work from
 # the chunk-by-chunk kernels inside a superblock to the sweep between superblocks. The last, prepare.NO_SUPERBLOCKS,
@@ -167,12 +166,6 @@ def time_grads(label: str, x: dict[str, torch.Tensor], do: torch.Tensor, default
     return row
 
 
-def knob(name: str, value) -> dict:
-    """``patched``'s settings for ``prepare.<name> = value``; a ``SOLVE_ROWS`` row solves its blocks one after another
-    (the batched solve, the default, takes 16-row blocks whatever ``SOLVE_ROWS`` says)."""
-    return {(prepare, name): value, **({(prepare, "SOLVE_BATCHED"): False} if name == "SOLVE_ROWS" else {})}
-
-
 def time_cell(
     D: int,
     T: int,
@@ -219,7 +212,7 @@ def time_cell(
         cell["fwd"].append(row)
         print(f"  fwd D={D} T={T} {config}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     for name, value in knobs if fwd else []:
-        with patched(knob(name, value)):
+        with patched({(prepare, name): value}):
             fn = functools.partial(path_fwd_fn, *args)
             out, error = attempt(fn)
             row = {name.lower(): value, "error": error}
@@ -229,7 +222,7 @@ def time_cell(
         print(f"  fwd D={D} T={T} {name.lower()}={value}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
     for name, value in knobs if knob_grads else []:  # forward+backward (which prepares and carries again)
-        with patched(knob(name, value)):
+        with patched({(prepare, name): value}):
             row = time_grads(f"D={D} T={T} {name.lower()}={value}", x, do, default, device)
         cell["bwd"].append({name.lower(): value, **row})
     for carry in carries or []:

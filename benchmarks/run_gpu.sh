@@ -155,8 +155,8 @@ runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/linear.log" 2
             # 54fdc54 the first, 4k at D = 64, took the whole 200 s); PATHACC_DTYPES="bfloat16 float32" for both
             timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --dtypes ${PATHACC_DTYPES:-bfloat16} \
                 --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
-        pathsolve)  # PaTH: the UT solve row by row, by blocks of 16 or 32 rows one after another, or the default (16-row
-            # blocks, the diagonal ones at once), forward and forward+backward
+        pathsolve)  # PaTH: the UT solve row by row, by 16-row blocks one after another, or by blocks of 16 (default) or
+            # 32 rows with the diagonal ones at once, forward and forward+backward
             timeout 240 python3 benchmarks/path_tune.py --solve-only --seq-lens ${SOLVE_SEQ_LENS:-4096} \
                 --head-dims ${SOLVE_DIMS:-64 128} --out "$OUT" > "$OUT/pathsolve.log" 2>&1 ;;
         pathspan)  # PaTH: superblocks of 256, 512 (default) or 1024 positions, forward and forward+backward

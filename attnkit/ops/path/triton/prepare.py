@@ -211,8 +211,8 @@ def solve_batched() -> bool:
 
 def solve_rows(chunk: int) -> int:
     """``SB`` of :func:`path_prepare_kernel`: ``SOLVE_ROWS`` where it is set and smaller than the chunk (the solve
-    by blocks, :func:`ut_solve_blocked`; 16 rows: 1.2× faster forward than row by row on the H200, ``path_tune.py
-    --solve-only``), else the chunk (row by row)."""
+    by blocks, :func:`ut_solve_batched` or with ``SOLVE_BATCHED`` False :func:`ut_solve_blocked`; 16 rows blocked:
+    1.2× faster forward than row by row on the H200, ``path_tune.py --solve-only``), else the chunk (row by row)."""
     return chunk if SOLVE_ROWS is None else min(SOLVE_ROWS, chunk)
 
 
