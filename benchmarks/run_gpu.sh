@@ -8,13 +8,13 @@
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
-#                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [foxtune]
+#                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [prepare] [foxtune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
 #   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`;
 #   `pathacc pathsuper`; `pathvs` alone;
-#   `pathgrid` alone; `train` alone; `foxtests fox`; `lineartests linear`
+#   `pathgrid` alone; `train` alone; `foxtests fox`; `lineartests linear`; `prepare`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -84,16 +84,21 @@ for step in $steps; do
             timeout 240 python3 -m pytest -v -rf tests/ops/test_linear_triton.py tests/ops/test_vla_triton.py \
                 -k "gpu" > "$OUT/lineartests.log" 2>&1
             grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/lineartests.log" | tail -20 ;;
-        linear)  # issue 17: linear attention and DeltaNet against FLA's kernels; then DeltaNet and VLA again with the
-            # row-by-row prepare kernel (delta_fwd.BLOCKED_PREPARE forced off), same lengths: it decides whether
-            # delta_prepare_rows.py goes
-            timeout 200 python3 benchmarks/ops.py --ops linear deltanet --seq-lens 2048 8192 32768 --out "$OUT" \
-                --name ops_linear_h200 > "$OUT/linear.log" 2>&1
+        linear)  # issue 17: linear attention against FLA's kernels (it decided linear.AUTO_TRITON, sixteenth session)
+            timeout 240 python3 benchmarks/ops.py --ops linear --seq-lens 2048 8192 32768 --out "$OUT" \
+                --name ops_linear_h200 > "$OUT/linear.log" 2>&1 ;;
+        prepare)  # issue 17: DeltaNet (and FLA's) and VLA with the blocked prepare kernel (the default), then again
+            # with the row-by-row one (delta_fwd.BLOCKED_PREPARE forced off), same lengths: it decides whether
+            # delta_prepare_rows.py goes. (The sixteenth session's `linear` step held DeltaNet too and its FLA D = 128
+            # compiles ran it out of time before DeltaNet's blocked rows.)
+            timeout 200 python3 benchmarks/ops.py --ops deltanet vla --seq-lens 2048 8192 32768 --impls \
+                deltanet_triton fla_chunk_delta_rule vla_triton --out "$OUT" --name ops_blocked_prepare_h200 \
+                > "$OUT/prepare.log" 2>&1
             timeout 200 python3 -c "import runpy, sys; from attnkit.ops.common.triton import delta_fwd
 delta_fwd.BLOCKED_PREPARE = False
 sys.argv = ['ops.py', '--ops', 'deltanet', 'vla', '--seq-lens', '2048', '8192', '32768', '--impls', 'deltanet_triton',
             'vla_triton', '--out', '$OUT', '--name', 'ops_rows_prepare_h200']
-runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/linear.log" 2>&1 ;;
+runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/prepare.log" 2>&1 ;;
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
             timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
             tail -12 "$OUT/foxtests.log" ;;

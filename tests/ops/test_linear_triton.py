@@ -192,18 +192,18 @@ def test_operator_count(shapes):
     assert len(set(totals)) == 1, totals
 
 
-def test_auto_keeps_the_torch_backend(monkeypatch):
-    """``AUTO_TRITON`` is off until the kernels pass their GPU tests: "auto" never takes them; on, it takes them
-    for CUDA tensors."""
+def test_auto_takes_the_kernels_on_cuda(monkeypatch):
+    """``AUTO_TRITON`` is on since the kernels passed their GPU tests: "auto" takes them for CUDA tensors only; off,
+    it never takes them."""
     import attnkit.ops.baselines.linear_triton.chunk as chunk
 
-    assert not linear.AUTO_TRITON
+    assert linear.AUTO_TRITON
     calls = []
     monkeypatch.setattr(chunk, "linear_attention_triton", lambda *args: calls.append(args) or (args[0], None))
     q, k, v, _, _ = make(1, 4, 1, 1, 16, 16)
     linear_attention(q, k, v)
-    assert not calls
-    monkeypatch.setattr(linear, "AUTO_TRITON", True)
+    assert len(calls) == (1 if CUDA else 0)
+    monkeypatch.setattr(linear, "AUTO_TRITON", False)
     linear_attention(q, k, v)
     assert len(calls) == (1 if CUDA else 0)
 
