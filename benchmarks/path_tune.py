@@ -32,6 +32,7 @@ from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import path_attention  # noqa: E402
 from attnkit.ops.common.triton_utils import block_dim, interpreting  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
+from attnkit.ops.path import parallel  # noqa: E402
 from attnkit.ops.path.triton import backward, backward_super, local, prepare  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
 from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
@@ -102,10 +103,10 @@ LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
     ("inner checkpoints every chunk", {(backward, "INNER_EVERY"): 1}),
-    ("inner pairs in one kernel", {(backward, "INNER_ONE_KERNEL"): True}),
+    ("inner pairs in two kernels", {(backward, "INNER_ONE_KERNEL"): False}),
+    ("prepare again in the backward", {(parallel, "KEEP_PREPARED"): False}),
     ("inner kernels on 2 stages", {(backward, "INNER_STAGES"): 2}),
     ("inner kernels on 3 stages", {(backward, "INNER_STAGES"): 3}),
-    ("inner pairs in one kernel on 2 stages", {(backward, "INNER_ONE_KERNEL"): True, (backward, "INNER_STAGES"): 2}),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
     ("local solve by substitution", {(local, "LOCAL_SOLVE"): None}),
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),

@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = [
     "path_prepare_kernel", "path_carry_kernel", "path_fwd_kernel", "path_query_terms_kernel",
-    "path_bwd_super_kv_kernel", "path_bwd_super_row_kernel", "path_bwd_super_sig_kernel", "path_bwd_kv_kernel",
-    "path_bwd_q_kernel", "path_super_terms_bwd_kernel", "path_local_bwd_kernel", "segment_cumsum_kernel",
+    "path_bwd_super_kv_kernel", "path_bwd_super_row_kernel", "path_bwd_super_sig_kernel", "path_bwd_q_kernel",
+    "path_super_terms_bwd_kernel", "path_local_bwd_kernel", "segment_cumsum_kernel",
 ]  # fmt: skip
 
 
@@ -31,6 +31,7 @@ def test_launches_of_a_path_fox_step_with_the_gpu_choices():
     for D in (64, 128):
         names = {line.split()[1] for line in lines if line.startswith(f"D={D} ")}
         assert names >= set(KERNELS), sorted(set(KERNELS) - names)
+        assert "path_bwd_kv_kernel" not in names  # backward.INNER_ONE_KERNEL: the query kernel adds the key side
     # The GPU's launches, not the interpreter's: 64-position chunks at K = 64, and at K = 128 the sweep's 64-row tiles
     # on eight warps and one stage over 32-position chunks.
     sweep = [line for line in lines if line.startswith("D=128 path_bwd_super_kv_kernel")]

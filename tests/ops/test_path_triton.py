@@ -398,8 +398,8 @@ def test_inner_checkpoints(monkeypatch, every):
     ids=["superblocks-varlen-gqa", "no-superblocks", "partial-superblocks"],
 )
 def test_inner_pairs_in_one_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, span, stages):
-    """``backward.INNER_ONE_KERNEL``: the query kernel adds the key side of the pairs between chunks (``dK̃``,
-    ``dV``, both sides of the gates) by atomics and the key kernel is not launched; ``backward.INNER_STAGES``
+    """``backward.INNER_ONE_KERNEL`` (the default): the query kernel adds the key side of the pairs between chunks
+    (``dK̃``, ``dV``, both sides of the gates) by atomics and the key kernel is not launched; ``backward.INNER_STAGES``
     launches the kernels between chunks with more stages. The forward and every gradient against the PyTorch
     backend (``beta`` near 2), and equal to the two-kernel backward's within float32 reordering."""
     from attnkit.ops.path.triton import backward, prepare
@@ -408,6 +408,7 @@ def test_inner_pairs_in_one_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, span
     inputs = [x.to(DEVICE) for x in make_inputs(B, T, HQ, H, K, V, gate=True, dtype=torch.float32, beta_low=1.9)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
     do = torch.randn(B, T, HQ, V, device=DEVICE)
+    monkeypatch.setattr(backward, "INNER_ONE_KERNEL", False)
     two_kernels = backend_grads(inputs, do, "triton", cu)
     monkeypatch.setattr(backward, "INNER_ONE_KERNEL", True)
     monkeypatch.setattr(backward, "INNER_STAGES", stages)
@@ -421,6 +422,48 @@ def test_inner_pairs_in_one_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, span
     for name, a, e, t in zip(GRAD_NAMES, actual, expected, two_kernels):
         assert_close(name, a, e, 1e-5)
         assert_close(name, a, t, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
+    """``parallel.KEEP_PREPARED`` (the default): the forward keeps its prepare kernel's ``M``, ``K̃`` (in float32) and
+    ``M W`` for the backward, which then launches no prepare kernel of its own; the forward and every gradient equal
+    those of the backward that prepares again (float32: to reordering-free equality; float16: the forward's carried
+    keys now start from float32 ``K̃``), against the PyTorch backend too (superblocks, GQA, packed with an empty
+    sequence, beta near 2; float16 through the kernels' own 16-bit path, unpadded). Without gradients, or where the
+    backward pads the inputs, the forward keeps nothing."""
+    from attnkit.ops.path import parallel
+    from attnkit.ops.path.parallel import keeps_prepared, path_fwd_op
+    from attnkit.ops.path.triton import prepare
+
+    assert not keeps_prepared(torch.float16, 16) and keeps_prepared(torch.float32, 16)  # padded to PAD_BELOW
+    monkeypatch.setattr(parallel, "PAD_BELOW", 0)
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 2)
+    inputs = [x.to(DEVICE) for x in make_inputs(1, 150, 4, 2, 16, 24, gate=True, dtype=torch.float32, beta_low=1.9)]
+    inputs[:3] = [x.to(dtype) for x in inputs[:3]]
+    cu = torch.tensor([0, 40, 40, 150], device=DEVICE)
+    do = torch.randn(1, 150, 4, 24, device=DEVICE, dtype=dtype)
+    monkeypatch.setattr(parallel, "KEEP_PREPARED", False)
+    again = backend_grads(inputs, do, "triton", cu)
+    monkeypatch.setattr(parallel, "KEEP_PREPARED", True)
+    launches = []
+    kernel = prepare.path_prepare_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(prepare, "path_prepare_kernel", Counted())
+    kept = backend_grads(inputs, do, "triton", cu)
+    assert not launches  # the backward's own prepare kernel (the forward's is imported by name in forward.py)
+    expected = backend_grads([x.float() for x in inputs], do.float(), "torch", cu)
+    tol = 0.0 if dtype == torch.float32 else TOL[dtype]
+    for name, a, b, e in zip(GRAD_NAMES, kept, again, expected):
+        assert_close(name, a, b, tol)
+        assert_close(name, a.float(), e, 1e-5 if dtype == torch.float32 else (5e-3 if name == "o" else 1e-2))
+    with torch.no_grad():
+        assert all(t.numel() == 0 for t in path_fwd_op(*inputs, cu, 0.25, False)[2:])
 
 
 @pytest.mark.parametrize(
@@ -477,11 +520,15 @@ def test_forward_opcheck_and_compile():
     cu = torch.tensor([0, 6, 40], device=DEVICE, dtype=torch.int32)
     torch.library.opcheck(path_fwd_op, (q, k, v, w, beta, g, cu, 0.25))
     torch.library.opcheck(path_fwd_op, (q, k, v, w, beta, None, None, 0.25))
-    # The fused backward's operator, packed and with gates, dense and without.
-    o, lse = path_fwd_op(q, k, v, w, beta, g, cu, 0.25)
+    torch.library.opcheck(path_fwd_op, (q, k, v, w, beta, g, cu, 0.25, True))  # the prepared tensors kept
+    # The fused backward's operator, packed and with gates, dense and without; with the forward's prepared tensors.
+    o, lse, *_ = path_fwd_op(q, k, v, w, beta, g, cu, 0.25)
     do = torch.randn_like(o)
     torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, g, cu, o, lse, do, 0.25))
-    o, lse = path_fwd_op(q, k, v, w, beta, None, None, 0.25)
+    o, lse, *prepared = path_fwd_op(q, k, v, w, beta, g, cu, 0.25, True)
+    assert all(t.numel() > 0 for t in prepared)
+    torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, g, cu, o, lse, do, 0.25, *prepared))
+    o, lse, *_ = path_fwd_op(q, k, v, w, beta, None, None, 0.25)
     torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, None, None, o, lse, do, 0.25))
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v, w, beta, g)]

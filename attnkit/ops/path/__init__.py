@@ -84,7 +84,9 @@ def path_attention(
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from .parallel import path_fwd_op
 
-        return path_fwd_op(q, k, v, w, beta, g, cu_seqlens, float(scale))[0]
+        inputs = (q, k, v, w, beta) + (() if g is None else (g,))
+        keep = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)  # the backward takes the UT solve
+        return path_fwd_op(q, k, v, w, beta, g, cu_seqlens, float(scale), keep)[0]
     if cu_seqlens is None:
         return chunk_path_fwd(q, k, v, w, beta, g, scale)
     outs = []

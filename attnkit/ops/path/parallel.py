@@ -31,6 +31,19 @@ from attnkit.ops.path.triton.forward import path_fwd_fn
 # K = 32 for over 170 s (eleventh session); padded, the step runs the K = 64 kernels a D = 64 model already compiled
 # (benchmarks/results/path_h200.md). 0 turns the padding off.
 PAD_BELOW = 64
+# The forward's prepare kernel (the UT solve: M, K̃, M W per chunk) kept for the backward, which then skips its own,
+# where both chunk alike and the backward does not pad (:func:`keeps_prepared`: K <= 64 on the GPU): M W and M are the
+# same numbers, and K̃ is written in float32 (the forward rounds it to k's dtype for its logits). Costs 768 bytes a
+# position and key/value head of saved float32 tensors between the forward and the backward. False: the backward
+# prepares again (benchmarks/path_tune.py's LOCAL row "prepare again in the backward").
+KEEP_PREPARED = True
+
+
+def keeps_prepared(dtype: torch.dtype, key_dim: int) -> bool:
+    """Whether the forward of inputs of ``dtype`` at head dim ``key_dim`` keeps its prepare kernel's outputs for the
+    backward (:data:`KEEP_PREPARED`): the backward's chunk is the forward's and it runs on the unpadded inputs."""
+    padded = dtype != torch.float32 and block_dim(key_dim) < PAD_BELOW
+    return KEEP_PREPARED and not padded and prepare.chunk_size(key_dim) == backward.backward_config(key_dim)[0]
 
 
 @torch.library.custom_op("attnkit::path_decode_", mutates_args=("k_cache",), device_types=("cuda", "cpu"))
@@ -66,25 +79,37 @@ def path_fwd_op(
     g: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o [B,T,HQ,V] in v.dtype, lse [B,T,HQ] float32)`` through the fused forward (validated inputs; CPU
-    tensors run through Triton's interpreter)."""
+    keep: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o [B,T,HQ,V] in v.dtype, lse [B,T,HQ] float32, m, kt, mw)`` through the fused forward (validated inputs; CPU
+    tensors run through Triton's interpreter). With ``keep`` (the caller will differentiate) and where
+    :func:`keeps_prepared`, ``m, kt, mw`` are the prepare kernel's float32 outputs for the backward; else empty."""
     q, k, v, w, beta = (x.contiguous() for x in (q, k, v, w, beta))
-    return path_fwd_fn(q, k, v, w, beta, None if g is None else g.contiguous(), scale, cu_seqlens)
+    g = None if g is None else g.contiguous()
+    if keep and keeps_prepared(q.dtype, q.shape[-1]):
+        return path_fwd_fn(q, k, v, w, beta, g, scale, cu_seqlens, keep=True)
+    o, lse = path_fwd_fn(q, k, v, w, beta, g, scale, cu_seqlens)
+    return o, lse, *(lse.new_empty(0) for _ in range(3))
 
 
 @path_fwd_op.register_fake
-def _(q, k, v, w, beta, g, cu_seqlens, scale):
-    B, T, HQ, _ = q.shape
-    return q.new_empty(B, T, HQ, v.shape[-1], dtype=v.dtype), q.new_empty(B, T, HQ, dtype=torch.float32)
+def _(q, k, v, w, beta, g, cu_seqlens, scale, keep=False):
+    B, T, HQ, K = q.shape
+    o, lse = q.new_empty(B, T, HQ, v.shape[-1], dtype=v.dtype), q.new_empty(B, T, HQ, dtype=torch.float32)
+    if not (keep and keeps_prepared(q.dtype, K)):
+        return o, lse, *(lse.new_empty(0) for _ in range(3))
+    BT, NC = prepare.chunk_size(K), triton.cdiv(T, prepare.chunk_size(K))
+    rows = B * NC if cu_seqlens is None else NC + cu_seqlens.shape[0] - 1
+    kt = q.new_empty(k.shape, dtype=torch.float32)
+    return o, lse, q.new_empty(rows, k.shape[2], BT, BT, dtype=torch.float32), kt, kt.new_empty(k.shape)
 
 
 def _setup_fwd(ctx, inputs, output):
-    q, k, v, w, beta, g, cu_seqlens, scale = inputs
-    o, lse = output
-    ctx.mark_non_differentiable(lse)
+    q, k, v, w, beta, g, cu_seqlens, scale, _ = inputs
+    o, lse, m, kt, mw = output
+    ctx.mark_non_differentiable(lse, m, kt, mw)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens, o, lse)
+    ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens, o, lse, m, kt, mw)
     ctx.scale = scale
 
 
@@ -113,13 +138,14 @@ def _superblock_cuts(
     return torch.cat([cuts, bounds[-1:]]).to(torch.int32), torch.cat([rows, first[-1:]]).to(torch.int32)
 
 
-def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
+def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=None):
     """The fused backward of ``attnkit::path_fwd`` (contiguous inputs): ``(dq, dk, dw, dbeta)`` in the inputs'
     dtypes, ``dv`` float32 and ``dg`` in ``g``'s dtype (empty without gates). Kernels only, a fixed number of
     launches besides the waves of the kernels between chunks and superblocks (each a function of the shapes and a
     memory budget), and no host sync:
 
-    1. the prepare kernel (``M``, ``K̃``, ``M W`` per chunk), the queries carried to their chunk's and superblock's
+    1. the prepare kernel (``M``, ``K̃``, ``M W`` per chunk; or ``prepared``, the forward's, :func:`keeps_prepared`,
+       when it holds them), the queries carried to their chunk's and superblock's
        start (:func:`local.query_terms_fn`), the keys carried to their superblock's end and each superblock's ``Σ``
        (:func:`carry.carry_keys_fn`);
     2. the gradients between superblocks (``backward_super.py``: one key-major sweep, ``E``'s rows in waves) and
@@ -145,14 +171,18 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
     rows = B * NC if cu_seqlens is None else NC + N  # every sequence's chunks (an upper bound when packed)
     f32 = dict(dtype=torch.float32, device=q.device)
     carry = prepare.precisions(q.dtype, K)[1]
-    m = torch.empty(rows, H, chunk, chunk, **f32)
-    kt, mw = torch.empty(k.shape, **f32), torch.empty(k.shape, **f32)
     config = prepare.launch_config()  # the prepare and carry kernels as the forward launches them
-    prepare.path_prepare_kernel[(NC, N * H)](
-        k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=chunk,
-        IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk),
-        BATCHED=prepare.solve_batched(), **config,
-    )  # fmt: skip
+    if prepared is not None and prepared[0].numel() > 0:
+        m, kt, mw = prepared
+    else:
+        m = torch.empty(rows, H, chunk, chunk, **f32)
+        kt, mw = torch.empty(k.shape, **f32), torch.empty(k.shape, **f32)
+        prepare.path_prepare_kernel[(NC, N * H)](
+            k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=chunk,
+            IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk),
+            BATCHED=prepare.solve_batched(), **config,
+        )  # fmt: skip
+    del prepared
     inner = prepare.inner_carry(q.dtype, K) if supers else None  # the carries inside superblocks
     low_grad = prepare.measured_16bit(q.dtype, K) if backward.INNER_LOW_GRAD is None else backward.INNER_LOW_GRAD
     x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner)
@@ -217,28 +247,35 @@ def path_bwd_op(
     lse: torch.Tensor,
     do: torch.Tensor,
     scale: float,
+    m: torch.Tensor | None = None,
+    kt: torch.Tensor | None = None,
+    mw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused backward (:func:`path_bwd_fn`) as one operator: ``(dq, dk, dw, dbeta)`` in the inputs' dtypes,
-    ``dv`` float32 and ``dg`` (empty without gates)."""
+    ``dv`` float32 and ``dg`` (empty without gates). ``m, kt, mw``: the forward's prepared tensors
+    (``path_fwd_op(keep=True)``), or None / empty to prepare here."""
     q, k, v, w, beta, o, do = (t.contiguous() for t in (q, k, v, w, beta, o, do))
-    return path_bwd_fn(q, k, v, w, beta, None if g is None else g.contiguous(), cu_seqlens, o, lse, do, scale)
+    prepared = None if m is None else (m, kt, mw)
+    g = None if g is None else g.contiguous()
+    return path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared)
 
 
 @path_bwd_op.register_fake
-def _(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale):
+def _(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, m=None, kt=None, mw=None):
     dg = q.new_empty(0) if g is None else g.new_empty(g.shape)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape, dtype=torch.float32),
             w.new_empty(w.shape), beta.new_empty(beta.shape), dg)  # fmt: skip
 
 
-def _fwd_backward(ctx, do, dlse):
-    """The backward formula of ``attnkit::path_fwd``: one call of ``attnkit::path_bwd``."""
+def _fwd_backward(ctx, do, *_):
+    """The backward formula of ``attnkit::path_fwd``: one call of ``attnkit::path_bwd`` (with the forward's prepared
+    tensors where it kept them)."""
     if do is None:
-        return (None,) * 8
-    q, k, v, w, beta, g, cu_seqlens, o, lse = ctx.saved_tensors
-    dq, dk, dv, dw, dbeta, dg = path_bwd_op(q, k, v, w, beta, g, cu_seqlens, o, lse, do, ctx.scale)
+        return (None,) * 9
+    q, k, v, w, beta, g, cu_seqlens, o, lse, m, kt, mw = ctx.saved_tensors
+    dq, dk, dv, dw, dbeta, dg = path_bwd_op(q, k, v, w, beta, g, cu_seqlens, o, lse, do, ctx.scale, m, kt, mw)
     # dq, dk, dw, dbeta and dg come in their inputs' dtypes; dv was summed in float32 across the kernels.
-    return dq, dk, dv.to(v.dtype), dw, dbeta, None if g is None else dg, None, None
+    return dq, dk, dv.to(v.dtype), dw, dbeta, None if g is None else dg, None, None, None
 
 
 path_fwd_op.register_autograd(_fwd_backward, setup_context=_setup_fwd)

@@ -54,12 +54,14 @@ INNER_EVERY: int | None = None
 # 1.11 (benchmarks/results/path_h200.md, fifteenth session). Up to K = 128 (wider heads take the key-tile kernel).
 # Compiled for sm_90a by Triton 3.6 (benchmarks/kernel_resources.py --setting): the query kernel with the key side
 # keeps 255 registers and 72 KB of shared memory at K = 64 (196 bytes of spills against 172 without it), 68 KB at
-# K = 128 (812 against 760). Not yet timed: path_tune.py's LOCAL row "inner pairs in one kernel".
-INNER_ONE_KERNEL = False
+# K = 128 (812 against 760). Timed on the H200 (sixteenth session, path_tune.py's LOCAL rows, D = 64, 4k, fwd+bwd):
+# 16.86 ms against 17.26 with two kernels, the same errors (benchmarks/results/path_local_session16_h200.log).
+INNER_ONE_KERNEL = True
 # num_stages of the kernels between chunks (software pipelining of their loops' loads): 1 since they were written;
 # FLA's inner kernel runs Triton's default, 3. At 3 stages the key kernel takes 209 KB of shared memory at K = 64
 # (72 KB at 1; one block an SM), the query kernel 144 KB; the one-kernel form at 2 stages 104 KB (K = 64) and 92 KB
-# (K = 128). path_tune.py's LOCAL rows time 2 and 3.
+# (K = 128). path_tune.py's LOCAL rows time 2 and 3: slower on the H200 (sixteenth session, D = 64, 4k, fwd+bwd: 18.50
+# and 19.71 ms against 17.26 at 1; one kernel on 2 stages 17.34 against 16.86 at 1).
 INNER_STAGES = 1
 
 

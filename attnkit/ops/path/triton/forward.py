@@ -131,7 +131,7 @@ def path_fwd_kernel(
         j = i_c - 1 - i_back
         p_j = bos + (j * BT + o_t).to(tl.int64)
         p_kvj = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_kt = tl.load(kt + p_kvj, mask=m_k, other=0.0)
+        b_kt = tl.load(kt + p_kvj, mask=m_k, other=0.0).to(k.dtype.element_ty)  # float32 when kept for the backward
         b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
         b_gk = key_gates(gcum, o_g, p_j, BT, USE_G)
         b_max, b_sum, b_acc = softmax_step(b_x, b_kt, b_vj, b_gk, b_max, b_sum, b_acc, scale, USE_G, PRECISION)
@@ -170,12 +170,16 @@ def path_fwd_fn(
     scale: float,
     cu_seqlens: torch.Tensor | None,
     config: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """PaTH(-FoX) forward through the kernels. ``q [B,T,HQ,K]``, ``k, w [B,T,H,K]``, ``v [B,T,H,V]``,
     ``beta [B,T,H]``, ``g [B,T,HQ]`` or None, contiguous; ``q, k, v`` share one float dtype (not float64).
     Returns ``o [B,T,HQ,V]`` in ``v.dtype`` and ``lse [B,T,HQ]`` float32. ``config``: ``num_warps`` and
     ``num_stages`` of both kernels instead of the defaults, and optionally ``carry_precision`` (the carries' and
-    the UT solve's ``input_precision``; ``benchmarks/path_tune.py``'s sweep)."""
+    the UT solve's ``input_precision``; ``benchmarks/path_tune.py``'s sweep). ``keep``: also return the prepare
+    kernel's ``m [chunks, H, BT, BT]``, ``kt [B,T,H,K]`` and ``mw [B,T,H,K]``, all float32 (``kt`` is then written in
+    float32, and rounded to ``k``'s dtype where the forward's logits read it), for a backward that chunks as the
+    forward does (``parallel.keeps_prepared``): it skips its own UT solve."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     BT = chunk_size(K)
@@ -190,10 +194,13 @@ def path_fwd_fn(
     precision, carry = precisions(q.dtype, K)
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    # Packed, m has a row for every chunk T allows and the sequences use fewer: zeros there when it is returned.
+    m = (torch.zeros if keep and cu_seqlens is not None else torch.empty)(
+        chunks, H, BT, BT, dtype=torch.float32, device=q.device
+    )
+    kt = torch.empty(k.shape, dtype=torch.float32 if keep else k.dtype, device=q.device)
     if longest == 0:
-        return o, lse
-    m = torch.empty(chunks, H, BT, BT, dtype=torch.float32, device=q.device)
-    kt = torch.empty_like(k)
+        return (o, lse, m, kt, kt.clone()) if keep else (o, lse)
     mw = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     is_varlen = cu_seqlens is not None
     grid_chunks = triton.cdiv(longest, BT)
@@ -221,4 +228,4 @@ def path_fwd_fn(
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
         PRECISION=precision, CARRY_PRECISION=carry, **launch,
     )  # fmt: skip
-    return o, lse
+    return (o, lse, m, kt, mw) if keep else (o, lse)
