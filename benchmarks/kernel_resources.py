@@ -83,13 +83,14 @@ def path_inputs(D: int, gate: bool, B: int = 1, T: int = 2048) -> tuple:
 
 def path_step(D: int, gate: bool, inputs: tuple | None = None):
     """PaTH's (or PaTH-FoX's) forward then backward through the kernels' own functions, on CPU tensors
-    (``inputs``: :func:`path_inputs`' tuple, by default one sequence of 2048 positions)."""
-    from attnkit.ops.path.parallel import path_bwd_fn
+    (``inputs``: :func:`path_inputs`' tuple, by default one sequence of 2048 positions), as a step under autograd
+    runs them: the forward's prepared tensors kept for the backward where ``parallel.keeps_prepared``."""
+    from attnkit.ops.path.parallel import keeps_prepared, path_bwd_fn
     from attnkit.ops.path.triton.forward import path_fwd_fn
 
     q, k, v, w, beta, g, do = path_inputs(D, gate) if inputs is None else inputs
-    o, lse = path_fwd_fn(q, k, v, w, beta, g, D**-0.5, None)
-    path_bwd_fn(q, k, v, w, beta, g, None, o, lse, do, D**-0.5)
+    o, lse, *prepared = path_fwd_fn(q, k, v, w, beta, g, D**-0.5, None, keep=keeps_prepared(q.dtype, D))
+    path_bwd_fn(q, k, v, w, beta, g, None, o, lse, do, D**-0.5, prepared or None)
 
 
 def main(argv: list[str] | None = None) -> int:
