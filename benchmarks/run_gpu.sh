@@ -79,26 +79,19 @@ for step in $steps; do
             timeout 200 python3 -m pytest -v -rf --tb=short tests/ops/test_vla_triton.py tests/models/test_autocast.py \
                 -k "deltanet_real_sizes or deltanet_baseline_triton or cuda" > "$OUT/mixertests.log" 2>&1
             grep -E "passed|failed|FAILED|Error" "$OUT/mixertests.log" | tail -15 ;;
-        lineartests)  # issue 17: linear attention's kernels' GPU tests (they decide linear.AUTO_TRITON) and the blocked
-            # delta-rule prepare kernel (the default) against the row-by-row one, with DeltaNet's real sizes
+        lineartests)  # issue 17: linear attention's kernels' GPU tests (they decide linear.AUTO_TRITON) and the
+            # delta-rule prepare kernel against the PyTorch delta rule, with DeltaNet's real sizes
             timeout 240 python3 -m pytest -v -rf tests/ops/test_linear_triton.py tests/ops/test_vla_triton.py \
                 -k "gpu" > "$OUT/lineartests.log" 2>&1
             grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/lineartests.log" | tail -20 ;;
         linear)  # issue 17: linear attention against FLA's kernels (it decided linear.AUTO_TRITON, sixteenth session)
             timeout 240 python3 benchmarks/ops.py --ops linear --seq-lens 2048 8192 32768 --out "$OUT" \
                 --name ops_linear_h200 > "$OUT/linear.log" 2>&1 ;;
-        prepare)  # issue 17: DeltaNet (and FLA's) and VLA with the blocked prepare kernel (the default), then again
-            # with the row-by-row one (delta_fwd.BLOCKED_PREPARE forced off), same lengths: it decides whether
-            # delta_prepare_rows.py goes. (The sixteenth session's `linear` step held DeltaNet too and its FLA D = 128
-            # compiles ran it out of time before DeltaNet's blocked rows.)
-            timeout 200 python3 benchmarks/ops.py --ops deltanet vla --seq-lens 2048 8192 32768 --impls \
-                deltanet_triton fla_chunk_delta_rule vla_triton --out "$OUT" --name ops_blocked_prepare_h200 \
-                > "$OUT/prepare.log" 2>&1
-            timeout 200 python3 -c "import runpy, sys; from attnkit.ops.common.triton import delta_fwd
-delta_fwd.BLOCKED_PREPARE = False
-sys.argv = ['ops.py', '--ops', 'deltanet', 'vla', '--seq-lens', '2048', '8192', '32768', '--impls', 'deltanet_triton',
-            'vla_triton', '--out', '$OUT', '--name', 'ops_rows_prepare_h200']
-runpy.run_path('benchmarks/ops.py', run_name='__main__')" >> "$OUT/prepare.log" 2>&1 ;;
+        prepare)  # issue 17: DeltaNet (ours and FLA's) and VLA, forward and forward+backward, with the blocked
+            # delta-rule prepare kernel (the only one since it beat the row-by-row one, deleted, at every size timed)
+            timeout 240 python3 benchmarks/ops.py --ops deltanet vla --seq-lens 2048 8192 32768 --impls \
+                deltanet_triton fla_chunk_delta_rule vla_triton --out "$OUT" --name ops_delta_h200 \
+                > "$OUT/prepare.log" 2>&1 ;;
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
             timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
             tail -12 "$OUT/foxtests.log" ;;

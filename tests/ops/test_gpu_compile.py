@@ -38,7 +38,6 @@ def linear(K, dtype, packed):
     linear_bwd_fn(do, q, k, v, o, hs, ns, z, st, nt, cu, True, 1e-4)
 
 def delta_prepare(K, dtype):
-    delta_fwd.BLOCKED_PREPARE = True
     q, k, v, a = (torch.randn(1, 256, 2, K, dtype=dtype) for _ in range(4))
     delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32")
 
@@ -52,7 +51,6 @@ def delta_bwd(K, V):
 
 def delta_strided(K, V, dtype, deltanet):
     from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
-    delta_fwd.BLOCKED_PREPARE = True  # CUDA's default: the blocked prepare kernel
     qkv = torch.randn(1, 256, 2, 2 * K + V, dtype=dtype)
     q, k, v = qkv[..., :K], qkv[..., K : 2 * K], qkv[..., 2 * K :]
     a, beta = (None, torch.rand(1, 256, 2)) if deltanet else (torch.randn(1, 256, 2, K), None)

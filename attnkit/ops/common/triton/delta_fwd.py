@@ -20,15 +20,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton.tril_inverse import tril_inverse
 from attnkit.ops.common.triton_seq import block_offsets, locate_block
-from attnkit.ops.common.triton_utils import block_dim, interpreting
-
-# The blocked prepare kernel below replaced the row-by-row one (delta_prepare_rows.py): on the H200 (fifteenth session)
-# it matched the row-by-row kernel at real sizes (test_blocked_prepare_on_gpu: DeltaNet at K = 64 and 128, VLA at 64,
-# to 1e-4 in float32), so it is CUDA's default; the row-by-row kernel took 1.55 of VLA's 7.03 ms at B = 32, T = 1k,
-# D = 64 (vla_profile_session15_h200.json). Not yet timed against it: `bash benchmarks/run_gpu.sh linear` does (its
-# second run forces False); then the old file goes. False forces the row-by-row kernel, None takes the blocked one
-# under the interpreter only (the tests run both).
-BLOCKED_PREPARE: bool | None = True
+from attnkit.ops.common.triton_utils import block_dim
 
 
 @triton.jit
@@ -181,11 +173,16 @@ def delta_prepare_kernel(
     backward), ``W = T K`` (``w_out [BH, T, K]``) and ``Ũ = T V`` (``u_out [BH, T, V]``), float32. Grid
     ``(chunk slots, BH)`` (:func:`chunk_program`).
 
-    ``T`` by blocks of ``SB`` rows, in registers (:func:`tril_inverse.tril_inverse`). Compiled for sm_90a (Triton
-    3.6, K = 64, 4 warps): 186–198 registers and no spills (the row-by-row kernel: 255 and 24–32 bytes); K = 128,
-    8 warps: 0–204 bytes (880–1904). With the strided ``[B, T, H, ·]`` loads (bf16 ``k``, ``a``): 255 registers and
-    no spills at K = 64, 200 bytes at K = 128. The solve's products are float32-accurate (``SOLVE_PRECISION``) whatever
-    ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its entries are large."""
+    ``T`` by blocks of ``SB`` rows, in registers (:func:`tril_inverse.tril_inverse`). It replaced the row-by-row
+    kernel (``delta_prepare_rows.py``, deleted), which it beat at every size timed on the H200, DeltaNet
+    forward+backward on 32768-token batches in bf16: 2.454 / 3.224 / 6.747 ms against 3.317 / 4.132 / 7.662 at
+    D = 64, T = 2k / 8k / 32k, and 5.230 / 6.218 against 8.348 / 8.303 at D = 128, T = 2k / 8k
+    (``benchmarks/results/ops_blocked_prepare_h200.json``, ``ops_rows_prepare_h200.json``). Compiled for sm_90a
+    (Triton 3.6, K = 64, 4 warps): 186–198 registers and no spills (the row-by-row kernel: 255 and 24–32 bytes);
+    K = 128, 8 warps: 0–204 bytes (880–1904). With the strided ``[B, T, H, ·]`` loads (bf16 ``k``, ``a``): 255
+    registers and no spills at K = 64, 200 bytes at K = 128. The solve's products are float32-accurate
+    (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its
+    entries are large."""
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
     row0 = (i_b * H + i_h) * T + bos
@@ -327,10 +324,7 @@ def delta_fwd_fn(
     write = strides(a=a_or_k, beta=beta)
     solve = "ieee" if precision == "ieee" else "tf32x3"
     BV = block_dim(V)
-    prepare = delta_prepare_kernel
-    if not (interpreting() if BLOCKED_PREPARE is None else BLOCKED_PREPARE):
-        from attnkit.ops.common.triton.delta_prepare_rows import delta_prepare_rows_kernel as prepare
-    prepare[(NC, B * H)](
+    delta_prepare_kernel[(NC, B * H)](
         k, a_or_k, beta, v, w, u, tm, T=T, H=H, BV=BV, SB=16, SOLVE_PRECISION=solve, **strides(k=k, v=v), **write,
         **varlen, **dims,
     )  # fmt: skip
