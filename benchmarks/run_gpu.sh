@@ -8,13 +8,13 @@
 #   bash benchmarks/run_gpu.sh [tests] [vlatests] [pathtests] [tapa] [tapaacc] [flex] [vla] [vlalong] [vlaseq]
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
-#                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [prepare] [foxtune]
+#                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [prepare] [deltastate] [foxtune]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
 #   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`;
 #   `pathacc pathsuper`; `pathvs` alone;
-#   `pathgrid` alone; `train` alone; `foxtests fox`; `lineartests linear`; `prepare`
+#   `pathgrid` alone; `train` alone; `foxtests fox`; `lineartests linear`; `prepare`; `deltastate`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -92,6 +92,19 @@ for step in $steps; do
             timeout 240 python3 benchmarks/ops.py --ops deltanet vla --seq-lens 2048 8192 32768 --impls \
                 deltanet_triton fla_chunk_delta_rule vla_triton --out "$OUT" --name ops_delta_h200 \
                 > "$OUT/prepare.log" 2>&1 ;;
+        deltastate)  # issue 17: the delta rule's state passes (delta_fwd.STATE_BV, STATE_STAGES) kernel by kernel at
+            # T = 32k, B = 1 (16 programs a pass at the default), DeltaNet at D = 64 with FLA's chunk_delta_rule beside
+            # it: the default, 2 and 3 stages, 32- and 16-column value blocks, 32 columns on 2 stages
+            i=0
+            for set in "" "STATE_STAGES=2" "STATE_STAGES=3" "STATE_BV=32" "STATE_BV=16" "STATE_BV=32 STATE_STAGES=2"; do
+                sets=(); for s in $set; do sets+=("attnkit.ops.common.triton.delta_fwd.$s"); done
+                echo "== ${set:-default}" >> "$OUT/deltastate.log"
+                timeout 80 python3 benchmarks/kernel_profile.py --op deltanet --impls deltanet_triton \
+                    $([ $i = 0 ] && echo fla_chunk_delta_rule) --batch 1 --seq-len 32768 --head-dims 64 \
+                    ${sets[0]:+--set "${sets[@]}"} --out "$OUT" --name "delta_state_$i" >> "$OUT/deltastate.log" 2>&1
+                i=$((i + 1))
+            done
+            grep -E "^==|forward\+backward|state_kernel" "$OUT/deltastate.log" ;;
         foxtests)  # the FoX kernels' GPU tests (real sizes, bf16; issue 17): they decide fox AUTO_TRITON
             timeout 150 python3 -m pytest -v -rf tests/ops/test_fox.py > "$OUT/foxtests.log" 2>&1
             tail -12 "$OUT/foxtests.log" ;;

@@ -19,6 +19,7 @@ __all__ = [
     "assert_close",
     "count_aten_ops",
     "full_size_ops_outside_kernels",
+    "launch_counter",
     "leave_process_group",
     "rel_rms",
     "tol_for",
@@ -123,3 +124,17 @@ def leave_process_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def launch_counter(monkeypatch, module, name: str) -> list:
+    """Replaces the Triton kernel ``module.name`` by a wrapper that records each launch's grid and launches it; returns
+    the list the grids go to (only launches that look the kernel up on ``module`` at call time are seen)."""
+    kernel, grids = getattr(module, name), []
+
+    class Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Counted())
+    return grids

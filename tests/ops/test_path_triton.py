@@ -15,7 +15,7 @@ import torch
 
 from attnkit.ops.path import path_attention
 from attnkit.ops.path.triton.forward import path_fwd_fn
-from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close
+from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close, launch_counter
 from tests.ops.test_path import make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -446,15 +446,7 @@ def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     monkeypatch.setattr(parallel, "KEEP_PREPARED", False)
     again = backend_grads(inputs, do, "triton", cu)
     monkeypatch.setattr(parallel, "KEEP_PREPARED", True)
-    launches = []
-    kernel = prepare.path_prepare_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(prepare, "path_prepare_kernel", Counted())
+    launches = launch_counter(monkeypatch, prepare, "path_prepare_kernel")
     kept = backend_grads(inputs, do, "triton", cu)
     assert not launches  # the backward's own prepare kernel (the forward's is imported by name in forward.py)
     expected = backend_grads([x.float() for x in inputs], do.float(), "torch", cu)

@@ -24,7 +24,13 @@ from attnkit.ops.vla.parallel import (
     vla_normalize_triton,
 )
 from attnkit.ops.vla.torch_impl import vla_chunk_gates
-from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close, full_size_ops_outside_kernels
+from tests.helpers import (
+    OPERATOR_COUNT_IDS,
+    OPERATOR_COUNT_SHAPES,
+    assert_close,
+    full_size_ops_outside_kernels,
+    launch_counter,
+)
 from tests.ops.test_vla import make_inputs, make_state
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -423,6 +429,38 @@ def test_delta_rule_kernels_match_torch(deltanet, with_state, K, V):
 
     actual, expected = grads_of(triton_fn, inputs, state), grads_of(torch_fn, inputs, state)
     for name, x, y in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], actual, expected):
+        assert_close(name, x, y, 1e-4)
+
+
+@pytest.mark.parametrize("deltanet", [False, True], ids=["generic", "deltanet-beta-near-2"])
+def test_state_passes_in_narrower_blocks(monkeypatch, deltanet):
+    """``delta_fwd.STATE_BV`` / ``STATE_STAGES``: the forward's and the backward's state passes in 16-column value
+    blocks (two programs a sequence and head at V = 32, where every other kernel takes one 32-column block) and on two
+    stages give the default launch's output, final state and every gradient, and match the PyTorch rule."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    B, H, T, K, V = 2, 2, 53, 16, 32
+    inputs = delta_inputs(B, H, T, K, V, deltanet)
+    state = [torch.randn(B, H, V, K, device=DEVICE)]
+
+    def triton_fn(q, k, v, a, st):
+        o, S = delta_rule_triton(*bthd(q, k, v, a), st[0])
+        return o.transpose(1, 2), (S,)
+
+    default = grads_of(triton_fn, inputs, state)
+    monkeypatch.setattr(delta_fwd, "STATE_BV", 16)
+    monkeypatch.setattr(delta_fwd, "STATE_STAGES", 2)
+    launches = launch_counter(monkeypatch, delta_fwd, "delta_fwd_state_kernel")
+    narrow = grads_of(triton_fn, inputs, state)
+    assert [grid[0] for grid in launches] == [2]  # two 16-column blocks
+
+    def torch_fn(q, k, v, a, st):
+        o, S = chunk_generalized_delta_rule(q, k, v, a, st[0], 16)
+        return o, (S,)
+
+    expected = grads_of(torch_fn, inputs, state)
+    for name, x, d, y in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], narrow, default, expected):
+        assert_close(name, x, d, 1e-6)
         assert_close(name, x, y, 1e-4)
 
 

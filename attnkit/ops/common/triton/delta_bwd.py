@@ -32,6 +32,7 @@ from attnkit.ops.common.triton.delta_fwd import (
     row_tile,
     seq_site,
     seq_tiles,
+    state_launch,
     strides,
     token_values,
     write_rows,
@@ -256,9 +257,10 @@ def delta_bwd_fn(
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     write = strides(a=a_or_k, beta=beta)
     reads = strides(q=q, do=do) | write
-    delta_bwd_state_kernel[(triton.cdiv(V, BV_STATE), N * H)](
-        q, a_or_k, beta, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, scale=scale, BV=BV_STATE,
-        USE_DHT=dht is not None, **reads, **seq, **dims,
+    bv, state_dims = state_launch(BV_STATE, dims)
+    delta_bwd_state_kernel[(triton.cdiv(V, bv), N * H)](
+        q, a_or_k, beta, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, scale=scale, BV=bv,
+        USE_DHT=dht is not None, **reads, **seq, **state_dims,
     )  # fmt: skip
     NV = triton.cdiv(V, BV_STATE)
     grid = (NC, B * H, NV)

@@ -282,6 +282,24 @@ def launch_config(key_dim: int, wide: bool = False) -> dict[str, int]:
     return dict(num_warps=8 if eight else 4, num_stages=1)
 
 
+# The sequential state passes (delta_fwd_state_kernel, and delta_bwd_state_kernel in the backward): their
+# value-block width (None: BV_STATE, the other kernels' width) and pipeline stages. Each program walks every chunk of
+# its sequence, so at long T and a narrow batch a handful of programs carry the whole pass (at T = 32k, B = 1, H = 16:
+# 16 programs on the H200's 132 SMs, 512 chunks each), and on the H200 our DeltaNet fell from FLA's time at 2k to
+# 2.1x it at 32k with the same tokens (benchmarks/results/mixers_h200.md, sixteenth session). Narrower blocks put
+# more programs in flight; stages prefetch a chunk's W, A and U, which do not depend on the state. Untimed: `bash
+# benchmarks/run_gpu.sh deltastate` times both.
+STATE_BV: int | None = None
+STATE_STAGES = 1
+
+
+def state_launch(bv_state: int, dims: dict) -> tuple[int, dict]:
+    """The state passes' value-block width and launch constexprs (:data:`STATE_BV`, :data:`STATE_STAGES`) from the
+    other kernels' ``BV_STATE`` and ``dims``."""
+    bv = bv_state if STATE_BV is None else min(block_dim(STATE_BV), bv_state)
+    return bv, dims | dict(num_stages=STATE_STAGES)
+
+
 def launch_dims(key_dim: int, value_dim: int, chunk_size: int, precision: str) -> tuple[int, dict]:
     """What every delta-rule launch shares: the state passes' value-block width (at most 64: the ``[K, V]`` state
     tiles of ``K = V = 128`` would not fit shared memory) and the kernels' common constexprs and warps."""
@@ -329,9 +347,10 @@ def delta_fwd_fn(
         **varlen, **dims,
     )  # fmt: skip
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
-    delta_fwd_state_kernel[(triton.cdiv(V, BV_STATE), N * H)](
-        w, u, a_or_k, beta, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=BV_STATE,
-        USE_H0=initial_state is not None, **write, **seq, **dims,
+    bv, state_dims = state_launch(BV_STATE, dims)
+    delta_fwd_state_kernel[(triton.cdiv(V, bv), N * H)](
+        w, u, a_or_k, beta, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=bv,
+        USE_H0=initial_state is not None, **write, **seq, **state_dims,
     )  # fmt: skip
     delta_fwd_output_kernel[(NC, B * H, triton.cdiv(V, BV_STATE))](
         q, a_or_k, beta, hs, u_new, o, T=T, NC=NC, scale=scale, H=H, BV=BV_STATE, **strides(q=q), **write, **varlen,
