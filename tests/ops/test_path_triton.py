@@ -430,8 +430,9 @@ def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     ``M W`` for the backward, which then launches no prepare kernel of its own; the forward and every gradient equal
     those of the backward that prepares again (float32: to reordering-free equality; float16: the forward's carried
     keys now start from float32 ``K̃``), against the PyTorch backend too (superblocks, GQA, packed with an empty
-    sequence, beta near 2; float16 through the kernels' own 16-bit path, unpadded). Without gradients, or where the
-    backward pads the inputs, the forward keeps nothing."""
+    sequence, beta near 2; float16 through the kernels' own 16-bit path, unpadded), and a second backward through the
+    same graph gives the same gradients. Without gradients, or where the backward pads the inputs, the forward keeps
+    nothing."""
     from attnkit.ops.path import parallel
     from attnkit.ops.path.parallel import keeps_prepared, path_fwd_op
     from attnkit.ops.path.triton import prepare
@@ -454,6 +455,11 @@ def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     for name, a, b, e in zip(GRAD_NAMES, kept, again, expected):
         assert_close(name, a, b, tol)
         assert_close(name, a.float(), e, 1e-5 if dtype == torch.float32 else (5e-3 if name == "o" else 1e-2))
+    # The kept tensors are read, never written: a second backward through the same graph gives the same gradients.
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    o = path_attention(*leaves, cu_seqlens=cu, backend="triton")
+    first = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, torch.autograd.grad(o, leaves, do)))
     with torch.no_grad():
         assert all(t.numel() == 0 for t in path_fwd_op(*inputs, cu, 0.25, False)[2:])
 
