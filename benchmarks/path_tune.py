@@ -222,7 +222,7 @@ def time_cell(
         cell["fwd"].append(row)
         print(f"  fwd D={D} T={T} {name.lower()}={value}: {row.get('ms', float('nan')):.3f} ms {error or ''}")
     default = grads_of(x, do)
-    for name, value in knobs if knob_grads else []:  # forward+backward (which prepares and carries again)
+    for name, value in knobs if knob_grads else []:  # forward+backward (its UT solve takes it too)
         with patched({(prepare, name): value}):
             row = time_grads(f"D={D} T={T} {name.lower()}={value}", x, do, default, device)
         cell["bwd"].append({name.lower(): value, **row})
