@@ -464,6 +464,46 @@ def test_state_passes_in_narrower_blocks(monkeypatch, deltanet):
         assert_close(name, x, y, 1e-4)
 
 
+@pytest.mark.parametrize("sms", [132, 4], ids=["few-programs", "full-device"])
+def test_state_passes_narrow_where_few_programs(monkeypatch, sms):
+    """Without ``STATE_BV``, the state passes narrow to 16-column value blocks where the default launch would fill
+    at most a quarter of the device's multiprocessors (``delta_fwd.multiprocessors``, 0 under the interpreter,
+    stubbed here): two sequence-head programs of one 32-column block take two 16-column blocks on 132
+    multiprocessors, one block on 4; the same numbers either way."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    inputs = delta_inputs(1, 2, 37, 16, 32, True)
+    state = [torch.randn(1, 2, 32, 16, device=DEVICE)]
+
+    def triton_fn(q, k, v, a, st):
+        o, S = delta_rule_triton(*bthd(q, k, v, a), st[0])
+        return o.transpose(1, 2), (S,)
+
+    default = grads_of(triton_fn, inputs, state)
+    monkeypatch.setattr(delta_fwd, "multiprocessors", lambda device: sms)
+    launches = launch_counter(monkeypatch, delta_fwd, "delta_fwd_state_kernel")
+    chosen = grads_of(triton_fn, inputs, state)
+    assert [grid[0] for grid in launches] == [2 if sms == 132 else 1]
+    for name, x, d in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], chosen, default):
+        assert_close(name, x, d, 1e-6)
+
+
+def test_state_blocks_keep_their_width_at_wide_keys(monkeypatch):
+    """At ``K > 64`` the state passes keep their width however few the programs (16-column blocks hit an illegal
+    memory access at K = 128 on the H200), and ``STATE_BV`` below 32 there is refused by name."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    monkeypatch.setattr(delta_fwd, "multiprocessors", lambda device: 132)
+    dims = dict(K=128, V=128)
+    assert delta_fwd.state_launch(64, dims, 1, torch.device("cpu"))[0] == 64
+    assert delta_fwd.state_launch(64, dict(K=64, V=128), 1, torch.device("cpu"))[0] == 16
+    monkeypatch.setattr(delta_fwd, "STATE_BV", 16)
+    with pytest.raises(ValueError, match="STATE_BV"):
+        delta_fwd.state_launch(64, dims, 1, torch.device("cpu"))
+    monkeypatch.setattr(delta_fwd, "STATE_BV", 32)
+    assert delta_fwd.state_launch(64, dims, 1, torch.device("cpu"))[0] == 32
+
+
 def gate_inputs(B, H, NC, K, lam0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     C = gates_chunk_size()

@@ -257,7 +257,7 @@ def delta_bwd_fn(
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     write = strides(a=a_or_k, beta=beta)
     reads = strides(q=q, do=do) | write
-    bv, state_dims = state_launch(BV_STATE, dims)
+    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device)
     delta_bwd_state_kernel[(triton.cdiv(V, bv), N * H)](
         q, a_or_k, beta, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, scale=scale, BV=bv,
         USE_DHT=dht is not None, **reads, **seq, **state_dims,

@@ -283,20 +283,42 @@ def launch_config(key_dim: int, wide: bool = False) -> dict[str, int]:
 
 
 # The sequential state passes (delta_fwd_state_kernel, and delta_bwd_state_kernel in the backward): their
-# value-block width (None: BV_STATE, the other kernels' width) and pipeline stages. Each program walks every chunk of
-# its sequence, so at long T and a narrow batch a handful of programs carry the whole pass (at T = 32k, B = 1, H = 16:
-# 16 programs on the H200's 132 SMs, 512 chunks each), and on the H200 our DeltaNet fell from FLA's time at 2k to
-# 2.1x it at 32k with the same tokens (benchmarks/results/mixers_h200.md, sixteenth session). Narrower blocks put
-# more programs in flight; stages prefetch a chunk's W, A and U, which do not depend on the state. Untimed: `bash
-# benchmarks/run_gpu.sh deltastate` times both.
+# value-block width and pipeline stages. Each program walks every chunk of its sequence, so at long T and a narrow
+# batch a handful of programs carry the whole pass (at T = 32k, B = 1, H = 16: 16 programs on the H200's 132 SMs, 512
+# chunks each), and on the H200 our DeltaNet fell from FLA's time at 2k to 2.1x it at 32k with the same tokens. Timed on
+# the H200 (`bash benchmarks/run_gpu.sh deltastate`, seventeenth session, D = 64, bf16, forward+backward kernel time):
+# at T = 32k, B = 1, 16-column blocks took 5.30 ms against 6.84 with the default 64 (32 columns 5.92, two stages 6.40,
+# 32 columns on two stages 5.53); at T = 2k, B = 16 (256 programs) the default 64 took 2.59 ms against 3.01 with 16
+# columns and 2.82 with 32 on two stages. So the passes narrow to 16 columns where the default launch would fill at most
+# a quarter of the SMs (NARROW_STATE_FILL), at K <= 64 only: at K = 128 (eight warps) 16-column blocks hit an illegal
+# memory access on the H200 (Triton 3.6). Between 33 and 255 programs (e.g. the model at T = 4k, B = 4, H = 16: 64) it
+# is untimed and keeps the default. STATE_BV (None: that rule) forces a width, STATE_STAGES the stages.
 STATE_BV: int | None = None
 STATE_STAGES = 1
+NARROW_STATE_FILL = 0.25
 
 
-def state_launch(bv_state: int, dims: dict) -> tuple[int, dict]:
-    """The state passes' value-block width and launch constexprs (:data:`STATE_BV`, :data:`STATE_STAGES`) from the
-    other kernels' ``BV_STATE`` and ``dims``."""
-    bv = bv_state if STATE_BV is None else min(block_dim(STATE_BV), bv_state)
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA ``device``; 0 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def state_launch(bv_state: int, dims: dict, programs: int, device: torch.device) -> tuple[int, dict]:
+    """The state passes' value-block width and launch constexprs from the other kernels' ``BV_STATE``, ``dims`` and
+    the number of ``(sequence, head)`` programs: :data:`STATE_BV` if set, else 16 columns at ``K <= 64`` where the
+    default width would launch at most :data:`NARROW_STATE_FILL` of the device's multiprocessors, else ``BV_STATE``;
+    :data:`STATE_STAGES` stages."""
+    wide_keys = dims["K"] > 64
+    if STATE_BV is not None:
+        bv = min(block_dim(STATE_BV), bv_state)
+        if wide_keys and bv < 32:
+            raise ValueError(f"delta_fwd.STATE_BV must be at least 32 at K > 64, got {STATE_BV}")
+    else:
+        columns = triton.cdiv(dims["V"], bv_state)
+        few = programs * columns <= NARROW_STATE_FILL * multiprocessors(device)
+        bv = min(16, bv_state) if few and not wide_keys else bv_state
     return bv, dims | dict(num_stages=STATE_STAGES)
 
 
@@ -347,7 +369,7 @@ def delta_fwd_fn(
         **varlen, **dims,
     )  # fmt: skip
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
-    bv, state_dims = state_launch(BV_STATE, dims)
+    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device)
     delta_fwd_state_kernel[(triton.cdiv(V, bv), N * H)](
         w, u, a_or_k, beta, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=bv,
         USE_H0=initial_state is not None, **write, **seq, **state_dims,
