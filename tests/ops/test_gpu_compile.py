@@ -76,11 +76,18 @@ def path_prepare(K):
     w = torch.nn.functional.normalize(torch.randn(1, 256, 2, K), dim=-1)
     path_fwd_fn(q, k, v, w, torch.rand(1, 256, 2) * 2, None, K**-0.5, None)
 
+def path_forward(K, dtype):
+    from attnkit.ops.path.triton.forward import path_fwd_fn
+    q, k, v = (torch.randn(1, 64, 2, K, dtype=dtype) for _ in range(3))
+    w = torch.nn.functional.normalize(torch.randn(1, 64, 2, K), dim=-1)
+    path_fwd_fn(q, k, v, w, torch.rand(1, 64, 2) * 2, -torch.rand(1, 64, 2), K**-0.5, None)
+
 steps = {
     "linear": [functools.partial(linear, K, d, p) for K, d, p in
                ((64, torch.bfloat16, False), (128, torch.float16, True), (128, torch.float32, False))],
     "delta_prepare": [functools.partial(delta_prepare, K, d) for K, d in ((64, torch.bfloat16), (128, torch.float32))],
     "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
+    "path_wide": [functools.partial(path_forward, 256, d) for d in (torch.float32, torch.bfloat16)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
                       ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
@@ -94,6 +101,7 @@ WANTED = {
                "linear_bwd_dkdv_kernel"),
     "delta_prepare": ("delta_prepare_kernel",),
     "path_prepare": ("path_prepare_kernel",),
+    "path_wide": ("path_fwd_kernel",),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
     "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
@@ -127,6 +135,8 @@ for step in steps:
                     "linear_bwd_dq_kernel", "linear_bwd_dkdv_kernel"}),
         ("delta_prepare", {"delta_prepare_kernel"}),
         ("path_prepare", {"path_prepare_kernel"}),
+        # PaTH's forward at K = 256 in float32 (its exact carries wanted 272 KB: forward.wide_carry) and bf16
+        ("path_wide", {"path_fwd_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",

@@ -226,6 +226,16 @@ def path_fwd_fn(
         q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
         triton.cdiv(T, BT * R), R, scale,
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
-        PRECISION=precision, CARRY_PRECISION=carry, **launch,
+        PRECISION=precision, CARRY_PRECISION=wide_carry(carry, BK), **launch,
     )  # fmt: skip
     return (o, lse, m, kt, mw) if keep else (o, lse)
+
+
+def wide_carry(carry: str, BK: int) -> str:
+    """The forward kernel's carry precision: ``carry``, but three TF32 passes for exact (float32) carries above
+    ``K = 128`` on a GPU. Compiled for sm_90a (Triton 3.6, seventeenth session), the kernel's float32 FMA carries need
+    272 KB of shared memory at ``K = 256`` (their operands' layout conversions), over the 227 KB an H200 block may
+    have: the likely cause of the float32 ``K = 256`` gradient test's failure on the H200 that session (its traceback
+    was lost to the step's time limit). With 3×TF32 carries it needs 48 KB; the logits stay exact. The interpreter
+    keeps ``ieee``: it has no TF32."""
+    return "tf32x3" if carry == "ieee" and BK > 128 and not interpreting() else carry
