@@ -55,3 +55,12 @@ def poison_empty(monkeypatch):
 def seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_runtest_logreport(report):
+    """``ATTNKIT_FAILURE_LOG=FILE``: each failure's traceback is appended to ``FILE`` as it happens (by the controller
+    under xdist), so that a GPU step cut by its time limit keeps them: pytest prints its own only in its summary."""
+    path = os.environ.get("ATTNKIT_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

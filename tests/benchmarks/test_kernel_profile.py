@@ -34,3 +34,23 @@ def test_main_refuses_a_bad_setting_before_profiling(capsys):
     with pytest.raises(SystemExit) as error:
         main(["--op", "path", "--set", "attnkit.ops.path.triton.prepare.SUPERBLOCK=big"])
     assert error.value.code == 2 and "not a Python literal" in capsys.readouterr().err
+
+
+def test_each_profiled_call_starts_from_empty_grads(monkeypatch):
+    """kernel_table: every call's gradients are its own (no elementwise adds into the last call's ``.grad``, which
+    no training step runs), and the leaves end with none."""
+    import torch
+
+    import benchmarks.kernel_profile as kernel_profile
+
+    x, seen = torch.ones(3, requires_grad=True), []
+
+    def profile(run, steps):
+        run()
+        seen.append(x.grad.clone())
+        return []
+
+    monkeypatch.setattr(kernel_profile.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(kernel_profile, "profile_kernels", profile)
+    kernel_profile.kernel_table(lambda: x * 2, [x], torch.ones(3))
+    assert torch.equal(seen[0], torch.full((3,), 2.0)) and x.grad is None
