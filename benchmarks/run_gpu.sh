@@ -63,12 +63,20 @@ for step in $steps; do
             # real-size forwards (whose float32 PyTorch references at 32k take minutes). On a fresh machine the small
             # cases are compile-bound (serially, 90 s reached the eleventh at 78d152a): they run on 12 processes, each
             # test under its own limit so that pytest ends with its summary (a killed pytest prints no tracebacks);
-            # PATHTESTS_K narrows them (a pytest -k expression)
+            # PATHTESTS_K narrows them (a pytest -k expression). Every test that passed or was skipped is listed in
+            # $OUT/pathtests_done.txt as it finishes; PATHTESTS_SKIP names an earlier call's list (copied into the tree,
+            # and carried with the Triton cache), whose tests this call skips and whose list it extends, so that the
+            # file finishes over several calls
             files="tests/ops/test_path_triton.py tests/ops/test_path_decoding_triton.py"
+            export ATTNKIT_DONE_LOG=$OUT/pathtests_done.txt
+            if [ -n "${PATHTESTS_SKIP:-}" ]; then
+                cp "$PATHTESTS_SKIP" "$ATTNKIT_DONE_LOG" && export ATTNKIT_SKIP_FILE=$PATHTESTS_SKIP
+            fi
             timeout 200 python3 -m pytest -v -rf --tb=short -n 12 --timeout 150 $files \
                 -k "${PATHTESTS_K:-not real_size}" > "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -v -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -v -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
+            unset ATTNKIT_DONE_LOG ATTNKIT_SKIP_FILE
             grep -E "passed|failed|FAILED|error" "$OUT/pathtests.log" | tail -12 ;;
         pathcheck)  # the ninth to eleventh sessions' PaTH changes on a GPU: the fused directions w, the models under
             # autocast, bf16 at small head dims (on 8 processes: a cold machine is compile-bound, 240 s serially did not

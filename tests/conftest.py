@@ -58,9 +58,31 @@ def seed():
 
 
 def pytest_runtest_logreport(report):
-    """``ATTNKIT_FAILURE_LOG=FILE``: each failure's traceback is appended to ``FILE`` as it happens (by the controller
-    under xdist), so that a GPU step cut by its time limit keeps them: pytest prints its own only in its summary."""
-    path = os.environ.get("ATTNKIT_FAILURE_LOG")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
-        with open(path, "a") as log:
+    """For the GPU steps (``benchmarks/run_gpu.sh``), whose pytest runs a time limit may cut before pytest's summary.
+    ``ATTNKIT_FAILURE_LOG=FILE``: each failure's traceback is appended to ``FILE`` as it happens.
+    ``ATTNKIT_DONE_LOG=FILE``: each test that passed or was skipped is appended to ``FILE`` by its node id (the
+    controller writes both under xdist)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    failures, done = os.environ.get("ATTNKIT_FAILURE_LOG"), os.environ.get("ATTNKIT_DONE_LOG")
+    if failures and report.failed:
+        with open(failures, "a") as log:
             log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    finished = report.skipped or (report.passed and report.when == "call")
+    if done and finished:
+        with open(done, "a") as log:
+            log.write(report.nodeid + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``ATTNKIT_SKIP_FILE=FILE``: the tests ``FILE`` lists by node id (an earlier call's ``ATTNKIT_DONE_LOG``) are
+    deselected, so that a GPU test file too slow for one call finishes over several."""
+    path = os.environ.get("ATTNKIT_SKIP_FILE")
+    if not path or not os.path.exists(path):
+        return
+    with open(path) as listed:
+        done = set(listed.read().split())
+    deselected = [item for item in items if item.nodeid in done]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.nodeid not in done]
