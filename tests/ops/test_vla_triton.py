@@ -494,14 +494,46 @@ def test_state_blocks_keep_their_width_at_wide_keys(monkeypatch):
     from attnkit.ops.common.triton import delta_fwd
 
     monkeypatch.setattr(delta_fwd, "multiprocessors", lambda device: 132)
-    dims = dict(K=128, V=128)
-    assert delta_fwd.state_launch(64, dims, 1, torch.device("cpu"))[0] == 64
-    assert delta_fwd.state_launch(64, dict(K=64, V=128), 1, torch.device("cpu"))[0] == 16
+    CPU, dims = torch.device("cpu"), dict(K=128, V=128)
+    assert delta_fwd.state_launch(64, dims, 1, CPU, torch.bfloat16)[0] == 64
+    assert delta_fwd.state_launch(64, dict(K=64, V=128), 1, CPU, torch.bfloat16)[0] == 16
     monkeypatch.setattr(delta_fwd, "STATE_BV", 16)
     with pytest.raises(ValueError, match="STATE_BV"):
-        delta_fwd.state_launch(64, dims, 1, torch.device("cpu"))
+        delta_fwd.state_launch(64, dims, 1, CPU, torch.bfloat16)
     monkeypatch.setattr(delta_fwd, "STATE_BV", 32)
-    assert delta_fwd.state_launch(64, dims, 1, torch.device("cpu"))[0] == 32
+    assert delta_fwd.state_launch(64, dims, 1, CPU, torch.bfloat16)[0] == 32
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_state_passes_on_16bit_operands(monkeypatch, with_state):
+    """``delta_fwd.STATE_16BIT``: with float16 inputs the state passes multiply float16 operands (the state, W and U
+    rounded for each product): DeltaNet with ``beta`` near 2 over four chunks within the 16-bit bars of the float32
+    PyTorch rule on the same rounded inputs, and not the float32-operand launch's numbers (the rounding is there);
+    float32 inputs keep float32 operands."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    inputs = delta_inputs(1, 2, 120, 16, 32, True)
+    half = [x.half() for x in inputs[:3]] + [inputs[3]]
+    state = [torch.randn(1, 2, 32, 16, device=DEVICE)] if with_state else None
+
+    def triton_fn(q, k, v, a, st):
+        o, S = delta_rule_triton(*bthd(q, k, v, a), None if st is None else st[0])
+        return o.transpose(1, 2), (S,)
+
+    def torch_fn(q, k, v, a, st):
+        o, S = chunk_generalized_delta_rule(q, k, v, a, None if st is None else st[0], 16)
+        return o, (S,)
+
+    wide = grads_of(triton_fn, half, state)
+    floats = grads_of(triton_fn, inputs, state)
+    monkeypatch.setattr(delta_fwd, "STATE_16BIT", True)
+    narrow = grads_of(triton_fn, half, state)
+    expected = grads_of(torch_fn, [x.float() for x in half], state)
+    names = ["o", "S", "dq", "dk", "dv", "da", "dS0"]
+    for name, x, y in zip(names, narrow, expected):
+        assert_close(name, x.float(), y, 5e-3 if name == "o" else 1e-2)
+    assert any(not torch.equal(x, y) for x, y in zip(narrow, wide))
+    assert all(torch.equal(x, y) for x, y in zip(grads_of(triton_fn, inputs, state), floats))
 
 
 def gate_inputs(B, H, NC, K, lam0, seed=0):

@@ -29,6 +29,7 @@ from attnkit.ops.common.triton.delta_fwd import (
     dense_tokens,
     launch_config,
     launch_dims,
+    operand,
     row_tile,
     seq_site,
     seq_tiles,
@@ -44,7 +45,7 @@ def delta_bwd_state_kernel(
     q, a, beta, w, do, dht, dhs, du, dh0, cu_seqlens, offsets, T, NC, H, scale,
     sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_DHT: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_DHT: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOW: tl.constexpr = "",
 ):  # fmt: skip
     """``q [B, T, H, K]``, ``a`` (and ``beta``) as the forward's, ``w [BH, T, K]`` float32, ``do [B, T, H, V]``
     (strided), ``dht [NH, V, K]`` (gradient of the final state) -> ``dhs [BH, NC, K, V]`` (``dh'`` of each chunk),
@@ -74,11 +75,14 @@ def delta_bwd_state_kernel(
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
         b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
         # tril(Q Aᵀ)ᵀ = triu(A Qᵀ)
-        b_aq = tl.where(rows <= cols, tl.dot(b_a, tl.trans(b_q), input_precision=PRECISION), 0.0)
-        b_du = tl.dot(b_aq, b_do, input_precision=PRECISION) + tl.dot(b_a, b_dh, input_precision=PRECISION)
+        b_aq = tl.where(
+            rows <= cols, tl.dot(operand(b_a, LOW), operand(tl.trans(b_q), LOW), input_precision=PRECISION), 0.0
+        )
+        b_du = tl.dot(operand(b_aq, LOW), operand(b_do, LOW), input_precision=PRECISION)
+        b_du += tl.dot(operand(b_a, LOW), operand(b_dh, LOW), input_precision=PRECISION)
         tl.store(du + p_v, b_du, mask=m_v)
-        b_dh += tl.dot(tl.trans(b_q), b_do, input_precision=PRECISION)
-        b_dh -= tl.dot(tl.trans(b_w), b_du, input_precision=PRECISION)
+        b_dh += tl.dot(operand(tl.trans(b_q), LOW), operand(b_do, LOW), input_precision=PRECISION)
+        b_dh -= tl.dot(operand(tl.trans(b_w), LOW), operand(b_du, LOW), input_precision=PRECISION)
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
 
 
@@ -257,7 +261,7 @@ def delta_bwd_fn(
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     write = strides(a=a_or_k, beta=beta)
     reads = strides(q=q, do=do) | write
-    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device)
+    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device, k.dtype)
     delta_bwd_state_kernel[(triton.cdiv(V, bv), N * H)](
         q, a_or_k, beta, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, scale=scale, BV=bv,
         USE_DHT=dht is not None, **reads, **seq, **state_dims,

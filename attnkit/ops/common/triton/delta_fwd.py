@@ -114,6 +114,18 @@ def token_values(x, i_b, i_h, bos, o_t, m_t, sb, st, sh):
 
 
 @triton.jit
+def operand(x, LOW: tl.constexpr):
+    """``x`` as a ``tl.dot`` operand of the state passes: rounded to ``LOW`` (``"bf16"``, ``"fp16"``) where
+    :data:`STATE_16BIT` applies, else as it is."""
+    if LOW == "bf16":
+        return x.to(tl.bfloat16)
+    elif LOW == "fp16":
+        return x.to(tl.float16)
+    else:
+        return x
+
+
+@triton.jit
 def write_rows(
     a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K: tl.constexpr, BT: tl.constexpr
 ):
@@ -212,7 +224,7 @@ def delta_prepare_kernel(
 def delta_fwd_state_kernel(
     w, u, a, beta, h0, hs, u_new, ht, cu_seqlens, offsets, T, NC, H, sab, sat, sah, sad, sbeb, sbet, sbeh,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    USE_H0: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
+    USE_H0: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOW: tl.constexpr = "",
 ):  # fmt: skip
     """The sequential part. ``w [BH, T, K]``, ``u [BH, T, V]`` float32 from the prepare kernel, ``a`` (and
     ``beta``) as the prepare kernel's, ``h0 [NH, V, K]`` (``S_0`` of each sequence and head) -> ``hs [BH, NC, K, V]``
@@ -236,9 +248,10 @@ def delta_fwd_state_kernel(
         p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
         b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-        b_u = tl.load(u + p_v, mask=m_v, other=0.0) - tl.dot(b_w, b_h, input_precision=PRECISION)
+        b_wh = tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
+        b_u = tl.load(u + p_v, mask=m_v, other=0.0) - b_wh
         tl.store(u_new + p_v, b_u, mask=m_v)
-        b_h += tl.dot(tl.trans(b_a), b_u, input_precision=PRECISION)
+        b_h += tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
     tl.store(ht + p_state, b_h, mask=m_kv)
 
 
@@ -296,6 +309,10 @@ def launch_config(key_dim: int, wide: bool = False) -> dict[str, int]:
 STATE_BV: int | None = None
 STATE_STAGES = 1
 NARROW_STATE_FILL = 0.25
+# The state passes' products on 16-bit operands for 16-bit inputs (the state, W and U rounded to the inputs' dtype for
+# each tl.dot, the state and the products kept in float32), as FLA's chunk_delta_rule multiplies: half the tensor-core
+# steps of one TF32 pass. Off: not yet timed or measured for drift on a GPU (`bash benchmarks/run_gpu.sh deltastate`).
+STATE_16BIT = False
 
 
 def multiprocessors(device: torch.device) -> int:
@@ -305,11 +322,14 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def state_launch(bv_state: int, dims: dict, programs: int, device: torch.device) -> tuple[int, dict]:
+def state_launch(
+    bv_state: int, dims: dict, programs: int, device: torch.device, dtype: torch.dtype
+) -> tuple[int, dict]:
     """The state passes' value-block width and launch constexprs from the other kernels' ``BV_STATE``, ``dims`` and
     the number of ``(sequence, head)`` programs: :data:`STATE_BV` if set, else 16 columns at ``K <= 64`` where the
     default width would launch at most :data:`NARROW_STATE_FILL` of the device's multiprocessors, else ``BV_STATE``;
-    :data:`STATE_STAGES` stages."""
+    :data:`STATE_STAGES` stages; 16-bit operands (``LOW``) for inputs of 16-bit ``dtype`` where
+    :data:`STATE_16BIT`."""
     wide_keys = dims["K"] > 64
     if STATE_BV is not None:
         bv = min(block_dim(STATE_BV), bv_state)
@@ -319,7 +339,8 @@ def state_launch(bv_state: int, dims: dict, programs: int, device: torch.device)
         columns = triton.cdiv(dims["V"], bv_state)
         few = programs * columns <= NARROW_STATE_FILL * multiprocessors(device)
         bv = min(16, bv_state) if few and not wide_keys else bv_state
-    return bv, dims | dict(num_stages=STATE_STAGES)
+    low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "") if STATE_16BIT else ""
+    return bv, dims | dict(num_stages=STATE_STAGES, LOW=low)
 
 
 def launch_dims(key_dim: int, value_dim: int, chunk_size: int, precision: str) -> tuple[int, dict]:
@@ -369,7 +390,7 @@ def delta_fwd_fn(
         **varlen, **dims,
     )  # fmt: skip
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
-    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device)
+    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device, k.dtype)
     delta_fwd_state_kernel[(triton.cdiv(V, bv), N * H)](
         w, u, a_or_k, beta, initial_state, hs, u_new, ht, T=T, NC=NC, H=H, BV=bv,
         USE_H0=initial_state is not None, **write, **seq, **state_dims,
