@@ -398,6 +398,18 @@ def bthd(*xs):
     return [x.transpose(1, 2) for x in xs]
 
 
+def delta_triton_fn(q, k, v, a, st):
+    """The delta-rule kernels on ``[B, H, T, ·]`` inputs (``st``: None or ``[S_0]``), as :func:`grads_of` takes them."""
+    o, S = delta_rule_triton(*bthd(q, k, v, a), None if st is None else st[0])
+    return o.transpose(1, 2), (S,)
+
+
+def delta_torch_fn(q, k, v, a, st):
+    """The PyTorch rule in chunks of 16, as :func:`delta_triton_fn`."""
+    o, S = chunk_generalized_delta_rule(q, k, v, a, None if st is None else st[0], 16)
+    return o, (S,)
+
+
 def delta_inputs(B, H, T, K, V, deltanet=False):
     q = torch.randn(B, H, T, K, device=DEVICE)
     k = F.normalize(torch.randn(B, H, T, K, device=DEVICE), dim=-1)
@@ -419,15 +431,7 @@ def test_delta_rule_kernels_match_torch(deltanet, with_state, K, V):
     inputs = delta_inputs(B, H, T, K, V, deltanet)
     state = [torch.randn(B, H, V, K, device=DEVICE)] if with_state else None
 
-    def triton_fn(q, k, v, a, st):
-        o, S = delta_rule_triton(*bthd(q, k, v, a), None if st is None else st[0])
-        return o.transpose(1, 2), (S,)
-
-    def torch_fn(q, k, v, a, st):
-        o, S = chunk_generalized_delta_rule(q, k, v, a, None if st is None else st[0], 16)
-        return o, (S,)
-
-    actual, expected = grads_of(triton_fn, inputs, state), grads_of(torch_fn, inputs, state)
+    actual, expected = grads_of(delta_triton_fn, inputs, state), grads_of(delta_torch_fn, inputs, state)
     for name, x, y in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], actual, expected):
         assert_close(name, x, y, 1e-4)
 
@@ -443,22 +447,14 @@ def test_state_passes_in_narrower_blocks(monkeypatch, deltanet):
     inputs = delta_inputs(B, H, T, K, V, deltanet)
     state = [torch.randn(B, H, V, K, device=DEVICE)]
 
-    def triton_fn(q, k, v, a, st):
-        o, S = delta_rule_triton(*bthd(q, k, v, a), st[0])
-        return o.transpose(1, 2), (S,)
-
-    default = grads_of(triton_fn, inputs, state)
+    default = grads_of(delta_triton_fn, inputs, state)
     monkeypatch.setattr(delta_fwd, "STATE_BV", 16)
     monkeypatch.setattr(delta_fwd, "STATE_STAGES", 2)
     launches = launch_counter(monkeypatch, delta_fwd, "delta_fwd_state_kernel")
-    narrow = grads_of(triton_fn, inputs, state)
+    narrow = grads_of(delta_triton_fn, inputs, state)
     assert [grid[0] for grid in launches] == [2]  # two 16-column blocks
 
-    def torch_fn(q, k, v, a, st):
-        o, S = chunk_generalized_delta_rule(q, k, v, a, st[0], 16)
-        return o, (S,)
-
-    expected = grads_of(torch_fn, inputs, state)
+    expected = grads_of(delta_torch_fn, inputs, state)
     for name, x, d, y in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], narrow, default, expected):
         assert_close(name, x, d, 1e-6)
         assert_close(name, x, y, 1e-4)
@@ -475,14 +471,10 @@ def test_state_passes_narrow_where_few_programs(monkeypatch, sms):
     inputs = delta_inputs(1, 2, 37, 16, 32, True)
     state = [torch.randn(1, 2, 32, 16, device=DEVICE)]
 
-    def triton_fn(q, k, v, a, st):
-        o, S = delta_rule_triton(*bthd(q, k, v, a), st[0])
-        return o.transpose(1, 2), (S,)
-
-    default = grads_of(triton_fn, inputs, state)
+    default = grads_of(delta_triton_fn, inputs, state)
     monkeypatch.setattr(delta_fwd, "multiprocessors", lambda device: sms)
     launches = launch_counter(monkeypatch, delta_fwd, "delta_fwd_state_kernel")
-    chosen = grads_of(triton_fn, inputs, state)
+    chosen = grads_of(delta_triton_fn, inputs, state)
     assert [grid[0] for grid in launches] == [2 if sms == 132 else 1]
     for name, x, d in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], chosen, default):
         assert_close(name, x, d, 1e-6)
@@ -516,24 +508,16 @@ def test_state_passes_on_16bit_operands(monkeypatch, with_state):
     half = [x.half() for x in inputs[:3]] + [inputs[3]]
     state = [torch.randn(1, 2, 32, 16, device=DEVICE)] if with_state else None
 
-    def triton_fn(q, k, v, a, st):
-        o, S = delta_rule_triton(*bthd(q, k, v, a), None if st is None else st[0])
-        return o.transpose(1, 2), (S,)
-
-    def torch_fn(q, k, v, a, st):
-        o, S = chunk_generalized_delta_rule(q, k, v, a, None if st is None else st[0], 16)
-        return o, (S,)
-
-    wide = grads_of(triton_fn, half, state)
-    floats = grads_of(triton_fn, inputs, state)
+    wide = grads_of(delta_triton_fn, half, state)
+    floats = grads_of(delta_triton_fn, inputs, state)
     monkeypatch.setattr(delta_fwd, "STATE_16BIT", True)
-    narrow = grads_of(triton_fn, half, state)
-    expected = grads_of(torch_fn, [x.float() for x in half], state)
+    narrow = grads_of(delta_triton_fn, half, state)
+    expected = grads_of(delta_torch_fn, [x.float() for x in half], state)
     names = ["o", "S", "dq", "dk", "dv", "da", "dS0"]
     for name, x, y in zip(names, narrow, expected):
         assert_close(name, x.float(), y, 5e-3 if name == "o" else 1e-2)
     assert any(not torch.equal(x, y) for x, y in zip(narrow, wide))
-    assert all(torch.equal(x, y) for x, y in zip(grads_of(triton_fn, inputs, state), floats))
+    assert all(torch.equal(x, y) for x, y in zip(grads_of(delta_triton_fn, inputs, state), floats))
 
 
 def gate_inputs(B, H, NC, K, lam0, seed=0):
