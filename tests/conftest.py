@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config, items):
     if not path or not os.path.exists(path):
         return
     with open(path) as listed:
-        done = set(listed.read().split())
+        done = {line.strip() for line in listed if line.strip()}  # node ids may hold spaces
     deselected = [item for item in items if item.nodeid in done]
     if deselected:
         config.hook.pytest_deselected(items=deselected)

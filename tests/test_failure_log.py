@@ -46,7 +46,7 @@ def test_failures_and_finished_tests_are_logged_as_they_happen(tmp_path):
     text = failures.read_text()
     assert "test_sample.py::test_fails (call)" in text and "arithmetic" in text
     assert "test_passes" not in text
-    assert done.read_text().split() == ["test_sample.py::test_passes", "test_sample.py::test_skips"]
+    assert done.read_text().splitlines() == ["test_sample.py::test_passes", "test_sample.py::test_skips"]
 
 
 def test_a_later_run_skips_what_an_earlier_one_finished(tmp_path):
