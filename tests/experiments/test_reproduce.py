@@ -189,8 +189,8 @@ def test_smoke_scale_writes_a_complete_report_and_resumes_without_rerunning(pape
         v10 = next(c for c in data["claims"] if c["id"] == "V10")
         assert v10["verdict"] == "REFUTED" and "radius" in v10["ours"], v10
     # every declared cell finished and is cached (the chained ones too); every plot the report links exists
-    declared, _ = declared_cells(module.experiments("smoke"), str(folder / "cells"))
-    assert waiting_count(module.experiments("smoke"), declared) == 0
+    declared, records = declared_cells(module.experiments("smoke"), str(folder / "cells"))
+    assert waiting_count(module.experiments("smoke"), declared, records) == 0
     assert all(cells_mod.is_finished(str(folder / "cells"), c) for c in declared)
     assert data["run"]["ran"] == len(declared) and data["run"]["failed"] == 0
     for png in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):

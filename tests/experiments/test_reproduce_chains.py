@@ -271,4 +271,4 @@ def test_the_command_runs_chains_in_stages_and_resumes_a_killed_run(tmp_path, mo
     capsys.readouterr()
     assert main(["reproduce", "toy", "--out", str(tmp_path / "fresh"), "--list"]) == 0
     out = capsys.readouterr().out
-    assert out.count("pending toy pre-") == 3 and "waiting toy 6 cells of chained experiments" in out
+    assert out.count("pending toy pre-") == 3 and "waiting toy 6 cells of chained or laddered experiments" in out

@@ -211,10 +211,11 @@ def test_p1_rope_and_fox_must_both_fail_flip_flop(rope, fox, verdict):
 def test_p2_path_must_need_fewer_layers_than_rope_and_fox(fewest, verdict):
     """``fewest``: mixer -> the fewest layers reaching > 90% (None: no depth run does)."""
     sweep, records = next(e for e in path.experiments("smoke") if e.name == "words"), {}
-    for cell in sweep.cells():
-        mixer, depth = cell.label.split()[0], cell.params["config"]["num_layers"]
-        solved = fewest.get(mixer) is not None and depth >= fewest[mixer]
-        records[cell.name] = record(sweep.metric, 0.5, {"test": 0.95 if solved else 0.1})
+    while cells := [c for c in sweep.cells(records) if c.name not in records]:  # laddered: depth by depth
+        for cell in cells:
+            mixer, depth = cell.label.split()[0], cell.params["config"]["num_layers"]
+            solved = fewest.get(mixer) is not None and depth >= fewest[mixer]
+            records[cell.name] = record(sweep.metric, 0.5, {"test": 0.95 if solved else 0.1})
     got, reason, ours = path._words({"words": summarise(sweep, records)})
     assert got == verdict, reason
     assert "fox A5 k8:" in ours

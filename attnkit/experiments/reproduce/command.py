@@ -76,7 +76,9 @@ def declared_cells(experiments: list, cells_dir: str) -> tuple[list[Cell], dict[
     """The cells of ``experiments`` that can be declared now, and the finished ones' records.
 
     A chained sweep's cells exist once its parent sweep has chosen the learning rate of each model it continues,
-    so they appear as the parent's cells finish: a run declares, runs what is missing and declares again."""
+    and a laddered sweep's deeper rungs once the shallower ones have chosen theirs and fallen short, so they appear
+    as those cells finish: a run declares, runs what is missing and declares again. An experiment is declared until
+    its own finished cells declare no more."""
     before: set[str] = set()
     cells: list[Cell] = []
     records: dict[str, dict] = {}
@@ -85,18 +87,30 @@ def declared_cells(experiments: list, cells_dir: str) -> tuple[list[Cell], dict[
         if parent is not None and parent.name not in before:
             raise ValueError(f"{experiment.name}: parent: {parent.name} is not an experiment listed before it")
         before.add(experiment.name)
-        for cell in experiment.cells(records):
-            cells.append(cell)
-            if (record := load_cell(cells_dir, cell)) is not None:
-                records[cell.name] = record
+        known: set[str] = set()
+        while new := [cell for cell in experiment.cells(records) if cell.name not in known]:
+            for cell in new:
+                known.add(cell.name)
+                cells.append(cell)
+                if (record := load_cell(cells_dir, cell)) is not None:
+                    records[cell.name] = record
+            if not getattr(experiment, "stop_at", None):
+                break  # only a ladder's own records declare more of it
     return cells, records
 
 
-def waiting_count(experiments: list, cells: list[Cell]) -> int:
-    """Cells of chained sweeps that cannot be declared yet (their parents have not finished)."""
+def waiting_count(experiments: list, cells: list[Cell], records: dict[str, dict]) -> int:
+    """Cells that cannot be declared yet: of chained sweeps whose parents have not finished, and the rungs of
+    laddered sweeps above rungs still running (``records``: the finished cells', as :func:`declared_cells` gives)."""
     declared = {c.name for c in cells}
     total = sum(len(e.settings) * len(e.models) * len(e.lrs) * len(e.seeds) for e in experiments if _chained(e))
-    return total - sum(c.name in declared for c in cells if c.parent is not None)
+    chained = total - sum(c.name in declared for c in cells if c.parent is not None)
+    rungs = 0
+    for e in experiments:
+        if getattr(e, "stop_at", None) is not None:
+            waiting = sum(bool(choice.waiting) for choice in summarise(e, records).choices.values())
+            rungs += waiting * len(e.lrs) * len(e.seeds)
+    return chained + rungs
 
 
 def _chained(experiment) -> bool:
@@ -113,13 +127,16 @@ def run(args: argparse.Namespace) -> int:
     for paper in papers:
         experiments = declared(paper, args.scale)
         cells_dir = os.path.join(args.out, paper, "cells")
-        cells, _ = declared_cells(experiments, cells_dir)
+        cells, records = declared_cells(experiments, cells_dir)
         finished = [c for c in cells if is_finished(cells_dir, c)]
         if args.list:
             for c in cells:
                 print(f"{'done   ' if c in finished else 'pending'} {paper} {c.name}")
-            if waiting := waiting_count(experiments, cells):
-                print(f"waiting {paper} {waiting} cells of chained experiments, declared once their parents finish")
+            if waiting := waiting_count(experiments, cells, records):
+                print(
+                    f"waiting {paper} {waiting} cells of chained or laddered experiments, declared once the cells "
+                    "they follow finish"
+                )
             continue
         if finished and not (args.resume or args.report_only):
             print(
@@ -140,16 +157,16 @@ def run(args: argparse.Namespace) -> int:
         summary = RunSummary()
         tried: set[str] = set()
         while True:  # chained cells are declared once their parents have finished: run in stages
-            cells, _ = declared_cells(experiments, cells_dir)
+            cells, records = declared_cells(experiments, cells_dir)
             selected = [c for c in cells if args.cells is None or fnmatch.fnmatch(c.name, args.cells)]
             new = [c for c in selected if c.name not in tried]
             if not new:
                 break
             tried.update(c.name for c in new)
-            waiting = waiting_count(experiments, cells)
+            waiting = waiting_count(experiments, cells, records)
             print(
                 f"attnkit reproduce {paper} ({args.scale}): {len(new)} of {len(cells)} cells"
-                + (f" ({waiting} more wait for their parents)" if waiting else ""),
+                + (f" ({waiting} more wait for the cells they follow)" if waiting else ""),
                 file=sys.stderr,
             )
             summary.merge(run_cells(new, cells_dir, args.jobs, args.device, deadline))

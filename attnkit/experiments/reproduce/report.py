@@ -194,6 +194,13 @@ def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
     ]
     if sweep.parent is not None:
         lines += [_chain_text(sweep), ""]
+    if sweep.stop_at is not None:
+        lines += [
+            f"Laddered: each mixer's depths run shallowest first, and a depth runs only where every shallower one "
+            f"fell short of {sweep.metric} {sweep.stop_at:g} on the test set (at the learning rate validation chose); "
+            f"the depths above the first that reaches it are not needed, and do not run.",
+            "",
+        ]
     if sweep.keep:
         lines += [f"The trained weights of {', '.join(sweep.keep)} are kept for a chained stage.", ""]
     lrs = " | ".join(f"val @ {lr:g}" for lr in sweep.lrs)
@@ -204,6 +211,11 @@ def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
             "pending" if v is None else "diverged" if lr in choice.diverged else f"{v:.3g}"
             for lr, v in choice.scores.items()
         )
+        if choice.not_needed:  # a laddered sweep's rung above one that reached stop_at
+            lines.append(
+                f"| {model} | {setting} | {' | '.join('—' for _ in choice.scores)} | — | {choice.not_needed} |"
+            )
+            continue
         if sweep.parent is not None:
             source = sweep.models[model]["from"]
             model = f"{model} (from {source}" + (f" at lr {choice.parent_lr:g})" if choice.parent_lr else ", waiting)")
@@ -410,6 +422,7 @@ def _result_json(result: SweepResult | ProbeResult) -> dict:
         "metric": sweep.metric,
         "parent": sweep.parent.name if sweep.parent is not None else None,
         "keep": sweep.keep,
+        "stop_at": sweep.stop_at,
         "finished": result.finished,
         "total": result.total,
         "choices": [

@@ -12,6 +12,11 @@ A chained sweep (``parent``) is a second stage: each of its models continues a m
 whose mixer differs from its parent's starts from the parent converted to that mixer (``cells.convert_model``).
 Its cells exist only once the parent's choice is made (``cells(records)``), and each names its parent cell, so a
 changed parent (or a changed choice) makes new cells.
+
+A laddered sweep (``stop_at``) asks for the fewest layers that reach a score: the models of one mixer (and model
+options) are the rungs of a ladder, shallowest first, and a rung's cells exist only once every shallower rung has
+chosen its learning rate without reaching ``stop_at`` on the test metric. A rung above one that reached it is *not
+needed*: it never runs, and the claim reads the shallower rung. Its cells too appear as the earlier ones finish.
 """
 
 from __future__ import annotations
@@ -113,6 +118,7 @@ class Sweep:
     note: str = ""
     keep: tuple[str, ...] = ()
     parent: Sweep | None = None
+    stop_at: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.lrs) < 3:
@@ -130,6 +136,16 @@ class Sweep:
                 )
         if not set(self.keep) <= set(self.models):
             raise ValueError(f"{self.name}: keep: {sorted(set(self.keep) - set(self.models))} are not models here")
+        if self.stop_at is not None:
+            if self.parent is not None:
+                raise ValueError(f"{self.name}: stop_at: a chained sweep cannot be laddered")
+            for label in self.models:
+                below = self.rungs_below(label)
+                if below and self.shape(below[-1])[1] >= self.shape(label)[1]:
+                    raise ValueError(
+                        f"{self.name}: stop_at: the rungs of a ladder are declared shallowest first, got "
+                        f"{below[-1]!r} ({self.shape(below[-1])[1]} layers) before {label!r} ({self.shape(label)[1]})"
+                    )
         if self.parent is None:
             if any("from" in model for model in self.models.values()):
                 raise ValueError(f"{self.name}: a model continues another ('from') only in a sweep with a parent")
@@ -152,6 +168,13 @@ class Sweep:
                     f"{self.name}: models[{label!r}]: shape {self.shape(label)} differs from its parent "
                     f"{parent.name}/{source} {parent.shape(source)}"
                 )
+
+    def rungs_below(self, model: str) -> list[str]:
+        """In a laddered sweep, the models declared before ``model`` with its mixer and model options."""
+        spec = self.models[model]
+        same = [m for m, other in self.models.items() if (other["mixer"], other.get("model_options")) == (
+            spec["mixer"], spec.get("model_options"))]  # fmt: skip
+        return same[: same.index(model)]
 
     def shape(self, model: str) -> tuple:
         """The model's ``(hidden_size, num_layers, num_heads)`` where the sweep sets them (None where not)."""
@@ -196,11 +219,17 @@ class Sweep:
 
     def cells(self, records: dict[str, dict] | None = None) -> list[Cell]:
         """The cells of the sweep that can be declared with the finished ``records`` (``{cell name: record}``):
-        all of them, except in a chained sweep those whose parent has not chosen its learning rate yet."""
+        all of them, except in a chained sweep those whose parent has not chosen its learning rate yet, and in a
+        laddered one the rungs that wait for a shallower one or are not needed."""
         parent = summarise(self.parent, records or {}) if self.parent is not None else None
+        own = summarise(self, records or {}) if self.stop_at is not None else None
         out = []
         for setting in self.settings:
             for model in self.models:
+                if own is not None and (
+                    own.choices[(model, setting)].waiting or own.choices[(model, setting)].not_needed
+                ):
+                    continue  # a rung above one still running, or above one that reached stop_at
                 try:
                     out += [self.cell(model, setting, lr, seed, parent) for lr in self.lrs for seed in self.seeds]
                 except Missing:
@@ -233,8 +262,9 @@ class Choice:
     diverged: list[float] = field(default_factory=list)  # learning rates with a non-finite loss
     parent_lr: float | None = None  # chained sweeps: the learning rate of the parent this model continues
     probes: dict[str, list[dict]] = field(default_factory=dict)  # trained-model probes: name -> per seed
-    waiting: str = ""  # chained sweeps: why the parent has not chosen it yet
+    waiting: str = ""  # chained sweeps: why the parent has not chosen it yet; laddered: the rung it waits for
     parent_diverged: bool = False  # ... because every learning rate of the parent diverged
+    not_needed: str = ""  # laddered sweeps: the shallower rung that reached stop_at
 
 
 def _score(record: dict, metric: str) -> float | None:
@@ -276,6 +306,8 @@ class SweepResult:
         if model not in self.sweep.models or setting not in self.sweep.settings:
             raise Missing(f"{self.sweep.name}: {model} at {setting} is not run at this scale")
         choice = self.choices[(model, setting)]
+        if choice.not_needed:
+            raise Missing(choice.not_needed)
         if choice.waiting:
             raise (Diverged if choice.parent_diverged else Missing)(choice.waiting)
         if choice.lr is None and all(v is not None for v in choice.scores.values()):
@@ -332,6 +364,11 @@ def summarise(sweep: Sweep, records: dict[str, dict]) -> SweepResult:
     parent = summarise(sweep.parent, records) if sweep.parent is not None else None
     for setting in sweep.settings:
         for model in sweep.models:
+            if sweep.stop_at is not None and (gate := _ladder_gate(sweep, model, setting, choices)):
+                choice = Choice(model, setting, dict.fromkeys(sweep.lrs))
+                setattr(choice, gate[0], gate[1])
+                choices[(model, setting)] = choice
+                continue
             parent_lr = None
             if parent is not None:
                 try:
@@ -375,5 +412,31 @@ def summarise(sweep: Sweep, records: dict[str, dict]) -> SweepResult:
                 choice.probes = {p: [r["probes"][p] for r in chosen] for p in chosen[0].get("probes", {})}
                 choice.seq_len = chosen[0].get("seq_len")
             choices[(model, setting)] = choice
-    total = len(sweep.settings) * len(sweep.models) * len(sweep.lrs) * len(sweep.seeds)
+    needed = sum(not choice.not_needed for choice in choices.values())
+    total = needed * len(sweep.lrs) * len(sweep.seeds)
     return SweepResult(sweep, choices, finished, total, wall)
+
+
+def _ladder_gate(sweep: Sweep, model: str, setting: str, choices: dict) -> tuple[str, str] | None:
+    """Why a rung of a laddered sweep does not run (yet): ``("not_needed", why)`` above a rung whose chosen
+    learning rate reached ``stop_at`` on the test metric, ``("waiting", why)`` above one still to choose; None when
+    every shallower rung chose and fell short (or diverged at every learning rate)."""
+    sign = 1.0 if sweep.higher_is_better else -1.0
+    for rung in sweep.rungs_below(model):
+        below = choices[(rung, setting)]
+        if below.not_needed:
+            return "not_needed", below.not_needed
+        if below.waiting:
+            return "waiting", below.waiting
+        if below.lr is None:
+            if all(v is not None for v in below.scores.values()):
+                continue  # every learning rate diverged: it reached nothing
+            return "waiting", f"{sweep.name}: {model} at {setting} waits for {rung}"
+        try:
+            score = _pick(below.test, None, sweep.metric, sweep.name).mean
+        except Missing:
+            continue
+        if sign * score > sign * sweep.stop_at:
+            beyond = ">" if sweep.higher_is_better else "<"
+            return "not_needed", f"not needed: {rung} reached {sweep.metric} {score:.3g} ({beyond} {sweep.stop_at:g})"
+    return None
