@@ -326,9 +326,12 @@ def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
     monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
     monkeypatch.setattr(backward, "carries_key_tile", lambda key_dim: key_tile)
-    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 130, 4, 2, 16, 24, gate=True, dtype=torch.float32))
+    # Nine chunks and two positions, whatever the chunk: 16 positions under the interpreter, 64 on a GPU (with 130
+    # positions there, one superblock held every chunk, the option had nothing to act on, and the test failed)
+    T = 8 * prepare.chunk_size(16) + 2
+    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32))
     q, k, v = (x.half() for x in (q, k, v))
-    do = torch.randn(1, 130, 4, 24, device=DEVICE).half()
+    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
     expected = backend_grads([x.float() for x in (q, k, v, w, beta, g)], do.float(), "torch")
     rounded_later = backend_grads([q, k, v, w, beta, g], do, "triton")
     monkeypatch.setattr(backward, "INNER_LOW_GRAD", True)
@@ -349,11 +352,14 @@ def test_sweep_pairs_on_16bit_operands(monkeypatch, offsets):
 
     monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 2)
-    T = 150 if offsets else 130
+    # The lengths in 16-position chunks, scaled to the chunk in use (64 positions on a GPU: unscaled, the packed
+    # sequences there had one superblock each, no pairs between superblocks, and the test failed)
+    scale = prepare.chunk_size(16) // 16
+    T = (150 if offsets else 130) * scale
     inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32)]
     inputs[:3] = [x.half() for x in inputs[:3]]
     do = torch.randn(1, T, 4, 24, device=DEVICE).half()
-    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    cu = None if offsets is None else torch.tensor([o * scale for o in offsets], device=DEVICE)
     expected = backend_grads([x.float() for x in inputs], do.float(), "torch", cu)
     exact_pairs = backend_grads(inputs, do, "triton", cu)
     monkeypatch.setattr(backward_super, "PAIR_16BIT", "16bit")
