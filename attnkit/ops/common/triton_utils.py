@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -12,6 +13,15 @@ LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax runs on exp2, with t
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1``: kernels then run on CPU tensors through Triton's interpreter (tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA ``device`` (what a launch has to fill); 0 elsewhere (the
+    interpreter)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def kernel_device(device: torch.device) -> bool:

@@ -6,13 +6,11 @@ Shared by the decode kernels of every softmax-type op (TAPA, PaTH): a split writ
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_utils import interpreting
+from attnkit.ops.common.triton_utils import interpreting, multiprocessors
 
 # Slots per split when B·H alone leaves SMs idle. Measured on an H200 (bf16, D = 64 and 128, B·H from 8 to
 # 128, caches of 4k to 128k): 1k-2k-slot splits are within 5% of the best split of every shape, while splits
@@ -72,18 +70,11 @@ def decode_merge_kernel(
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
-@functools.lru_cache(maxsize=8)
-def _multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; under the interpreter there is nothing to fill."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_split_size(batch_heads: int, length: int, device: torch.device) -> int:
     """Slots per split: the whole cache when ``B·H`` programs already cover every SM four times over,
     ``SPLIT_SIZE`` otherwise."""
-    return max(length, 1) if batch_heads >= 4 * _multiprocessors(device) else SPLIT_SIZE
+    fill = max(1, multiprocessors(device))  # one under the interpreter: there is nothing to fill
+    return max(length, 1) if batch_heads >= 4 * fill else SPLIT_SIZE
 
 
 def split_partials(o: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

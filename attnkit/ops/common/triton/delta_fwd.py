@@ -20,7 +20,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton.tril_inverse import tril_inverse
 from attnkit.ops.common.triton_seq import block_offsets, locate_block
-from attnkit.ops.common.triton_utils import block_dim
+from attnkit.ops.common.triton_utils import block_dim, multiprocessors
 
 
 @triton.jit
@@ -313,13 +313,6 @@ NARROW_STATE_FILL = 0.25
 # each tl.dot, the state and the products kept in float32), as FLA's chunk_delta_rule multiplies: half the tensor-core
 # steps of one TF32 pass. Off: not yet timed or measured for drift on a GPU (`bash benchmarks/run_gpu.sh deltastate`).
 STATE_16BIT = False
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA ``device``; 0 elsewhere (the interpreter)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def state_launch(
