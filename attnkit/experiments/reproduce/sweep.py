@@ -226,10 +226,10 @@ class Sweep:
         out = []
         for setting in self.settings:
             for model in self.models:
-                if own is not None and (
-                    own.choices[(model, setting)].waiting or own.choices[(model, setting)].not_needed
-                ):
-                    continue  # a rung above one still running, or above one that reached stop_at
+                if own is not None:
+                    rung = own.choices[(model, setting)]
+                    if rung.waiting or rung.not_needed:
+                        continue  # a rung above one still running, or above one that reached stop_at
                 try:
                     out += [self.cell(model, setting, lr, seed, parent) for lr in self.lrs for seed in self.seeds]
                 except Missing:
@@ -418,25 +418,28 @@ def summarise(sweep: Sweep, records: dict[str, dict]) -> SweepResult:
 
 
 def _ladder_gate(sweep: Sweep, model: str, setting: str, choices: dict) -> tuple[str, str] | None:
-    """Why a rung of a laddered sweep does not run (yet): ``("not_needed", why)`` above a rung whose chosen
-    learning rate reached ``stop_at`` on the test metric, ``("waiting", why)`` above one still to choose; None when
-    every shallower rung chose and fell short (or diverged at every learning rate)."""
+    """Why a rung of a laddered sweep does not run (yet), from the rung just below it, whose choice already holds
+    the rungs under it: ``("not_needed", why)`` above a rung that is not needed or whose chosen learning rate
+    reached ``stop_at`` on the test metric, ``("waiting", why)`` above one still to choose; None on the lowest rung
+    and above one that chose and fell short (or diverged at every learning rate)."""
+    below = sweep.rungs_below(model)[-1:]
+    if not below:
+        return None
+    rung, choice = below[0], choices[(below[0], setting)]
+    if choice.not_needed:
+        return "not_needed", choice.not_needed
+    if choice.waiting:
+        return "waiting", choice.waiting
+    if choice.lr is None:
+        if all(v is not None for v in choice.scores.values()):
+            return None  # every learning rate diverged: it reached nothing
+        return "waiting", f"{sweep.name}: {model} at {setting} waits for {rung}"
+    try:
+        score = _pick(choice.test, None, sweep.metric, sweep.name).mean
+    except Missing:
+        return None
     sign = 1.0 if sweep.higher_is_better else -1.0
-    for rung in sweep.rungs_below(model):
-        below = choices[(rung, setting)]
-        if below.not_needed:
-            return "not_needed", below.not_needed
-        if below.waiting:
-            return "waiting", below.waiting
-        if below.lr is None:
-            if all(v is not None for v in below.scores.values()):
-                continue  # every learning rate diverged: it reached nothing
-            return "waiting", f"{sweep.name}: {model} at {setting} waits for {rung}"
-        try:
-            score = _pick(below.test, None, sweep.metric, sweep.name).mean
-        except Missing:
-            continue
-        if sign * score > sign * sweep.stop_at:
-            beyond = ">" if sweep.higher_is_better else "<"
-            return "not_needed", f"not needed: {rung} reached {sweep.metric} {score:.3g} ({beyond} {sweep.stop_at:g})"
+    if sign * score > sign * sweep.stop_at:
+        beyond = ">" if sweep.higher_is_better else "<"
+        return "not_needed", f"not needed: {rung} reached {sweep.metric} {score:.3g} ({beyond} {sweep.stop_at:g})"
     return None
