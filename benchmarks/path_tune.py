@@ -90,7 +90,9 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # 128 the chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass
 # and the inner kernels' products on 16-bit operands; and everywhere the local adjoint's L⁻ᵀ dM by two products in
 # bf16x3), then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the
-# back substitution for local.LOCAL_SOLVE), the inner query kernel keeping every carried query (backward.INNER_EVERY),
+# back substitution for local.LOCAL_SOLVE), the inner query kernel checkpointing its carried queries instead of
+# recomputing them (backward.INNER_RECOMPUTE off; with INNER_EVERY = 1 every one kept), its carries on float32
+# operands (backward.INNER_CARRY_LOW off),
 # the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass
 # on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
 # (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk
@@ -102,11 +104,13 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
-    ("inner checkpoints every chunk", {(backward, "INNER_EVERY"): 1}),
+    ("inner checkpoints every chunk", {(backward, "INNER_RECOMPUTE"): False, (backward, "INNER_EVERY"): 1}),
     ("inner pairs in two kernels", {(backward, "INNER_ONE_KERNEL"): False}),
     ("prepare again in the backward", {(parallel, "KEEP_PREPARED"): False}),
     ("inner kernels on 2 stages", {(backward, "INNER_STAGES"): 2}),
     ("inner kernels on 3 stages", {(backward, "INNER_STAGES"): 3}),
+    ("inner checkpoints, not recomputed", {(backward, "INNER_RECOMPUTE"): False}),
+    ("inner recompute, float32 carries", {(backward, "INNER_CARRY_LOW"): False}),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
     ("local solve by substitution", {(local, "LOCAL_SOLVE"): None}),
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),

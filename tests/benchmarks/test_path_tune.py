@@ -98,6 +98,7 @@ def test_local_only_on_cpu(tmp_path, capsys):
     assert local.LOCAL_GRADS_16BIT == "bf16" and prepare.INNER_CARRY_16BIT == "tf32"
     assert backward.INNER_LOW_GRAD is None and backward.INNER_EVERY is None and local.LOCAL_SOLVE == "bf16x3"
     assert backward.INNER_ONE_KERNEL is True and backward.INNER_STAGES == 1
+    assert backward.INNER_RECOMPUTE is True and backward.INNER_CARRY_LOW is True
     from attnkit.ops.path import parallel
 
     assert parallel.KEEP_PREPARED is True

@@ -135,6 +135,20 @@ def backend_grads(inputs, do, backend, cu=None):
 GRAD_NAMES = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
 
 
+def assert_16bit_option(monkeypatch, module, name, inputs, do, cu=None):
+    """A 16-bit option ``module.name`` set off, then on, on 16-bit inputs: every output and gradient within float16's
+    bars of the PyTorch backend on the same rounded inputs in float32, and not the numbers with the option off (the
+    rounding is there)."""
+    expected = backend_grads([x.float() for x in inputs], do.float(), "torch", cu)
+    monkeypatch.setattr(module, name, False)
+    off = backend_grads(inputs, do, "triton", cu)
+    monkeypatch.setattr(module, name, True)
+    actual = backend_grads(inputs, do, "triton", cu)
+    for grad, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(grad, a.float(), e, 5e-3 if grad == "o" else 1e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(actual[1:], off[1:]))
+
+
 # B, T, HQ, H, K, V, gate, offsets, beta_low
 BACKWARD_CASES = [
     (2, 37, 4, 2, 16, 24, True, None, 1.5),  # GQA, PaTH-FoX, a partial last chunk
@@ -283,9 +297,12 @@ def test_carry_gradient_forms(monkeypatch, sums_da, K):
 @pytest.mark.parametrize("every", [1, 2, 100], ids=["segments-of-1", "segments-of-2", "one-segment"])
 def test_backward_checkpoint_segments(monkeypatch, every):
     """The query kernel's checkpoints every ``every`` key chunks (one tile a segment, two, or all in one segment)
-    give the gradients of the default ``⌈√chunks⌉``."""
-    from attnkit.ops.path.triton import backward
+    give the gradients of the default ``⌈√chunks⌉`` (seven chunks, no superblocks, the carried queries not
+    recomputed)."""
+    from attnkit.ops.path.triton import backward, prepare
 
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 100)
+    monkeypatch.setattr(backward, "INNER_RECOMPUTE", False)
     inputs = [x.to(DEVICE) for x in make_inputs(1, 100, 2, 1, 16, 16, gate=True, dtype=torch.float32)]
     do = torch.randn(1, 100, 2, 16, device=DEVICE)
     default = backend_grads(inputs, do, "triton")
@@ -332,13 +349,7 @@ def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32))
     q, k, v = (x.half() for x in (q, k, v))
     do = torch.randn(1, T, 4, 24, device=DEVICE).half()
-    expected = backend_grads([x.float() for x in (q, k, v, w, beta, g)], do.float(), "torch")
-    rounded_later = backend_grads([q, k, v, w, beta, g], do, "triton")
-    monkeypatch.setattr(backward, "INNER_LOW_GRAD", True)
-    actual = backend_grads([q, k, v, w, beta, g], do, "triton")
-    for name, a, e in zip(GRAD_NAMES, actual, expected):
-        assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
-    assert any(not torch.equal(a, b) for a, b in zip(actual[1:], rounded_later[1:]))
+    assert_16bit_option(monkeypatch, backward, "INNER_LOW_GRAD", [q, k, v, w, beta, g], do)
 
 
 @pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])
@@ -381,6 +392,7 @@ def test_inner_checkpoints(monkeypatch, every):
     from attnkit.ops.path.triton import backward, prepare
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 4)
+    monkeypatch.setattr(backward, "INNER_RECOMPUTE", False)  # the checkpointed form
     monkeypatch.setattr(backward, "INNER_EVERY", every)
     rule = []  # the default rule, which the setting replaces
     monkeypatch.setattr(backward, "checkpoint_every", lambda chunks: rule.append(chunks) or 2)
@@ -393,8 +405,8 @@ def test_inner_checkpoints(monkeypatch, every):
     assert rule == []
 
 
-@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
-@pytest.mark.parametrize(
+# B, T, HQ, H, K, V, offsets, span: the pairs between chunks in several layouts
+INNER_PAIR_CASES = pytest.mark.parametrize(
     "B, T, HQ, H, K, V, offsets, span",
     [
         (1, 150, 4, 2, 16, 16, [0, 20, 20, 150], 4),  # superblocks of four chunks, packed with an empty sequence, GQA
@@ -403,6 +415,10 @@ def test_inner_checkpoints(monkeypatch, every):
     ],
     ids=["superblocks-varlen-gqa", "no-superblocks", "partial-superblocks"],
 )
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
+@INNER_PAIR_CASES
 def test_inner_pairs_in_one_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, span, stages):
     """``backward.INNER_ONE_KERNEL`` (the default): the query kernel adds the key side of the pairs between chunks
     (``dK̃``, ``dV``, both sides of the gates) by atomics and the key kernel is not launched; ``backward.INNER_STAGES``
@@ -426,6 +442,58 @@ def test_inner_pairs_in_one_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, span
     for name, a, e, t in zip(GRAD_NAMES, actual, expected, two_kernels):
         assert_close(name, a, e, 1e-5)
         assert_close(name, a, t, 1e-5)
+
+
+@pytest.mark.parametrize("one_kernel", [True, False], ids=["one-kernel", "two-kernels"])
+@INNER_PAIR_CASES
+def test_inner_pairs_recomputed(monkeypatch, B, T, HQ, H, K, V, offsets, span, one_kernel):
+    """``backward.INNER_RECOMPUTE`` (the default): the query kernel recomputes each pair's carried query from its
+    chunk's start in registers, in one launch, where the checkpointed form (its scratch held to a few bytes here)
+    runs in waves of one query chunk. The forward and every gradient against the PyTorch backend (``beta`` near 2),
+    and equal to the checkpointed backward's within float32 reordering, with the key side in the query kernel or in
+    its own. Sequences longer than ``RECOMPUTE_MAX_CHUNKS`` chunks keep the checkpoints."""
+    from attnkit.ops.path.triton import backward, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
+    monkeypatch.setattr(backward, "SCRATCH_BYTES", 1)  # the checkpointed form: a wave a query chunk
+    monkeypatch.setattr(backward, "INNER_ONE_KERNEL", one_kernel)
+    monkeypatch.setattr(backward, "INNER_RECOMPUTE", False)
+    inputs = [x.to(DEVICE) for x in make_inputs(B, T, HQ, H, K, V, gate=True, dtype=torch.float32, beta_low=1.9)]
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    do = torch.randn(B, T, HQ, V, device=DEVICE)
+    launches = launch_counter(monkeypatch, backward, "path_bwd_q_kernel")
+    checkpointed = backend_grads(inputs, do, "triton", cu)
+    waves = len(launches)
+    launches.clear()
+    monkeypatch.setattr(backward, "INNER_RECOMPUTE", True)
+    actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
+    assert waves > 1 and len(launches) == 1
+    for name, a, e, c in zip(GRAD_NAMES, actual, expected, checkpointed):
+        assert_close(name, a, e, 1e-5)
+        assert_close(name, a, c, 1e-5)
+    launches.clear()
+    monkeypatch.setattr(backward, "RECOMPUTE_MAX_CHUNKS", 1)  # every sequence here is longer: checkpoints again
+    backend_grads(inputs, do, "triton", cu)
+    assert len(launches) == waves
+
+
+def test_inner_carries_on_16bit_operands(monkeypatch):
+    """``backward.INNER_CARRY_LOW`` (the default) with ``INNER_RECOMPUTE`` and 16-bit products: the query kernel
+    inside superblocks (three superblocks of three chunks and a partial fourth, GQA, gates) carries the query and its
+    gradient on float16 operands: every gradient within float16's bars of the PyTorch backend, and not the numbers of
+    float32-operand carries (the rounding is there)."""
+    from attnkit.ops.path import parallel
+    from attnkit.ops.path.triton import backward, prepare
+
+    monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
+    monkeypatch.setattr(backward, "INNER_LOW_GRAD", True)
+    monkeypatch.setattr(backward, "INNER_RECOMPUTE", True)
+    T = 10 * prepare.chunk_size(16) + 2  # ten chunks and two positions, whatever the chunk
+    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32))
+    q, k, v = (x.half() for x in (q, k, v))
+    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
+    assert_16bit_option(monkeypatch, backward, "INNER_CARRY_LOW", [q, k, v, w, beta, g], do)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -17,7 +17,9 @@ logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··
   as itself (:func:`sums_carry_gradient`; the local adjoint takes it back through ``A_m − I = −W_mᵀ M_m W_m``) or as
   ``dM_m = −Uᵀ V`` and ``dW_m = −(M_m Vᵀ L + M_mᵀ Uᵀ Γ)`` (``U = L W_mᵀ``, ``V = Γ W_mᵀ``), and ``dx_c = Γ`` at the
   end. Scratch: ``2√N`` tiles a program, for one extra pass of carries; the launcher runs
-  the query chunks in waves that fit a fixed budget (linear in ``T`` however long the sequence).
+  the query chunks in waves that fit a fixed budget (linear in ``T`` however long the sequence). Inside
+  superblocks (:data:`INNER_RECOMPUTE`) it recomputes each ``L_{c,m}`` from ``x_c`` in registers instead, in one
+  launch without scratch.
 - ``path_bwd_kv_tile_kernel`` replaces ``path_bwd_kv_kernel`` for head dims above 128 (:func:`carries_key_tile`),
   whose ``K × K`` product outgrows shared memory: it carries the key chunk ``y = K̃_m Πᵀ`` instead, checkpointed
   and walked back with its gradient as the query kernel does with ``L``.
@@ -63,6 +65,25 @@ INNER_ONE_KERNEL = True
 # (K = 128). path_tune.py's LOCAL rows time 2 and 3: slower on the H200 (sixteenth session, D = 64, 4k, fwd+bwd: 18.50
 # and 19.71 ms against 17.26 at 1; one kernel on 2 stages 17.34 against 16.86 at 1).
 INNER_STAGES = 1
+# The query kernel inside superblocks recomputes each pair's carried query L_{c,m} from x_c in registers (c − 1 − m
+# carries, the order of FLA 0.6.0's parallel_path_bwd_intra_chunk_kernel) instead of checkpointing carried queries in
+# float32 scratch: one launch, no scratch and no waves, for about as many carries as the checkpoints' two passes at 8
+# chunks a superblock (c(c−1)/2 against about 2c for query chunk c). Only where the longest sequence the kernels take
+# has at most RECOMPUTE_MAX_CHUNKS chunks (superblocks: 8 chunks at K = 64, 16 at K = 128): the carries grow as the
+# square of the chunks, so without superblocks (K > 128, prepare.NO_SUPERBLOCKS) the checkpoints stay. The profile that
+# asked for it (H200, PaTH, D = 64, T = 4k, B = 8, eighteenth session): the checkpointed query kernel 2.44 ms over 4
+# waves, FLA's in-superblock kernel 1.11 ms on the same pairs. Timed there (PaTH-FoX fwd+bwd, path_tune.py's LOCAL
+# rows): 16.17 ms checkpointed, 15.73 recomputed, 14.86 with INNER_CARRY_LOW; at D = 128 37.50 -> 35.20; the errors
+# from the PyTorch backend unchanged (benchmarks/results/path_h200.md, eighteenth session).
+INNER_RECOMPUTE = True
+RECOMPUTE_MAX_CHUNKS = 16
+# With INNER_RECOMPUTE and 16-bit products (INNER_LOW_GRAD): the carries of the query kernel inside superblocks (the
+# carried query's, and its gradient's where the kernel sums dA_m, sums_carry_gradient) on operands rounded to dO's
+# dtype, one 16-bit pass with float32 accumulation as FLA's kernel carries them, instead of prepare.inner_carry's
+# precision (one TF32 pass) on float32 operands. The carried query and its gradient stay float32 between carries, and
+# no carry chain is longer than a superblock's. Measured with INNER_RECOMPUTE above: -0.87 ms at D = 64, the largest
+# error from the PyTorch backend 4.7e-3 either way.
+INNER_CARRY_LOW = True
 
 
 def checkpoint_every(chunks: int) -> int:
@@ -319,16 +340,94 @@ def path_bwd_kv_tile_kernel(
 def carry_across(
     b_r, w, mw, bos, i_m, i_h, o_t, o_k, m_k,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr,
+    LOW: tl.constexpr = False, DT: tl.constexpr = tl.float32,
 ):  # fmt: skip
     """Rows ``R`` moved across chunk ``i_m``'s carry ``A = I − Wᵀ M W`` (a complete chunk): ``R A = R − (R Wᵀ)(M W)``
     (carried queries, right to left; the gradient of carried keys), or with ``TRANSPOSED``
-    ``R Aᵀ = R − (R (M W)ᵀ) W`` (carried keys, left to right; the gradient of carried queries)."""
+    ``R Aᵀ = R − (R (M W)ᵀ) W`` (carried keys, left to right; the gradient of carried queries). With ``LOW`` both
+    products take operands rounded to ``DT`` (16-bit, float32 accumulation; ``R`` stays float32)."""
     p_mk = (bos + (i_m * BT + o_t).to(tl.int64))[:, None] * (H * K) + i_h * K + o_k[None, :]
+    if LOW:
+        b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(DT)
+        b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0).to(DT)
+        if TRANSPOSED:
+            return b_r - tl.dot(tl.dot(b_r.to(DT), tl.trans(b_mw)).to(DT), b_w)
+        return b_r - tl.dot(tl.dot(b_r.to(DT), tl.trans(b_w)).to(DT), b_mw)
     b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
     b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
     if TRANSPOSED:
         return b_r - tl.dot(tl.dot(b_r, tl.trans(b_mw), input_precision=PRECISION), b_w, input_precision=PRECISION)
     return b_r - tl.dot(tl.dot(b_r, tl.trans(b_w), input_precision=PRECISION), b_mw, input_precision=PRECISION)
+
+
+@triton.jit
+def query_pair_grads(
+    b_l, b_gam, b_dgq, b_do, b_lse, b_delta, b_gq, kt, v, w, m, mw, gcum, dw, dm, da, dkt, dv, dgcum, bos, chunk0,
+    i_m, i_h, i_hq, m_i, scale, o_t, o_k, o_v, m_k, m_v,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    USE_G: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, DA: tl.constexpr,
+    LOW_GRAD: tl.constexpr, KV: tl.constexpr, CARRY_LOW: tl.constexpr,
+):  # fmt: skip
+    """One pair of :func:`path_bwd_q_kernel`: its query chunk (rows ``m_i``, carried to key chunk ``i_m``'s end:
+    ``b_l = L_{c,m}``) against key chunk ``i_m``. ``b_gam`` enters as the gradient of ``L_{c,m−1}`` (the pairs with
+    earlier key chunks) and leaves as that of ``L_{c,m}``; crossing chunk ``m`` adds ``L_{c,m}ᵀ Γ`` to ``dA_m``
+    (``DA``) or its projections to ``dM_m``, ``dW_m``. With ``KV`` the key chunk's side of the pair goes out by
+    atomics, and the query rows' gate side is summed into ``b_dgq``. Returns ``(b_gam, b_dgq)``."""
+    LT: tl.constexpr = b_do.dtype
+    rows, cols = o_t[:, None], o_t[None, :]
+    p_m = bos + (i_m * BT + o_t).to(tl.int64)
+    p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
+    b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
+    if USE_G:  # read with the key chunk, not at its first use
+        b_gk = tl.load(gcum + p_m * HQ + i_hq)
+    if i_m > 0:
+        if DA:  # dA_m += L_{c,m}ᵀ Γ, then Γ ← Γ A_mᵀ
+            b_da = tl.dot(tl.trans(b_l), b_gam, input_precision=CARRY_PRECISION)
+            tl.atomic_add(da + ((chunk0 + i_m) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :], b_da)
+            b_gam = carry_across(
+                b_gam, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, True, CARRY_LOW, LT
+            )
+        else:  # dA_m's projections dM_m, dW_m directly (fewer atomics when BK > BT)
+            b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
+            b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
+            b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
+            b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
+            b_dmm = -tl.dot(tl.trans(b_u), b_vg, input_precision=CARRY_PRECISION)
+            b_mv = tl.dot(b_mm, tl.trans(b_vg), input_precision=CARRY_PRECISION)  # M Vᵀ
+            b_mu = tl.dot(tl.trans(b_mm), tl.trans(b_u), input_precision=CARRY_PRECISION)  # Mᵀ Uᵀ
+            b_dw = tl.dot(b_mv, b_l, input_precision=CARRY_PRECISION)
+            b_dw = -(b_dw + tl.dot(b_mu, b_gam, input_precision=CARRY_PRECISION))
+            tl.atomic_add(dm + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols, b_dmm)
+            tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
+            b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
+                            input_precision=CARRY_PRECISION)  # fmt: skip
+    if LOW_GRAD:  # the logits and dS K̃ on 16-bit operands, as key_chunk_grads's LOW_GRAD
+        b_s = tl.dot(b_l.to(LT), tl.trans(b_kt.to(LT)), input_precision=PRECISION) * scale
+    else:
+        b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
+    if USE_G:
+        b_s = b_s + b_gq[:, None] - b_gk[None, :]
+    b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    if KV:  # the key chunk's side of the pair (path_bwd_kv_kernel's key_chunk_grads), by atomics
+        if LOW_GRAD:
+            b_dkm = tl.dot(tl.trans(b_ds).to(LT), b_l.to(LT), input_precision=PRECISION)
+        else:
+            b_dkm = tl.dot(tl.trans(b_ds), b_l, input_precision=PRECISION)
+        tl.atomic_add(dkt + p_mk, b_dkm * scale, mask=m_k, sem="relaxed")
+        b_dvm = tl.dot(tl.trans(b_p).to(LT), b_do, input_precision=PRECISION)
+        p_dv = dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :]
+        tl.atomic_add(p_dv, b_dvm, mask=m_v, sem="relaxed")
+        if USE_G:
+            tl.atomic_add(dgcum + p_m * HQ + i_hq, -tl.sum(b_ds, 0), sem="relaxed")
+            b_dgq += tl.sum(b_ds, 1)
+    if LOW_GRAD:
+        b_gam += tl.dot(b_ds.to(LT), b_kt.to(LT), input_precision=PRECISION) * scale
+    else:
+        b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
+    return b_gam, b_dgq
 
 
 @triton.jit
@@ -338,17 +437,20 @@ def path_bwd_q_kernel(
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr, DA: tl.constexpr, LOW_GRAD: tl.constexpr = False, KV: tl.constexpr = False,
+    RECOMPUTE: tl.constexpr = False, CARRY_LOW: tl.constexpr = False,
 ):  # fmt: skip
     """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]`` (stored) and, by atomic adds,
     either (``DA``) ``da [chunks, H, BK, BK]``, the gradient of each chunk's carry ``A_m``, or ``dw [*, H, K]`` and
     ``dm [chunks, H, BT, BT]``, all float32 and zero-initialised. Grid ``(chunks of this wave, N * HQ)``: program
     ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32: the carried
     query at the right end of every segment of ``EVERY`` key chunks (checkpoints), then one segment's worth,
-    recomputed from its checkpoint before the segment is walked left to right. With ``KV`` (:data:`INNER_ONE_KERNEL`)
-    it also adds each pair's ``dK̃_m = scale · dSᵀ L_{c,m}``, ``dV_m = Pᵀ dO`` (``dkt [*, H, K]``, ``dv [*, H, V]``)
-    and both sides of the gates' gradient (``dgcum [*, HQ]``: the key rows' ``−colsum(dS)`` at each pair, the query
-    rows' ``rowsum(dS)`` summed over the pairs) by float32 atomics: :func:`path_bwd_kv_kernel`'s outputs, which is
-    then not launched."""
+    recomputed from its checkpoint before the segment is walked left to right. With ``RECOMPUTE``
+    (:data:`INNER_RECOMPUTE`) there is no scratch (``SLOTS``, ``EVERY`` unused): each key chunk's carried query is
+    recomputed from ``x_c`` in registers, ``c − 1 − m`` carries (with ``CARRY_LOW`` on 16-bit operands, as the
+    carries of ``Γ``). With ``KV`` (:data:`INNER_ONE_KERNEL`) it also adds each pair's ``dK̃_m = scale · dSᵀ L_{c,m}``,
+    ``dV_m = Pᵀ dO`` (``dkt [*, H, K]``, ``dv [*, H, V]``) and both sides of the gates' gradient (``dgcum [*, HQ]``:
+    the key rows' ``−colsum(dS)`` at each pair, the query rows' ``rowsum(dS)`` summed over the pairs) by float32
+    atomics: :func:`path_bwd_kv_kernel`'s outputs, which is then not launched."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_c = c_base + i_j
     i_n, i_hq = i_nh // HQ, i_nh % HQ
@@ -360,94 +462,65 @@ def path_bwd_q_kernel(
     o_t = tl.arange(0, BT)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
-    rows, cols = o_t[:, None], o_t[None, :]
-    p_slot = scratch + ((i_j * tl.num_programs(1) + i_nh).to(tl.int64) * SLOTS) * (BT * BK) + rows * BK + o_k[None, :]
-    p_seg = p_slot + (SLOTS - EVERY) * (BT * BK)  # the segment's tiles follow the checkpoints
-
     o_i = i_c * BT + o_t
     m_i = o_i < L
     p_i = bos + o_i.to(tl.int64)
-    # Right to left: L_{c,c-1} = x_c, then L_{c,m-1} = L_{c,m} A_m; checkpoint L_{c,m} at each segment's right end.
-    b_l = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
-    for i_back in range(0, i_c):
-        i_m = i_c - 1 - i_back
-        if (i_m == i_c - 1) or (i_m % EVERY == EVERY - 1):
-            tl.store(p_slot + (i_m // EVERY) * (BT * BK), b_l)
-        if i_m > 0:
-            b_l = carry_across(b_l, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
-    tl.debug_barrier()
-
+    LT: tl.constexpr = do.dtype.element_ty
+    b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
     b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
     b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
     b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
     if USE_G:
         b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
+    else:
+        b_gq = tl.zeros([BT], dtype=tl.float32)
     b_gam = tl.zeros([BT, BK], dtype=tl.float32)
     b_dgq = tl.zeros([BT], dtype=tl.float32)  # with KV and gates: the query rows' side, summed over the pairs
-    # Left to right, a segment at a time: Γ is the gradient of L_{c,m-1}; crossing chunk m adds L_{c,m}ᵀ Γ to dA_m.
-    for i_s in range(0, tl.cdiv(i_c, EVERY)):
-        lo = i_s * EVERY
-        top = tl.minimum(lo + EVERY - 1, i_c - 1)
-        b_l = tl.load(p_slot + i_s * (BT * BK))
-        tl.store(p_seg + (top - lo) * (BT * BK), b_l)
-        for i_back in range(0, top - lo):
-            b_l = carry_across(b_l, w, mw, bos, top - i_back, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
-            tl.store(p_seg + (top - i_back - 1 - lo) * (BT * BK), b_l)
-        tl.debug_barrier()
-        for i_m in range(lo, top + 1):
-            b_l = tl.load(p_seg + (i_m - lo) * (BT * BK))
-            p_m = bos + (i_m * BT + o_t).to(tl.int64)
-            p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
-            b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
-            b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-            if USE_G:  # read with the key chunk, not at its first use
-                b_gk = tl.load(gcum + p_m * HQ + i_hq)
+    if RECOMPUTE:
+        # Left to right over the key chunks; L_{c,m} = x_c A_{c−1} ··· A_{m+1} recomputed for each.
+        for i_m in range(0, i_c):
+            b_l = b_x
+            for i_back in range(0, i_c - 1 - i_m):
+                b_l = carry_across(
+                    b_l, w, mw, bos, i_c - 1 - i_back, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False, CARRY_LOW,
+                    LT,
+                )  # fmt: skip
+            b_gam, b_dgq = query_pair_grads(
+                b_l, b_gam, b_dgq, b_do, b_lse, b_delta, b_gq, kt, v, w, m, mw, gcum, dw, dm, da, dkt, dv, dgcum,
+                bos, chunk0, i_m, i_h, i_hq, m_i, scale, o_t, o_k, o_v, m_k, m_v, HQ, H, K, V, BK, BT, USE_G,
+                PRECISION, CARRY_PRECISION, DA, LOW_GRAD, KV, CARRY_LOW,
+            )  # fmt: skip
+    else:
+        rows = o_t[:, None]
+        p_slot = scratch + ((i_j * tl.num_programs(1) + i_nh).to(tl.int64) * SLOTS) * (BT * BK) + rows * BK
+        p_slot += o_k[None, :]
+        p_seg = p_slot + (SLOTS - EVERY) * (BT * BK)  # the segment's tiles follow the checkpoints
+        # Right to left: L_{c,c-1} = x_c, then L_{c,m-1} = L_{c,m} A_m; checkpoint L_{c,m} at each segment's right end.
+        b_l = b_x
+        for i_back in range(0, i_c):
+            i_m = i_c - 1 - i_back
+            if (i_m == i_c - 1) or (i_m % EVERY == EVERY - 1):
+                tl.store(p_slot + (i_m // EVERY) * (BT * BK), b_l)
             if i_m > 0:
-                if DA:  # dA_m += L_{c,m}ᵀ Γ, then Γ ← Γ A_mᵀ
-                    b_da = tl.dot(tl.trans(b_l), b_gam, input_precision=CARRY_PRECISION)
-                    tl.atomic_add(da + ((chunk0 + i_m) * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :], b_da)
-                    b_gam = carry_across(b_gam, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, True)
-                else:  # dA_m's projections dM_m, dW_m directly (fewer atomics when BK > BT)
-                    b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
-                    b_mm = tl.load(m + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols)
-                    b_u = tl.dot(b_l, tl.trans(b_w), input_precision=CARRY_PRECISION)
-                    b_vg = tl.dot(b_gam, tl.trans(b_w), input_precision=CARRY_PRECISION)
-                    b_dmm = -tl.dot(tl.trans(b_u), b_vg, input_precision=CARRY_PRECISION)
-                    b_mv = tl.dot(b_mm, tl.trans(b_vg), input_precision=CARRY_PRECISION)  # M Vᵀ
-                    b_mu = tl.dot(tl.trans(b_mm), tl.trans(b_u), input_precision=CARRY_PRECISION)  # Mᵀ Uᵀ
-                    b_dw = -(
-                        tl.dot(b_mv, b_l, input_precision=CARRY_PRECISION)
-                        + tl.dot(b_mu, b_gam, input_precision=CARRY_PRECISION)
-                    )
-                    tl.atomic_add(dm + ((chunk0 + i_m) * H + i_h) * (BT * BT) + rows * BT + cols, b_dmm)
-                    tl.atomic_add(dw + p_mk, b_dw, mask=m_k)
-                    b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
-                                    input_precision=CARRY_PRECISION)  # fmt: skip
-            if LOW_GRAD:  # the logits and dS K̃ on 16-bit operands, as key_chunk_grads's LOW_GRAD
-                b_s = tl.dot(b_l.to(b_do.dtype), tl.trans(b_kt.to(b_do.dtype)), input_precision=PRECISION) * scale
-            else:
-                b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
-            if USE_G:
-                b_s = b_s + b_gq[:, None] - b_gk[None, :]
-            b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
-            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-            b_ds = b_p * (b_dp - b_delta[:, None])
-            if KV:  # the key chunk's side of the pair (path_bwd_kv_kernel's key_chunk_grads), by atomics
-                if LOW_GRAD:
-                    b_dkm = tl.dot(tl.trans(b_ds).to(b_do.dtype), b_l.to(b_do.dtype), input_precision=PRECISION)
-                else:
-                    b_dkm = tl.dot(tl.trans(b_ds), b_l, input_precision=PRECISION)
-                tl.atomic_add(dkt + p_mk, b_dkm * scale, mask=m_k, sem="relaxed")
-                b_dvm = tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
-                p_dv = dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :]
-                tl.atomic_add(p_dv, b_dvm, mask=m_v, sem="relaxed")
-                if USE_G:
-                    tl.atomic_add(dgcum + p_m * HQ + i_hq, -tl.sum(b_ds, 0), sem="relaxed")
-                    b_dgq += tl.sum(b_ds, 1)
-            if LOW_GRAD:
-                b_gam += tl.dot(b_ds.to(b_do.dtype), b_kt.to(b_do.dtype), input_precision=PRECISION) * scale
-            else:
-                b_gam += tl.dot(b_ds, b_kt, input_precision=PRECISION) * scale
+                b_l = carry_across(b_l, w, mw, bos, i_m, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
+        tl.debug_barrier()
+        # Left to right, a segment at a time: Γ is the gradient of L_{c,m-1}; crossing chunk m adds L_{c,m}ᵀ Γ to dA_m.
+        for i_s in range(0, tl.cdiv(i_c, EVERY)):
+            lo = i_s * EVERY
+            top = tl.minimum(lo + EVERY - 1, i_c - 1)
+            b_l = tl.load(p_slot + i_s * (BT * BK))
+            tl.store(p_seg + (top - lo) * (BT * BK), b_l)
+            for i_back in range(0, top - lo):
+                b_l = carry_across(b_l, w, mw, bos, top - i_back, i_h, o_t, o_k, m_k, H, K, BT, CARRY_PRECISION, False)
+                tl.store(p_seg + (top - i_back - 1 - lo) * (BT * BK), b_l)
+            tl.debug_barrier()
+            for i_m in range(lo, top + 1):
+                b_l = tl.load(p_seg + (i_m - lo) * (BT * BK))
+                b_gam, b_dgq = query_pair_grads(
+                    b_l, b_gam, b_dgq, b_do, b_lse, b_delta, b_gq, kt, v, w, m, mw, gcum, dw, dm, da, dkt, dv, dgcum,
+                    bos, chunk0, i_m, i_h, i_hq, m_i, scale, o_t, o_k, o_v, m_k, m_v, HQ, H, K, V, BK, BT, USE_G,
+                    PRECISION, CARRY_PRECISION, DA, LOW_GRAD, KV, False,
+                )  # fmt: skip
     tl.store(dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
     if KV and USE_G:
         tl.atomic_add(dgcum + p_i * HQ + i_hq, b_dgq, mask=m_i, sem="relaxed")
@@ -536,10 +609,15 @@ def path_bwd_between_fn(
         path_bwd_kv_kernel[(n_long - 1, N * H)](
             x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, cu_seqlens, T, scale, BG=BG, **common,
         )  # fmt: skip
-    wave, scratch = waves(HQ)
+    recompute = INNER_RECOMPUTE and n_long <= RECOMPUTE_MAX_CHUNKS
+    if recompute:  # one launch, no scratch: every carried query recomputed in registers
+        wave, scratch, every, slots = n_long - 1, torch.empty(0, **f32), 1, 0
+    else:
+        wave, scratch = waves(HQ)
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
             x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dkt, dv, dgcum, scratch, cu_seqlens, offsets, T,
-            NC, c_base, every, slots, scale, DA=sums_da, KV=one_kernel, **common,
+            NC, c_base, every, slots, scale, DA=sums_da, KV=one_kernel, RECOMPUTE=recompute,
+            CARRY_LOW=recompute and INNER_CARRY_LOW and low_grad, **common,
         )  # fmt: skip
     return dkt, dv, dx, dw, dm, da, dgcum
