@@ -103,18 +103,20 @@ for step in $steps; do
             timeout 240 python3 benchmarks/ops.py --ops deltanet vla --seq-lens 2048 8192 32768 --impls \
                 deltanet_triton fla_chunk_delta_rule vla_triton --out "$OUT" --name ops_delta_h200 \
                 > "$OUT/prepare.log" 2>&1 ;;
-        deltastate)  # issue 17: the delta rule's state passes (delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT) kernel by
-            # kernel, DeltaNet at D = 64: at T = 32k, B = 1 (16 sequence-head programs) with FLA's chunk_delta_rule beside
-            # the default (16-column blocks there, seventeenth session), the former 64 columns, 16-bit operands, 32
-            # columns on 2 stages; then at T = 2k, B = 16 (256 programs: 64 columns) the default and 16-bit operands
+        deltastate)  # issue 17: the delta rule's state passes (delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT,
+            # STATE_PREFETCH) kernel by kernel, DeltaNet at D = 64: at T = 32k, B = 1 (16 sequence-head programs) with
+            # FLA's chunk_delta_rule beside the default (16-column blocks there, seventeenth session), the tiles read a
+            # chunk ahead (on 16 and 32 columns), 16-bit operands on 32 columns (they skip 16-column blocks); then at
+            # T = 2k, B = 16 (256 programs: 64 columns) the default, the prefetch, and the prefetch with 16-bit operands
             i=0
-            for run in "" "STATE_BV=64" "STATE_16BIT=True" "STATE_BV=32 STATE_STAGES=2" "@2048" "STATE_16BIT=True@2048"; do
+            for run in "" "STATE_PREFETCH=True" "STATE_PREFETCH=True STATE_BV=32" "STATE_BV=32 STATE_16BIT=True" \
+                "@2048" "STATE_PREFETCH=True@2048" "STATE_PREFETCH=True STATE_16BIT=True@2048"; do
                 set=${run%@*} len=32768
                 [ "$set" != "$run" ] && len=${run##*@}
                 batch=$((32768 / len))
                 sets=(); for s in $set; do sets+=("attnkit.ops.common.triton.delta_fwd.$s"); done
                 echo "== ${set:-default} T=$len B=$batch" >> "$OUT/deltastate.log"
-                timeout $([ $i = 0 ] && echo 200 || echo 80) python3 benchmarks/kernel_profile.py --op deltanet \
+                timeout $([ $i = 0 ] && echo 200 || echo 60) python3 benchmarks/kernel_profile.py --op deltanet \
                     --impls deltanet_triton $([ $i = 0 ] && echo fla_chunk_delta_rule) --batch $batch --seq-len $len \
                     --head-dims 64 ${sets[0]:+--set "${sets[@]}"} --out "$OUT" --name "delta_state_$i" \
                     >> "$OUT/deltastate.log" 2>&1

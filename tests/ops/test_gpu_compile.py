@@ -57,8 +57,9 @@ def delta_strided(K, V, dtype, deltanet):
     o, _, saved = delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32", None, beta, K**-0.5)
     delta_bwd_fn(q, k, v, a, saved, torch.randn_like(o), None, 64, "tf32", None, beta, K**-0.5)
 
-def delta_state(K, V, bv, stages, low=False):
+def delta_state(K, V, bv, stages, low=False, prefetch=False):
     delta_fwd.STATE_BV, delta_fwd.STATE_STAGES, delta_fwd.STATE_16BIT = bv, stages, low
+    delta_fwd.STATE_PREFETCH = prefetch
     delta_strided(K, V, torch.bfloat16, True)
 
 def vla(K, dtype):
@@ -92,9 +93,11 @@ steps = {
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
                       ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
                        (128, 128, torch.float16, False))],
-    "delta_state": [functools.partial(delta_state, K, K, bv, st, low) for K, bv, st, low in
-                    ((64, 16, 3, False), (64, 32, 2, False), (128, 64, 3, False), (128, 32, 2, False),
-                     (64, 16, 1, True), (64, 64, 1, True), (128, 64, 1, True))],
+    "delta_state": [functools.partial(delta_state, K, K, bv, st, low, pre) for K, bv, st, low, pre in
+                    ((64, 16, 3, False, False), (64, 32, 2, False, False), (128, 64, 3, False, False),
+                     (128, 32, 2, False, False), (64, 16, 1, True, False), (64, 64, 1, True, False),
+                     (128, 64, 1, True, False), (64, 16, 1, False, True), (64, 64, 1, True, True),
+                     (128, 64, 1, False, True))],
     "vla": [functools.partial(vla, K, torch.bfloat16) for K in (64, 128)],
 }[sys.argv[1]]
 WANTED = {
@@ -142,7 +145,7 @@ for step in steps:
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",
                            "delta_bwd_sum_kernel"}),
-        # delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT
+        # delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT, STATE_PREFETCH
         ("delta_state", {"delta_fwd_state_kernel", "delta_bwd_state_kernel"}),
         ("vla", {"unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
                  "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",

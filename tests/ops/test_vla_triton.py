@@ -496,6 +496,49 @@ def test_state_blocks_keep_their_width_at_wide_keys(monkeypatch):
     assert delta_fwd.state_launch(64, dims, 1, CPU, torch.bfloat16)[0] == 32
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_state_passes_prefetch(monkeypatch, packed):
+    """``delta_fwd.STATE_PREFETCH``: both state passes read each chunk's tiles during the chunk before (the forward
+    left to right, the backward right to left): the same output, final state and every gradient as the default
+    launch, bit for bit, and the PyTorch rule's; dense (an odd length, a partial last chunk, an initial state) and
+    packed (empty sequences first and between, partial chunks, two value blocks)."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    offsets = [0, 0, 7, 40, 40, 75] if packed else None
+    B, H, T, K, V = (1, 2, 75, 16, 80) if packed else (2, 2, 53, 16, 32)
+    inputs = delta_inputs(B, H, T, K, V, deltanet=True)
+    state = [torch.randn(len(offsets) - 1 if packed else B, H, V, K, device=DEVICE)]
+    cu = torch.tensor(offsets, device=DEVICE) if packed else None
+
+    def run(q, k, v, a, st):
+        o, S = delta_rule_triton(*bthd(q, k, v, a), st[0], False, cu)
+        return o.transpose(1, 2), (S,)
+
+    default = grads_of(run, inputs, state)
+    monkeypatch.setattr(delta_fwd, "STATE_PREFETCH", True)
+    prefetched = grads_of(run, inputs, state)
+    expected = grads_of(delta_torch_fn, inputs, state) if not packed else None
+    for i, (name, x, d) in enumerate(zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], prefetched, default)):
+        assert torch.equal(x, d), name
+        if expected is not None:
+            assert_close(name, x, expected[i], 1e-4)
+
+
+def test_state_16bit_operands_skip_narrow_blocks(monkeypatch):
+    """``STATE_16BIT`` rounds the state passes' operands on blocks of 32 columns or more only: on 16-column blocks
+    (the narrow launch of few programs) the H200 hit an illegal memory access, so those keep float32 operands."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    monkeypatch.setattr(delta_fwd, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(delta_fwd, "STATE_16BIT", True)
+    CPU, dims = torch.device("cpu"), dict(K=64, V=64)
+    bv, launch = delta_fwd.state_launch(64, dims, 1, CPU, torch.bfloat16)
+    assert bv == 16 and launch["LOW"] == ""
+    assert delta_fwd.state_launch(64, dims, 256, CPU, torch.bfloat16)[1]["LOW"] == "bf16"
+    assert delta_fwd.state_launch(64, dims, 256, CPU, torch.float16)[1]["LOW"] == "fp16"
+    assert delta_fwd.state_launch(64, dims, 256, CPU, torch.float32)[1]["LOW"] == ""
+
+
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
 def test_state_passes_on_16bit_operands(monkeypatch, with_state):
     """``delta_fwd.STATE_16BIT``: with float16 inputs the state passes multiply float16 operands (the state, W and U
@@ -504,6 +547,7 @@ def test_state_passes_on_16bit_operands(monkeypatch, with_state):
     float32 inputs keep float32 operands."""
     from attnkit.ops.common.triton import delta_fwd
 
+    monkeypatch.setattr(delta_fwd, "STATE_BV", 32)  # 16-bit operands take blocks of 32 columns or more
     inputs = delta_inputs(1, 2, 120, 16, 32, True)
     half = [x.half() for x in inputs[:3]] + [inputs[3]]
     state = [torch.randn(1, 2, 32, 16, device=DEVICE)] if with_state else None

@@ -41,15 +41,33 @@ from attnkit.ops.common.triton.delta_fwd import (
 
 
 @triton.jit
+def state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION: tl.constexpr, LOW: tl.constexpr):
+    """One chunk of the backward's state pass, right to left: ``dU = triu(A Qᵀ) dO + A dh'`` and ``dh'`` carried to
+    the chunk's start, ``dh' + Qᵀ dO − Wᵀ dU``. Returns ``(dU, dh')``."""
+    # tril(Q Aᵀ)ᵀ = triu(A Qᵀ)
+    b_aq = tl.where(
+        rows <= cols, tl.dot(operand(b_a, LOW), operand(tl.trans(b_q), LOW), input_precision=PRECISION), 0.0
+    )
+    b_du = tl.dot(operand(b_aq, LOW), operand(b_do, LOW), input_precision=PRECISION)
+    b_du += tl.dot(operand(b_a, LOW), operand(b_dh, LOW), input_precision=PRECISION)
+    b_dh += tl.dot(operand(tl.trans(b_q), LOW), operand(b_do, LOW), input_precision=PRECISION)
+    b_dh -= tl.dot(operand(tl.trans(b_w), LOW), operand(b_du, LOW), input_precision=PRECISION)
+    return b_du, b_dh
+
+
+@triton.jit
 def delta_bwd_state_kernel(
     q, a, beta, w, do, dht, dhs, du, dh0, cu_seqlens, offsets, T, NC, H, scale,
     sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_DHT: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOW: tl.constexpr = "",
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """``q [B, T, H, K]``, ``a`` (and ``beta``) as the forward's, ``w [BH, T, K]`` float32, ``do [B, T, H, V]``
     (strided), ``dht [NH, V, K]`` (gradient of the final state) -> ``dhs [BH, NC, K, V]`` (``dh'`` of each chunk),
-    ``du [BH, T, V]``, ``dh0 [NH, V, K]``, all float32. Grid ``(value blocks, NH)`` (:func:`seq_site`)."""
+    ``du [BH, T, V]``, ``dh0 [NH, V, K]``, all float32. Grid ``(value blocks, NH)`` (:func:`seq_site`).
+    ``PREFETCH`` (:data:`delta_fwd.STATE_PREFETCH`): each chunk's ``Q``, ``A``, ``W``, ``dO`` are read during the
+    chunk after it."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
     i_bh = i_b * H + i_h
@@ -65,24 +83,39 @@ def delta_bwd_state_kernel(
     rows = tl.arange(0, BT)[:, None]
     cols = tl.arange(0, BT)[None, :]
     NCS = tl.cdiv(L, BT)
-    for i_back in range(0, NCS):
-        i_c = NCS - 1 - i_back
-        p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(dhs + p_dhs, b_dh, mask=m_kv)
-        p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-        b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
-        b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+    if PREFETCH:  # the tiles that do not depend on dh', read one chunk ahead of their use (right to left)
+        b_q = row_tile(q, i_b, i_h, bos, NCS - 1, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+        b_a = write_rows(a, beta, i_b, i_h, bos, NCS - 1, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+        p_k, m_k, p_v, m_v = seq_tiles(row0, NCS - 1, L, o_k, o_v, K, V, BT)
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-        b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
-        # tril(Q Aᵀ)ᵀ = triu(A Qᵀ)
-        b_aq = tl.where(
-            rows <= cols, tl.dot(operand(b_a, LOW), operand(tl.trans(b_q), LOW), input_precision=PRECISION), 0.0
-        )
-        b_du = tl.dot(operand(b_aq, LOW), operand(b_do, LOW), input_precision=PRECISION)
-        b_du += tl.dot(operand(b_a, LOW), operand(b_dh, LOW), input_precision=PRECISION)
-        tl.store(du + p_v, b_du, mask=m_v)
-        b_dh += tl.dot(operand(tl.trans(b_q), LOW), operand(b_do, LOW), input_precision=PRECISION)
-        b_dh -= tl.dot(operand(tl.trans(b_w), LOW), operand(b_du, LOW), input_precision=PRECISION)
+        b_do = row_tile(do, i_b, i_h, bos, NCS - 1, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
+        for i_back in range(0, NCS):
+            i_c = NCS - 1 - i_back
+            p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(dhs + p_dhs, b_dh, mask=m_kv)
+            # chunk i_c − 1's tiles (at the first chunk, its own again, unused: no chunk −1 to read)
+            i_p = tl.maximum(i_c - 1, 0)
+            b_q_next = row_tile(q, i_b, i_h, bos, i_p, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32)
+            b_a_next = write_rows(a, beta, i_b, i_h, bos, i_p, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+            n_k, nm_k, _, _ = seq_tiles(row0, i_p, L, o_k, o_v, K, V, BT)
+            b_w_next = tl.load(w + n_k, mask=nm_k, other=0.0)
+            b_do_next = row_tile(do, i_b, i_h, bos, i_p, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0]
+            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+            b_du, b_dh = state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
+            tl.store(du + p_v, b_du, mask=m_v)
+            b_q, b_a, b_w, b_do = b_q_next * scale, b_a_next, b_w_next, b_do_next.to(tl.float32)
+    else:
+        for i_back in range(0, NCS):
+            i_c = NCS - 1 - i_back
+            p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(dhs + p_dhs, b_dh, mask=m_kv)
+            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+            b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+            b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+            b_w = tl.load(w + p_k, mask=m_k, other=0.0)
+            b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
+            b_du, b_dh = state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
+            tl.store(du + p_v, b_du, mask=m_v)
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
 
 

@@ -225,11 +225,13 @@ def delta_fwd_state_kernel(
     w, u, a, beta, h0, hs, u_new, ht, cu_seqlens, offsets, T, NC, H, sab, sat, sah, sad, sbeb, sbet, sbeh,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_H0: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOW: tl.constexpr = "",
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """The sequential part. ``w [BH, T, K]``, ``u [BH, T, V]`` float32 from the prepare kernel, ``a`` (and
     ``beta``) as the prepare kernel's, ``h0 [NH, V, K]`` (``S_0`` of each sequence and head) -> ``hs [BH, NC, K, V]``
     (the state at each chunk's start, float32), ``u_new [BH, T, V]`` (``U = Ũ − W h``, float32), ``ht [NH, V, K]``
-    float32 (the final ``S``). Grid ``(value blocks, NH)`` (:func:`seq_site`)."""
+    float32 (the final ``S``). Grid ``(value blocks, NH)`` (:func:`seq_site`). ``PREFETCH``
+    (:data:`STATE_PREFETCH`): each chunk's ``W``, ``A`` and ``Ũ`` are read during the chunk before it."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
     i_bh = i_b * H + i_h
@@ -242,16 +244,35 @@ def delta_fwd_state_kernel(
         b_h = tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    for i_c in range(0, tl.cdiv(L, BT)):
-        p_hs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(hs + p_hs, b_h, mask=m_kv)
-        p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+    if PREFETCH:  # the tiles that do not depend on the state, read one chunk ahead of their use
+        p_k, m_k, p_v, m_v = seq_tiles(row0, 0, L, o_k, o_v, K, V, BT)
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-        b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-        b_wh = tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
-        b_u = tl.load(u + p_v, mask=m_v, other=0.0) - b_wh
-        tl.store(u_new + p_v, b_u, mask=m_v)
-        b_h += tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
+        b_a = write_rows(a, beta, i_b, i_h, bos, 0, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+        b_u0 = tl.load(u + p_v, mask=m_v, other=0.0)
+        for i_c in range(0, tl.cdiv(L, BT)):
+            p_hs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(hs + p_hs, b_h, mask=m_kv)
+            # chunk i_c + 1's tiles (past the last chunk every row is masked: zeros, unused)
+            n_k, nm_k, n_v, nm_v = seq_tiles(row0, i_c + 1, L, o_k, o_v, K, V, BT)
+            b_w_next = tl.load(w + n_k, mask=nm_k, other=0.0)
+            b_a_next = write_rows(a, beta, i_b, i_h, bos, i_c + 1, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+            b_u_next = tl.load(u + n_v, mask=nm_v, other=0.0)
+            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+            b_u = b_u0 - tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
+            tl.store(u_new + p_v, b_u, mask=m_v)
+            b_h += tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
+            b_w, b_a, b_u0 = b_w_next, b_a_next, b_u_next
+    else:
+        for i_c in range(0, tl.cdiv(L, BT)):
+            p_hs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+            tl.store(hs + p_hs, b_h, mask=m_kv)
+            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+            b_w = tl.load(w + p_k, mask=m_k, other=0.0)
+            b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+            b_wh = tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
+            b_u = tl.load(u + p_v, mask=m_v, other=0.0) - b_wh
+            tl.store(u_new + p_v, b_u, mask=m_v)
+            b_h += tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
     tl.store(ht + p_state, b_h, mask=m_kv)
 
 
@@ -311,8 +332,19 @@ STATE_STAGES = 1
 NARROW_STATE_FILL = 0.25
 # The state passes' products on 16-bit operands for 16-bit inputs (the state, W and U rounded to the inputs' dtype for
 # each tl.dot, the state and the products kept in float32), as FLA's chunk_delta_rule multiplies: half the tensor-core
-# steps of one TF32 pass. Off: not yet timed or measured for drift on a GPU (`bash benchmarks/run_gpu.sh deltastate`).
+# steps of one TF32 pass. Timed on the H200 (eighteenth session, DeltaNet D = 64, bf16, forward+backward kernels): at
+# T = 2k, B = 16 (64 columns) 2.366 ms against 2.448 (the backward's state pass 227 us against 311, the forward's 201
+# against 190); at T = 32k, B = 1 on 16-column blocks an illegal memory access (Triton 3.6), as 16 columns at K = 128
+# hit in the seventeenth session, so it applies only to blocks of 32 columns or more. Off: its drift at long T is not
+# yet measured (benchmarks/results/mixers_h200.md).
 STATE_16BIT = False
+# The state passes read each chunk's tiles that do not depend on the state (the forward's W, A, Ũ; the backward's Q,
+# A, W, dO) during the chunk before, held in registers across the loop's step, so that their global loads overlap the
+# previous chunk's products instead of stalling each step of the chain (the pipeline stages, STATE_STAGES, did so only
+# partly on the H200: at 32k, B = 1, two stages took the 64-column passes from 4.75 to 4.31 ms). FLA's state kernels
+# take a chunk step in about a quarter of ours at 32k, B = 1 (benchmarks/results/mixers_h200.md, eighteenth
+# session). Off: not yet timed (`bash benchmarks/run_gpu.sh deltastate`).
+STATE_PREFETCH = False
 
 
 def state_launch(
@@ -322,7 +354,7 @@ def state_launch(
     the number of ``(sequence, head)`` programs: :data:`STATE_BV` if set, else 16 columns at ``K <= 64`` where the
     default width would launch at most :data:`NARROW_STATE_FILL` of the device's multiprocessors, else ``BV_STATE``;
     :data:`STATE_STAGES` stages; 16-bit operands (``LOW``) for inputs of 16-bit ``dtype`` where
-    :data:`STATE_16BIT`."""
+    :data:`STATE_16BIT`, on blocks of 32 columns or more; :data:`STATE_PREFETCH`."""
     wide_keys = dims["K"] > 64
     if STATE_BV is not None:
         bv = min(block_dim(STATE_BV), bv_state)
@@ -332,8 +364,8 @@ def state_launch(
         columns = triton.cdiv(dims["V"], bv_state)
         few = programs * columns <= NARROW_STATE_FILL * multiprocessors(device)
         bv = min(16, bv_state) if few and not wide_keys else bv_state
-    low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "") if STATE_16BIT else ""
-    return bv, dims | dict(num_stages=STATE_STAGES, LOW=low)
+    low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "") if STATE_16BIT and bv >= 32 else ""
+    return bv, dims | dict(num_stages=STATE_STAGES, LOW=low, PREFETCH=STATE_PREFETCH)
 
 
 def launch_dims(key_dim: int, value_dim: int, chunk_size: int, precision: str) -> tuple[int, dict]:
