@@ -33,7 +33,7 @@ from attnkit.ops import path_attention  # noqa: E402
 from attnkit.ops.common.triton_utils import block_dim, interpreting  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
 from attnkit.ops.path import parallel  # noqa: E402
-from attnkit.ops.path.triton import backward, backward_super, local, prepare  # noqa: E402
+from attnkit.ops.path.triton import backward, backward_super, forward, local, prepare  # noqa: E402
 from attnkit.ops.path.triton.forward import path_fwd_fn  # noqa: E402
 from benchmarks.ops import bench_ms, describe, environment  # noqa: E402
 
@@ -92,7 +92,8 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # bf16x3), then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the
 # back substitution for local.LOCAL_SOLVE), the inner query kernel checkpointing its carried queries instead of
 # recomputing them (backward.INNER_RECOMPUTE off; with INNER_EVERY = 1 every one kept), its carries on float32
-# operands (backward.INNER_CARRY_LOW off),
+# operands (backward.INNER_CARRY_LOW off), the forward's carries inside superblocks in one 16-bit pass
+# (forward.INNER_CARRY_LOW where measured),
 # the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass
 # on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
 # (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk
@@ -111,6 +112,7 @@ LOCAL = [
     ("inner kernels on 3 stages", {(backward, "INNER_STAGES"): 3}),
     ("inner checkpoints, not recomputed", {(backward, "INNER_RECOMPUTE"): False}),
     ("inner recompute, float32 carries", {(backward, "INNER_CARRY_LOW"): False}),
+    ("forward inner carries 16-bit", {(forward, "INNER_CARRY_LOW"): None}),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
     ("local solve by substitution", {(local, "LOCAL_SOLVE"): None}),
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),

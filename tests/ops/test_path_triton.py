@@ -496,6 +496,21 @@ def test_inner_carries_on_16bit_operands(monkeypatch):
     assert_16bit_option(monkeypatch, backward, "INNER_CARRY_LOW", [q, k, v, w, beta, g], do)
 
 
+def test_forward_inner_carries_on_16bit_operands(monkeypatch):
+    """``forward.INNER_CARRY_LOW``: the forward kernel carries its query across the chunks of its superblock on
+    float16 operands (three superblocks of three chunks and a partial fourth, GQA, gates): the output and every
+    gradient within float16's bars of the PyTorch backend, and not the numbers of the carries' own precision."""
+    from attnkit.ops.path.triton import forward, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
+    T = 10 * prepare.chunk_size(16) + 2  # ten chunks and two positions, whatever the chunk
+    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32))
+    q, k, v = (x.half() for x in (q, k, v))
+    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
+    assert_16bit_option(monkeypatch, forward, "INNER_CARRY_LOW", [q, k, v, w, beta, g], do)
+    assert not forward.inner_low(torch.float32, 16)  # float32 inputs keep their carries
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     """``parallel.KEEP_PREPARED`` (the default): the forward keeps its prepare kernel's ``M``, ``K̃`` (in float32) and

@@ -33,6 +33,15 @@ from attnkit.ops.path.triton.prepare import (
     solve_rows,
 )
 
+# The forward kernel's carries inside its query's superblock (x ← x − (x W_jᵀ)(M_j W_j), a chunk at a time, at most a
+# superblock's chunks) in one pass on operands rounded to the inputs' 16-bit dtype, float32 accumulation (the carried
+# query stays float32), instead of the carries' precision (three bf16 passes for bf16 at K = 64 and 128); the carries
+# across superblocks (Σ, which accumulate over T) and the chunk-local terms keep theirs. The backward's carries inside
+# superblocks take one 16-bit pass (backward.INNER_CARRY_LOW) with every error from the PyTorch backend unchanged on
+# the H200. None: where prepare.measured_16bit; True: for every 16-bit input (tests); False (the default until timed:
+# path_tune.py's LOCAL row "forward inner carries 16-bit").
+INNER_CARRY_LOW: bool | None = False
+
 
 @triton.jit
 def key_gates(gcum, o_g, p_j, BT: tl.constexpr, USE_G: tl.constexpr):
@@ -70,6 +79,7 @@ def path_fwd_kernel(
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
+    INNER_LOW: tl.constexpr = False,
 ):  # fmt: skip
     """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``mw [*, H, K]``
     float32 (``M W`` per chunk), ``kh [*, H, K]`` (keys carried to their superblock's end) and ``sig [superblocks,
@@ -77,7 +87,9 @@ def path_fwd_kernel(
     float32 cumulative gates, head-major (``NT`` tokens a head; when ``USE_G``) -> ``o [*, HQ, V]`` and
     ``lse [*, HQ]`` float32 (the natural log-sum-exp of each query's logits, for the backward). Grid ``(chunks of
     the longest sequence, N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one
-    rank-``BT`` update per chunk of history."""
+    rank-``BT`` update per chunk of history; with ``INNER_LOW`` (:data:`INNER_CARRY_LOW`) its carries inside its
+    superblock take operands rounded to ``k``'s dtype."""
+    LT: tl.constexpr = k.dtype.element_ty
     i_c = tl.num_programs(0) - 1 - tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n, i_hq = i_nh // HQ, i_nh % HQ
@@ -137,8 +149,12 @@ def path_fwd_kernel(
         b_max, b_sum, b_acc = softmax_step(b_x, b_kt, b_vj, b_gk, b_max, b_sum, b_acc, scale, USE_G, PRECISION)
         b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
         b_mwj = tl.load(mw + p_kvj, mask=m_k, other=0.0)
-        b_xw = tl.dot(b_x, tl.trans(b_wj), input_precision=CARRY_PRECISION)
-        b_x = b_x - tl.dot(b_xw, b_mwj, input_precision=CARRY_PRECISION)
+        if INNER_LOW:
+            b_xw = tl.dot(b_x.to(LT), tl.trans(b_wj.to(LT)))
+            b_x = b_x - tl.dot(b_xw.to(LT), b_mwj.to(LT))
+        else:
+            b_xw = tl.dot(b_x, tl.trans(b_wj), input_precision=CARRY_PRECISION)
+            b_x = b_x - tl.dot(b_xw, b_mwj, input_precision=CARRY_PRECISION)
 
     # The earlier superblocks (all their chunks complete), right to left: their keys carried to the superblock's
     # end, then one dense carry across the superblock.
@@ -226,9 +242,16 @@ def path_fwd_fn(
         q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
         triton.cdiv(T, BT * R), R, scale,
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
-        PRECISION=precision, CARRY_PRECISION=wide_carry(carry, BK), **launch,
+        PRECISION=precision, CARRY_PRECISION=wide_carry(carry, BK), INNER_LOW=inner_low(q.dtype, K), **launch,
     )  # fmt: skip
     return (o, lse, m, kt, mw) if keep else (o, lse)
+
+
+def inner_low(dtype: torch.dtype, key_dim: int) -> bool:
+    """Whether the forward kernel's carries inside superblocks take 16-bit operands (:data:`INNER_CARRY_LOW`)."""
+    if INNER_CARRY_LOW is None:
+        return prepare.measured_16bit(dtype, key_dim)
+    return INNER_CARRY_LOW and dtype in (torch.bfloat16, torch.float16)
 
 
 def wide_carry(carry: str, BK: int) -> str:
