@@ -84,11 +84,12 @@ def delta_bwd_state_kernel(
     cols = tl.arange(0, BT)[None, :]
     NCS = tl.cdiv(L, BT)
     if PREFETCH:  # the tiles that do not depend on dh', read one chunk ahead of their use (right to left)
-        b_q = row_tile(q, i_b, i_h, bos, NCS - 1, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
-        b_a = write_rows(a, beta, i_b, i_h, bos, NCS - 1, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-        p_k, m_k, p_v, m_v = seq_tiles(row0, NCS - 1, L, o_k, o_v, K, V, BT)
+        i_l = tl.maximum(NCS - 1, 0)  # the last chunk (an empty sequence: chunk 0, every row masked, never used)
+        b_q = row_tile(q, i_b, i_h, bos, i_l, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+        b_a = write_rows(a, beta, i_b, i_h, bos, i_l, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+        p_k, m_k, p_v, m_v = seq_tiles(row0, i_l, L, o_k, o_v, K, V, BT)
         b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-        b_do = row_tile(do, i_b, i_h, bos, NCS - 1, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
+        b_do = row_tile(do, i_b, i_h, bos, i_l, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
         for i_back in range(0, NCS):
             i_c = NCS - 1 - i_back
             p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
@@ -100,7 +101,7 @@ def delta_bwd_state_kernel(
             n_k, nm_k, _, _ = seq_tiles(row0, i_p, L, o_k, o_v, K, V, BT)
             b_w_next = tl.load(w + n_k, mask=nm_k, other=0.0)
             b_do_next = row_tile(do, i_b, i_h, bos, i_p, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0]
-            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+            _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
             b_du, b_dh = state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
             tl.store(du + p_v, b_du, mask=m_v)
             b_q, b_a, b_w, b_do = b_q_next * scale, b_a_next, b_w_next, b_do_next.to(tl.float32)

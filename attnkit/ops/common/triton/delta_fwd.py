@@ -257,7 +257,7 @@ def delta_fwd_state_kernel(
             b_w_next = tl.load(w + n_k, mask=nm_k, other=0.0)
             b_a_next = write_rows(a, beta, i_b, i_h, bos, i_c + 1, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
             b_u_next = tl.load(u + n_v, mask=nm_v, other=0.0)
-            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+            _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
             b_u = b_u0 - tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
             tl.store(u_new + p_v, b_u, mask=m_v)
             b_h += tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
