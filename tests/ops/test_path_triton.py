@@ -135,6 +135,14 @@ def backend_grads(inputs, do, backend, cu=None):
 GRAD_NAMES = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
 
 
+def half_inputs(T):
+    """``(inputs, do)`` of one PaTH-FoX sequence of ``T`` positions (four query heads on two key heads, K = 16,
+    V = 24): ``q``, ``k``, ``v`` and ``do`` in float16, ``w``, ``beta``, ``g`` in float32."""
+    inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32)]
+    inputs[:3] = [x.half() for x in inputs[:3]]
+    return inputs, torch.randn(1, T, 4, 24, device=DEVICE).half()
+
+
 def assert_16bit_option(monkeypatch, module, name, inputs, do, cu=None):
     """A 16-bit option ``module.name`` set off, then on, on 16-bit inputs: every output and gradient within float16's
     bars of the PyTorch backend on the same rounded inputs in float32, and not the numbers with the option off (the
@@ -346,10 +354,7 @@ def test_inner_products_on_16bit_operands(monkeypatch, key_tile):
     # Nine chunks and two positions, whatever the chunk: 16 positions under the interpreter, 64 on a GPU (with 130
     # positions there, one superblock held every chunk, the option had nothing to act on, and the test failed)
     T = 8 * prepare.chunk_size(16) + 2
-    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32))
-    q, k, v = (x.half() for x in (q, k, v))
-    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
-    assert_16bit_option(monkeypatch, backward, "INNER_LOW_GRAD", [q, k, v, w, beta, g], do)
+    assert_16bit_option(monkeypatch, backward, "INNER_LOW_GRAD", *half_inputs(T))
 
 
 @pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])
@@ -367,9 +372,7 @@ def test_sweep_pairs_on_16bit_operands(monkeypatch, offsets):
     # sequences there had one superblock each, no pairs between superblocks, and the test failed)
     scale = prepare.chunk_size(16) // 16
     T = (150 if offsets else 130) * scale
-    inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32)]
-    inputs[:3] = [x.half() for x in inputs[:3]]
-    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
+    inputs, do = half_inputs(T)
     cu = None if offsets is None else torch.tensor([o * scale for o in offsets], device=DEVICE)
     expected = backend_grads([x.float() for x in inputs], do.float(), "torch", cu)
     exact_pairs = backend_grads(inputs, do, "triton", cu)
@@ -490,10 +493,7 @@ def test_inner_carries_on_16bit_operands(monkeypatch):
     monkeypatch.setattr(backward, "INNER_LOW_GRAD", True)
     monkeypatch.setattr(backward, "INNER_RECOMPUTE", True)
     T = 10 * prepare.chunk_size(16) + 2  # ten chunks and two positions, whatever the chunk
-    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32))
-    q, k, v = (x.half() for x in (q, k, v))
-    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
-    assert_16bit_option(monkeypatch, backward, "INNER_CARRY_LOW", [q, k, v, w, beta, g], do)
+    assert_16bit_option(monkeypatch, backward, "INNER_CARRY_LOW", *half_inputs(T))
 
 
 def test_forward_inner_carries_on_16bit_operands(monkeypatch):
@@ -504,10 +504,7 @@ def test_forward_inner_carries_on_16bit_operands(monkeypatch):
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
     T = 10 * prepare.chunk_size(16) + 2  # ten chunks and two positions, whatever the chunk
-    q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 24, gate=True, dtype=torch.float32))
-    q, k, v = (x.half() for x in (q, k, v))
-    do = torch.randn(1, T, 4, 24, device=DEVICE).half()
-    assert_16bit_option(monkeypatch, forward, "INNER_CARRY_LOW", [q, k, v, w, beta, g], do)
+    assert_16bit_option(monkeypatch, forward, "INNER_CARRY_LOW", *half_inputs(T))
     assert not forward.inner_low(torch.float32, 16)  # float32 inputs keep their carries
 
 
