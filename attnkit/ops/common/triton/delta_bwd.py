@@ -41,7 +41,7 @@ from attnkit.ops.common.triton.delta_fwd import (
 
 
 @triton.jit
-def state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION: tl.constexpr, LOW: tl.constexpr):
+def bwd_state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION: tl.constexpr, LOW: tl.constexpr):
     """One chunk of the backward's state pass, right to left: ``dU = triu(A Qᵀ) dO + A dh'`` and ``dh'`` carried to
     the chunk's start, ``dh' + Qᵀ dO − Wᵀ dU``. Returns ``(dU, dh')``."""
     # tril(Q Aᵀ)ᵀ = triu(A Qᵀ)
@@ -102,7 +102,7 @@ def delta_bwd_state_kernel(
             b_w_next = tl.load(w + n_k, mask=nm_k, other=0.0)
             b_do_next = row_tile(do, i_b, i_h, bos, i_p, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0]
             _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-            b_du, b_dh = state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
+            b_du, b_dh = bwd_state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
             tl.store(du + p_v, b_du, mask=m_v)
             b_q, b_a, b_w, b_do = b_q_next * scale, b_a_next, b_w_next, b_do_next.to(tl.float32)
     else:
@@ -115,7 +115,7 @@ def delta_bwd_state_kernel(
             b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
             b_w = tl.load(w + p_k, mask=m_k, other=0.0)
             b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
-            b_du, b_dh = state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
+            b_du, b_dh = bwd_state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
             tl.store(du + p_v, b_du, mask=m_v)
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
 

@@ -221,6 +221,14 @@ def delta_prepare_kernel(
 
 
 @triton.jit
+def fwd_state_step(b_w, b_a, b_u0, b_h, PRECISION: tl.constexpr, LOW: tl.constexpr):
+    """One chunk of the forward's state pass: ``U = Ũ − W h`` and the state carried to the next chunk's start,
+    ``h + Aᵀ U``. Returns ``(U, h)``."""
+    b_u = b_u0 - tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
+    return b_u, b_h + tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
+
+
+@triton.jit
 def delta_fwd_state_kernel(
     w, u, a, beta, h0, hs, u_new, ht, cu_seqlens, offsets, T, NC, H, sab, sat, sah, sad, sbeb, sbet, sbeh,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -258,9 +266,8 @@ def delta_fwd_state_kernel(
             b_a_next = write_rows(a, beta, i_b, i_h, bos, i_c + 1, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
             b_u_next = tl.load(u + n_v, mask=nm_v, other=0.0)
             _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-            b_u = b_u0 - tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
+            b_u, b_h = fwd_state_step(b_w, b_a, b_u0, b_h, PRECISION, LOW)
             tl.store(u_new + p_v, b_u, mask=m_v)
-            b_h += tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
             b_w, b_a, b_u0 = b_w_next, b_a_next, b_u_next
     else:
         for i_c in range(0, tl.cdiv(L, BT)):
@@ -269,10 +276,8 @@ def delta_fwd_state_kernel(
             p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
             b_w = tl.load(w + p_k, mask=m_k, other=0.0)
             b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-            b_wh = tl.dot(operand(b_w, LOW), operand(b_h, LOW), input_precision=PRECISION)
-            b_u = tl.load(u + p_v, mask=m_v, other=0.0) - b_wh
+            b_u, b_h = fwd_state_step(b_w, b_a, tl.load(u + p_v, mask=m_v, other=0.0), b_h, PRECISION, LOW)
             tl.store(u_new + p_v, b_u, mask=m_v)
-            b_h += tl.dot(operand(tl.trans(b_a), LOW), operand(b_u, LOW), input_precision=PRECISION)
     tl.store(ht + p_state, b_h, mask=m_kv)
 
 
