@@ -249,5 +249,6 @@ def test_a_partial_full_run_reports_its_finished_cells_and_the_rest_as_not_run(t
     assert "| vla | n8 | pending | pending | pending | pending | — | — |" in report
     assert "1 of 3 finished" in report and f"{len(declared) - len(finished)} left for later" in report
     assert "cell devices: NVIDIA H200" in report
+    assert data["run"]["command"].endswith("--jobs 2 --report-only")  # the invocation that wrote it, not a run
     for png in re.findall(r"!\[[^]]*\]\(([^)]+)\)", report):
         assert (tmp_path / "vla" / png).stat().st_size > 0

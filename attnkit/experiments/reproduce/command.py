@@ -62,8 +62,12 @@ def command_line(args: argparse.Namespace) -> str:
     words = ["attnkit", "reproduce", args.paper, "--scale", args.scale, "--out", args.out, "--jobs", str(args.jobs)]
     if args.cells:
         words += ["--cells", args.cells]
+    if args.device != "auto":
+        words += ["--device", args.device]
     if args.resume:
         words.append("--resume")
+    if args.report_only:
+        words.append("--report-only")
     return " ".join(shlex.quote(w) for w in words)
 
 
