@@ -2,6 +2,7 @@
 and the set alive at the peak (``benchmarks/results/path_memory_cpu.json``).
 
     python benchmarks/path_memory.py [--head-dims 64 128] [--gate] [--batch 8] [--seq-len 4096] [--top 16] [--out F]
+        [--setting LABEL]    # one of path_tune.py's LOCAL settings (its module attributes patched meanwhile)
 
 The launchers run on CPU tensors without ``TRITON_INTERPRET`` (it must be unset), so that they pick the GPU's chunks,
 waves and buffers; no kernel runs (its launch is dropped, its arguments not kept), so the numbers are the
@@ -95,15 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--top", type=int, default=16, help="buffers shown a head dim")
     parser.add_argument("--out", help="JSON of every head dim")
+    parser.add_argument("--setting", help="a path_tune.LOCAL label: the allocations that setting makes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1: the launchers would pick the interpreter's configurations; unset it")
+    from benchmarks import path_tune
+
+    settings = dict(path_tune.LOCAL)
+    if args.setting is not None and args.setting not in settings:
+        parser.error(f"--setting: {args.setting!r} is not one of {list(settings)}")
     rows = []
     for D in args.head_dims:
-        row = measure(D, args.gate, args.batch, args.seq_len)
+        with path_tune.patched(settings.get(args.setting, {})):
+            row = measure(D, args.gate, args.batch, args.seq_len) | dict(setting=args.setting)
         rows.append(row)
         print(
-            f"D={D} B={args.batch} T={args.seq_len} H={row['H']}{' FoX' if args.gate else ''}: peak "
+            f"D={D} B={args.batch} T={args.seq_len} H={row['H']}{' FoX' if args.gate else ''}"
+            f"{f' [{args.setting}]' if args.setting else ''}: peak "
             f"{row['peak_bytes'] / 2**20:.0f} MiB = {row['peak_units']:.2f} bf16 [B, T, H·D] tensors "
             f"({row['leaked_bytes']} bytes left after the step)"
         )

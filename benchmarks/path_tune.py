@@ -93,15 +93,16 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # back substitution for local.LOCAL_SOLVE), the inner query kernel checkpointing its carried queries instead of
 # recomputing them (backward.INNER_RECOMPUTE off; with INNER_EVERY = 1 every one kept), its carries on float32
 # operands (backward.INNER_CARRY_LOW off), the forward's carries inside superblocks in one 16-bit pass
-# (forward.INNER_CARRY_LOW where measured),
-# the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass
-# on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
+# (forward.INNER_CARRY_LOW where measured), the backward's working copies K̃, x, k̂ in float16 (prepare.BUFFERS_16BIT
+# where measured), the superblock terms' scratch at 64 MiB (local.SCRATCH_BYTES; waves of at least 256 programs), and
+# both, the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one TF32 pass or in
+# one pass on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
 # (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk
 # (local.SUPER_DA_PROJECT off; it differs at K = 128 only), and at K = 128 the backward's chunks of 64 positions
 # with the local adjoint's products in bf16 (chunks_of_64_at_k128); each timed forward+backward on bf16 q, k, v with
 # float32 w, beta and g (as the layers pass them) and held to the PyTorch backend in float32 on path_accuracy's inputs
-# (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T. --local-pick narrows the rows to labels holding a
-# string.
+# (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T, with the peak memory of one step on a GPU.
+# --local-pick narrows the rows to labels holding a string.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
@@ -113,6 +114,9 @@ LOCAL = [
     ("inner checkpoints, not recomputed", {(backward, "INNER_RECOMPUTE"): False}),
     ("inner recompute, float32 carries", {(backward, "INNER_CARRY_LOW"): False}),
     ("forward inner carries 16-bit", {(forward, "INNER_CARRY_LOW"): None}),
+    ("16-bit working buffers", {(prepare, "BUFFERS_16BIT"): None}),
+    ("superblock terms' scratch 64 MiB", {(local, "SCRATCH_BYTES"): 1 << 26}),
+    ("16-bit working buffers, scratch 64 MiB", {(prepare, "BUFFERS_16BIT"): None, (local, "SCRATCH_BYTES"): 1 << 26}),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
     ("local solve by substitution", {(local, "LOCAL_SOLVE"): None}),
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),
@@ -141,6 +145,19 @@ def patched(settings: dict):
 
 def bench(fn, device: torch.device) -> float:
     return bench_ms(fn, [], device, warmup=25, rep=100)
+
+
+def peak_mib(fn, device: torch.device) -> float | None:
+    """The peak memory of one call of ``fn`` above what was allocated before it (MiB), as ``benchmarks/ops.py``
+    measures forward+backward; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def attempt(fn):
@@ -306,7 +323,7 @@ def local_cell(
                     row["error"] = attempt(lambda: grads_of(x, do))[1]
                 else:
                     ms, row["error"] = attempt(lambda: bench(lambda: grads_of(x, do), device))
-                    row.update({} if ms is None else dict(ms=ms))
+                    row.update({} if ms is None else dict(ms=ms, peak_mib=peak_mib(lambda: grads_of(x, do), device)))
         cell["local"].append(row)
         shown = " ".join(f"{n} {e:.1e}" for n, e in row.get("errs", {}).items())
         print(f"  fwd+bwd D={D} T={T} {label}: {row.get('ms', float('nan')):.3f} ms {shown} {row['error'] or ''}")
@@ -377,6 +394,7 @@ def table(cells: list[dict]) -> str:
                 if kind == "local" and "errs" in row:  # a --jobs child's rows have errors but no time
                     result = (
                         (f"{row['ms']:.3f} ms, " if "ms" in row else "")
+                        + (f"peak {row['peak_mib']:.0f} MiB, " if row.get("peak_mib") is not None else "")
                         + "from the PyTorch backend "
                         + " ".join(f"{n} {e:.1e}" for n, e in row["errs"].items())
                         + (f"; {row['error']}" if row.get("error") else "")

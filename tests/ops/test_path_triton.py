@@ -508,6 +508,32 @@ def test_forward_inner_carries_on_16bit_operands(monkeypatch):
     assert not forward.inner_low(torch.float32, 16)  # float32 inputs keep their carries
 
 
+@pytest.mark.parametrize("span", [3, None], ids=["superblocks", "chunks"])
+def test_working_buffers_in_16bit(monkeypatch, span):
+    """``prepare.BUFFERS_16BIT``: the backward's ``K̃``, ``x`` and ``k̂`` (and the forward's ``K̃`` kept for it) stored
+    in float16 for 16-bit inputs, with superblocks of three chunks (the sweep, the superblock
+    terms) or none (every pair chunk by chunk), GQA, gates, packed with an empty sequence: the output and every
+    gradient within float16's bars of the PyTorch backend, and not the numbers of float32 buffers. The forward keeps
+    ``K̃`` in float16 and ``M``, ``M W`` in float32; bfloat16 inputs take float16 too, and float32 inputs keep
+    float32."""
+    from attnkit.ops.path import parallel
+    from attnkit.ops.path.parallel import path_fwd_op
+    from attnkit.ops.path.triton import prepare
+
+    monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
+    if span is not None:
+        monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
+    T = 10 * prepare.chunk_size(16) + 2  # ten chunks and two positions, whatever the chunk
+    inputs, do = half_inputs(T)
+    cu = torch.tensor([0, 3, 3, T], device=DEVICE)
+    assert_16bit_option(monkeypatch, prepare, "BUFFERS_16BIT", inputs, do, cu)
+    q, k, v, w, beta, g = inputs
+    kept = path_fwd_op(q, k, v, w, beta, g, cu, 0.25, keep=True)[2:]
+    assert [t.dtype for t in kept] == [torch.float32, torch.float16, torch.float32]  # m, K̃, M W
+    assert prepare.buffer_dtype(torch.bfloat16, 16) == torch.float16
+    assert prepare.buffer_dtype(torch.float32, 16) == torch.float32
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     """``parallel.KEEP_PREPARED`` (the default): the forward keeps its prepare kernel's ``M``, ``K̃`` (in float32) and
@@ -668,6 +694,24 @@ def superblock_products(x, kt, A, lo, hi, groups):
     return xh, kh, sig
 
 
+def test_superblock_terms_waves_keep_the_machine_busy(monkeypatch):
+    """:func:`local.superblock_wave`: the superblock terms' waves fit ``SCRATCH_BYTES`` but keep at least
+    ``SCRATCH_MIN_PROGRAMS`` programs (T = 32k: 64 superblock rows at D = 64, 16 heads, 8 chunks of 64 positions;
+    D = 128, 8 heads, 16 chunks of 32, two 64-column programs a head)."""
+    from attnkit.ops.path.triton import local
+
+    assert local.SCRATCH_MIN_PROGRAMS == 256
+    assert local.superblock_wave(64, 16, 64, 64, 8) == 64  # 256 MiB: one wave
+    assert local.superblock_wave(64, 8, 128, 64, 16) == 16  # four waves of 256 programs
+    monkeypatch.setattr(local, "SCRATCH_BYTES", 1 << 26)
+    assert local.superblock_wave(64, 16, 64, 64, 8) == 16  # 64 MiB: 16 rows of 4 MiB, 256 programs
+    assert local.superblock_wave(64, 8, 128, 64, 16) == 16  # 4 rows would fit; 16 keep 256 programs
+    assert local.superblock_wave(3, 8, 128, 64, 16) == 3  # never more than there are
+    monkeypatch.setattr(local, "SCRATCH_BYTES", 1)
+    monkeypatch.setattr(local, "SCRATCH_MIN_PROGRAMS", 1)
+    assert local.superblock_wave(64, 16, 64, 64, 8) == 1
+
+
 @pytest.mark.parametrize("K", [16, 24])
 @pytest.mark.parametrize("offsets", [None, [0, 7, 7, 100]], ids=["dense", "varlen"])
 @pytest.mark.parametrize("waves", [False, True], ids=["one-wave", "waves"])
@@ -684,6 +728,7 @@ def test_superblock_terms_adjoint(monkeypatch, K, offsets, waves, project):
 
     if waves:
         monkeypatch.setattr(local, "SCRATCH_BYTES", 1)
+        monkeypatch.setattr(local, "SCRATCH_MIN_PROGRAMS", 1)
 
     gen = torch.Generator().manual_seed(K)
     B, T, HQ, H, C, span = (2 if offsets is None else 1), 100, 4, 2, 16, 3

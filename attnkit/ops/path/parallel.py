@@ -83,7 +83,8 @@ def path_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o [B,T,HQ,V] in v.dtype, lse [B,T,HQ] float32, m, kt, mw)`` through the fused forward (validated inputs; CPU
     tensors run through Triton's interpreter). With ``keep`` (the caller will differentiate) and where
-    :func:`keeps_prepared`, ``m, kt, mw`` are the prepare kernel's float32 outputs for the backward; else empty."""
+    :func:`keeps_prepared`, ``m, kt, mw`` are the prepare kernel's outputs for the backward (``kt`` in
+    ``prepare.buffer_dtype``, ``m`` and ``mw`` float32); else empty."""
     q, k, v, w, beta = (x.contiguous() for x in (q, k, v, w, beta))
     g = None if g is None else g.contiguous()
     if keep and keeps_prepared(q.dtype, q.shape[-1]):
@@ -100,8 +101,8 @@ def _(q, k, v, w, beta, g, cu_seqlens, scale, keep=False):
         return o, lse, *(lse.new_empty(0) for _ in range(3))
     BT, NC = prepare.chunk_size(K), triton.cdiv(T, prepare.chunk_size(K))
     rows = B * NC if cu_seqlens is None else NC + cu_seqlens.shape[0] - 1
-    kt = q.new_empty(k.shape, dtype=torch.float32)
-    return o, lse, q.new_empty(rows, k.shape[2], BT, BT, dtype=torch.float32), kt, kt.new_empty(k.shape)
+    kt, mw = q.new_empty(k.shape, dtype=prepare.buffer_dtype(q.dtype, K)), q.new_empty(k.shape, dtype=torch.float32)
+    return o, lse, q.new_empty(rows, k.shape[2], BT, BT, dtype=torch.float32), kt, mw
 
 
 def _setup_fwd(ctx, inputs, output):
@@ -172,11 +173,12 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
     f32 = dict(dtype=torch.float32, device=q.device)
     carry = prepare.precisions(q.dtype, K)[1]
     config = prepare.launch_config()  # the prepare and carry kernels as the forward launches them
+    work = prepare.buffer_dtype(q.dtype, K)  # K̃, x and k̂: float32, or float16 for 16-bit inputs
     if prepared is not None and prepared[0].numel() > 0:
         m, kt, mw = prepared
     else:
         m = torch.empty(rows, H, chunk, chunk, **f32)
-        kt, mw = torch.empty(k.shape, **f32), torch.empty(k.shape, **f32)
+        kt, mw = torch.empty(k.shape, dtype=work, device=q.device), torch.empty(k.shape, **f32)
         prepare.path_prepare_kernel[(NC, N * H)](
             k, w, beta, m, kt, mw, cu_seqlens, offsets, T, NC, H=H, K=K, BK=block_dim(K), BT=chunk,
             IS_VARLEN=cu_seqlens is not None, PRECISION=carry, WRITE_MW=True, SB=prepare.solve_rows(chunk),
@@ -185,14 +187,14 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
     del prepared
     inner = prepare.inner_carry(q.dtype, K) if supers else None  # the carries inside superblocks
     low_grad = prepare.measured_16bit(q.dtype, K) if backward.INNER_LOW_GRAD is None else backward.INNER_LOW_GRAD
-    x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner)
+    x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner, work)
     delta = output_delta(o, do)
     gcum = None if g is None else segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32)  # as the forward's
     dv, dgcum = torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, **f32)
     if supers:
         sb_offsets = prepare.chunk_offsets(cu_seqlens, chunk * span)
         kh, sig, _ = carry_keys_fn(
-            w, kt, m, cu_seqlens, span, torch.float32, True, carry, config, longest=T, offsets=offsets,
+            w, kt, m, cu_seqlens, span, work, True, carry, config, longest=T, offsets=offsets,
             sb_offsets=sb_offsets,
         )  # fmt: skip
         dxh, dkh, _, dsig, _ = path_bwd_super_fn(

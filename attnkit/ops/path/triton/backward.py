@@ -152,6 +152,7 @@ def key_chunk_grads(
     for j in tl.static_range(G):
         i_hq = i_h * G + j
         b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
+        b_x = b_x.to(tl.float32)
         b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
         b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
         b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
@@ -195,7 +196,7 @@ def load_key_chunk(
     and (row ``j`` for query head ``i_h · G + j``) the gates' key side, as :func:`store_key_chunk_grads` takes
     them."""
     p_m = bos + (i_m * BT + o_t).to(tl.int64)
-    b_k = tl.load(k + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+    b_k = tl.load(k + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
     b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -262,7 +263,7 @@ def path_bwd_kv_kernel(
         # Π ← A_c Π = Π − W_cᵀ ((M_c W_c) Π); the padding rows of a last chunk have w = 0 (identity).
         p_w = p_i[:, None] * (H * K) + i_h * K + o_k[None, :]
         b_w = tl.load(w + p_w, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
-        b_mw = tl.load(mw + p_w, mask=m_i[:, None] & m_k, other=0.0)
+        b_mw = tl.load(mw + p_w, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
         b_pi -= tl.dot(
             tl.trans(b_w), tl.dot(b_mw, b_pi, input_precision=CARRY_PRECISION), input_precision=CARRY_PRECISION
         )
@@ -298,7 +299,7 @@ def path_bwd_kv_tile_kernel(
     p_seg = p_slot + (SLOTS - EVERY) * (BT * BK)  # the segment's tiles follow the checkpoints
 
     p_m = bos + (i_m * BT + o_t).to(tl.int64)
-    b_y = tl.load(kt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+    b_y = tl.load(kt + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
     # Left to right: y at query chunk m + 1 + s; checkpoint it at each segment's start. Chunks crossed here are
     # never a sequence's last, so their rows are all real.
@@ -354,7 +355,7 @@ def carry_across(
             return b_r - tl.dot(tl.dot(b_r.to(DT), tl.trans(b_mw)).to(DT), b_w)
         return b_r - tl.dot(tl.dot(b_r.to(DT), tl.trans(b_w)).to(DT), b_mw)
     b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
-    b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0)
+    b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0).to(tl.float32)
     if TRANSPOSED:
         return b_r - tl.dot(tl.dot(b_r, tl.trans(b_mw), input_precision=PRECISION), b_w, input_precision=PRECISION)
     return b_r - tl.dot(tl.dot(b_r, tl.trans(b_w), input_precision=PRECISION), b_mw, input_precision=PRECISION)
@@ -377,7 +378,7 @@ def query_pair_grads(
     rows, cols = o_t[:, None], o_t[None, :]
     p_m = bos + (i_m * BT + o_t).to(tl.int64)
     p_mk = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0)
+    b_kt = tl.load(kt + p_mk, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
     if USE_G:  # read with the key chunk, not at its first use
         b_gk = tl.load(gcum + p_m * HQ + i_hq)
@@ -467,6 +468,7 @@ def path_bwd_q_kernel(
     p_i = bos + o_i.to(tl.int64)
     LT: tl.constexpr = do.dtype.element_ty
     b_x = tl.load(x + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_i[:, None] & m_k, other=0.0)
+    b_x = b_x.to(tl.float32)
     b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
     b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
     b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)

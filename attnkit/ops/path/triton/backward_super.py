@@ -163,6 +163,7 @@ def path_bwd_super_kv_kernel(
             for cb in tl.static_range(BK // BC):
                 o_c = cb * BC + tl.arange(0, BC)
                 b_kc = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_c[None, :], mask=(o_c < K)[None, :], other=0.0)
+                b_kc = b_kc.to(tl.float32)
                 b_e = pair_dot(tl.trans(b_dys), b_kc, PAIR_PRECISION, do.dtype.element_ty)
                 p_c = p_s + o_k[:, None] * BK + o_c[None, :]
                 if t > 0:

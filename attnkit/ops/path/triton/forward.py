@@ -148,7 +148,7 @@ def path_fwd_kernel(
         b_gk = key_gates(gcum, o_g, p_j, BT, USE_G)
         b_max, b_sum, b_acc = softmax_step(b_x, b_kt, b_vj, b_gk, b_max, b_sum, b_acc, scale, USE_G, PRECISION)
         b_wj = tl.load(w + p_kvj, mask=m_k, other=0.0).to(tl.float32)
-        b_mwj = tl.load(mw + p_kvj, mask=m_k, other=0.0)
+        b_mwj = tl.load(mw + p_kvj, mask=m_k, other=0.0).to(tl.float32)
         if INNER_LOW:
             b_xw = tl.dot(b_x.to(LT), tl.trans(b_wj.to(LT)))
             b_x = b_x - tl.dot(b_xw.to(LT), b_mwj.to(LT))
@@ -193,9 +193,9 @@ def path_fwd_fn(
     Returns ``o [B,T,HQ,V]`` in ``v.dtype`` and ``lse [B,T,HQ]`` float32. ``config``: ``num_warps`` and
     ``num_stages`` of both kernels instead of the defaults, and optionally ``carry_precision`` (the carries' and
     the UT solve's ``input_precision``; ``benchmarks/path_tune.py``'s sweep). ``keep``: also return the prepare
-    kernel's ``m [chunks, H, BT, BT]``, ``kt [B,T,H,K]`` and ``mw [B,T,H,K]``, all float32 (``kt`` is then written in
-    float32, and rounded to ``k``'s dtype where the forward's logits read it), for a backward that chunks as the
-    forward does (``parallel.keeps_prepared``): it skips its own UT solve."""
+    kernel's ``m [chunks, H, BT, BT]``, ``kt [B,T,H,K]`` and ``mw [B,T,H,K]``, ``kt`` in ``prepare.buffer_dtype``
+    (float32 by default; rounded to ``k``'s dtype where the forward's logits read it) and the others float32, for a
+    backward that chunks as the forward does (``parallel.keeps_prepared``): it skips its own UT solve."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     BT = chunk_size(K)
@@ -214,9 +214,9 @@ def path_fwd_fn(
     m = (torch.zeros if keep and cu_seqlens is not None else torch.empty)(
         chunks, H, BT, BT, dtype=torch.float32, device=q.device
     )
-    kt = torch.empty(k.shape, dtype=torch.float32 if keep else k.dtype, device=q.device)
+    kt = torch.empty(k.shape, dtype=prepare.buffer_dtype(q.dtype, K) if keep else k.dtype, device=q.device)
     if longest == 0:
-        return (o, lse, m, kt, kt.clone()) if keep else (o, lse)
+        return (o, lse, m, kt, kt.new_empty(k.shape, dtype=torch.float32)) if keep else (o, lse)
     mw = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     is_varlen = cu_seqlens is not None
     grid_chunks = triton.cdiv(longest, BT)

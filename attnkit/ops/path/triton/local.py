@@ -33,6 +33,12 @@ from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton.prepare import first_chunk, measured_16bit, precisions
 
 SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
+# ... but a wave has at least this many programs, whatever SCRATCH_BYTES asks (about two an SM on the H200's 132):
+# a smaller budget then costs launches, not parallelism. At T = 32k, D = 64, PaTH-FoX the scratch is 4 of the
+# backward's 25.4 bf16 [B, T, H·D] tensors at its peak (benchmarks/path_memory.py); 64 MiB (path_tune.py's LOCAL row
+# "superblock terms' scratch 64 MiB", four waves of 256 programs) makes it 1. At D = 128 a superblock row of every
+# head holds 16 MiB, so 256 programs keep 256 MiB either way.
+SCRATCH_MIN_PROGRAMS = 256
 # The chunk-local adjoint's gradient products (the query-head loop, the carries' dA) for 16-bit inputs: "bf16" rounds
 # both operands to bfloat16, one tensor-core pass at twice TF32's rate on half the shared memory; None keeps the
 # attention products' precision (one TF32 pass). At K = C = 64 (sm_90a, Triton 3.6) the kernel takes 112 KB of
@@ -83,7 +89,7 @@ def path_query_terms_kernel(
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WRITE_XH: tl.constexpr,
 ):  # fmt: skip
-    """``q [*, HQ, K]``, ``w, mw [*, H, K]`` (``mw`` = ``M W`` per chunk, float32) -> ``x_out [*, HQ, K]`` float32,
+    """``q [*, HQ, K]``, ``w, mw [*, H, K]`` (``mw`` = ``M W`` per chunk) -> ``x_out [*, HQ, K]`` (its own dtype),
     the queries carried to their chunk's start, and with ``WRITE_XH`` ``xh_out`` (its own dtype) the same carried on
     to the start of their superblock of ``SPAN`` chunks. Grid ``(chunks, N * HQ)``."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
@@ -101,19 +107,19 @@ def path_query_terms_kernel(
     b_q = tl.load(q + p_t[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
-    b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0)
+    b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0).to(tl.float32)
     b_u = tl.dot(b_q, tl.trans(b_w), input_precision=PRECISION)
     b_u = tl.where(o_t[:, None] >= o_t[None, :], b_u, 0.0)
     b_x = b_q - tl.dot(b_u, b_mw, input_precision=PRECISION)
     p_x = p_t[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
-    tl.store(x_out + p_x, b_x, mask=m_tk)
+    tl.store(x_out + p_x, b_x.to(x_out.dtype.element_ty), mask=m_tk)
     if WRITE_XH:
         first = (i_c // SPAN) * SPAN
         for i_back in range(0, i_c - first):  # chunks i_c − 1, …, first: x ← x − (x W_mᵀ)(M_m W_m)
             p_m = bos + ((i_c - 1 - i_back) * BT + o_t).to(tl.int64)
             p_mkv = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
             b_wm = tl.load(w + p_mkv, mask=m_k, other=0.0).to(tl.float32)
-            b_mwm = tl.load(mw + p_mkv, mask=m_k, other=0.0)
+            b_mwm = tl.load(mw + p_mkv, mask=m_k, other=0.0).to(tl.float32)
             b_x = b_x - tl.dot(tl.dot(b_x, tl.trans(b_wm), input_precision=PRECISION), b_mwm, input_precision=PRECISION)
         tl.store(xh_out + p_x, b_x.to(xh_out.dtype.element_ty), mask=m_tk)
 
@@ -127,7 +133,7 @@ def carry_columns(b_r, w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constex
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
-    b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0)
+    b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0).to(tl.float32)
     if TRANSPOSED:
         return b_r - tl.dot(tl.trans(b_mw), tl.dot(b_w, b_r, input_precision=PRECISION), input_precision=PRECISION)
     return b_r - tl.dot(tl.trans(b_w), tl.dot(b_mw, b_r, input_precision=PRECISION), input_precision=PRECISION)
@@ -192,7 +198,7 @@ def path_super_terms_bwd_kernel(
             b_s = carry_columns(b_s, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION)
             for i_g in range(G):
                 p_q = p_r[:, None] * (HQ * K) + (i_h * G + i_g) * K
-                b_x = tl.load(x + p_q + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0)
+                b_x = tl.load(x + p_q + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
                 b_dxh = tl.load(dxh + p_q + o_c[None, :], mask=m_r[:, None] & m_c, other=0.0)
                 b_u += tl.dot(tl.trans(b_x), b_dxh, input_precision=PRECISION)
     tl.debug_barrier()  # the left-to-right pass reads what every thread of the program wrote
@@ -210,7 +216,7 @@ def path_super_terms_bwd_kernel(
         if PROJECT:  # this program's share dA = U Pᵀ + S Vᵀ, taken through A = I − Wᵀ Z (Z = M W) at once
             p_wk = p_j[:, None] * (H * K) + i_h * K + o_k[None, :]
             b_w = tl.load(w + p_wk, mask=m_jk, other=0.0).to(tl.float32)
-            b_z = tl.load(mw + p_wk, mask=m_jk, other=0.0)
+            b_z = tl.load(mw + p_wk, mask=m_jk, other=0.0).to(tl.float32)
             b_wda = tl.dot(tl.dot(b_w, b_u, input_precision=PRECISION), tl.trans(b_p), input_precision=PRECISION)
             b_wda += tl.dot(tl.dot(b_w, b_s, input_precision=PRECISION), tl.trans(b_v), input_precision=PRECISION)
             b_dw = tl.dot(tl.dot(b_z, b_p, input_precision=PRECISION), tl.trans(b_u), input_precision=PRECISION)
@@ -234,7 +240,7 @@ def path_super_terms_bwd_kernel(
         b_dkh = tl.load(dkh + p_kv + o_c[None, :], mask=m_j[:, None] & m_c, other=0.0)
         tl.atomic_add(dkt + p_kv + o_k[None, :], tl.dot(b_dkh, tl.trans(b_s), input_precision=PRECISION), mask=m_jk,
                       sem="relaxed")  # fmt: skip
-        b_kt = tl.load(kt + p_kv + o_k[None, :], mask=m_jk, other=0.0)
+        b_kt = tl.load(kt + p_kv + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
         b_v = carry_columns(b_v, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION)
         b_v += tl.dot(tl.trans(b_kt), b_dkh, input_precision=PRECISION)  # V ← A_j V + k̃_jᵀ dk̂_j
         b_p = carry_columns(b_p, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION)
@@ -413,15 +419,16 @@ def query_terms_fn(
     chunk: int,
     span: int | None,
     precision: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(x, xh)`` ``[B, T, HQ, K]`` of contiguous ``q``, ``w`` and the prepare kernel's ``mw``: ``x`` float32, ``xh``
-    in ``q``'s dtype (None without superblocks, ``span`` None: the sweep between superblocks, its only reader, takes
-    it as 16-bit operands, half the bytes it reads a pair). ``precision``: the carries' (default
-    ``precisions(q.dtype, K)[1]``). No host sync: the grid covers ``T`` for every sequence."""
+    """``(x, xh)`` ``[B, T, HQ, K]`` of contiguous ``q``, ``w`` and the prepare kernel's ``mw``: ``x`` in ``dtype``
+    (``prepare.buffer_dtype``), ``xh`` in ``q``'s dtype (None without superblocks, ``span`` None: the sweep between
+    superblocks, its only reader, takes it as 16-bit operands, half the bytes it reads a pair). ``precision``: the
+    carries' (default ``precisions(q.dtype, K)[1]``). No host sync: the grid covers ``T`` for every sequence."""
     B, T, HQ, K = q.shape
     H = w.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    x = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    x = torch.empty(q.shape, dtype=dtype, device=q.device)
     xh = None if span is None else torch.empty_like(q)
     path_query_terms_kernel[(triton.cdiv(T, chunk), N * HQ)](
         q, w, mw, x, xh, cu_seqlens, T, 1 if span is None else span, HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk,
@@ -429,6 +436,14 @@ def query_terms_fn(
         **launch_config(K),
     )  # fmt: skip
     return x, xh
+
+
+def superblock_wave(rows: int, heads: int, BK: int, BC: int, span: int) -> int:
+    """Superblock rows a launch of :func:`path_super_terms_bwd_kernel` takes (of ``rows``): as many as their scratch
+    (``heads · span`` chunks of two ``BK × BC`` float32 matrices a program, ``BK / BC`` programs a head) fits in
+    ``SCRATCH_BYTES``, but at least enough for ``SCRATCH_MIN_PROGRAMS`` programs, and one at least."""
+    per_row = heads * BK * BK * span * 2 * 4  # the scratch of one superblock row, every head, bytes
+    return max(1, min(rows, max(SCRATCH_BYTES // per_row, triton.cdiv(SCRATCH_MIN_PROGRAMS, heads * (BK // BC)))))
 
 
 def super_terms_bwd_fn(
@@ -458,8 +473,9 @@ def super_terms_bwd_fn(
     through ``A = I − Wᵀ M W`` (``m``: each chunk's ``M``, ``mw`` its ``M W``), where the kernels between chunks
     leave theirs. ``dtype``: the inputs' dtype, which picks the carries' precision unless ``precision`` names one;
     ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks. The superblocks go
-    in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``: one
-    wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads, however many sequences a packed batch holds."""
+    in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``, of
+    at least ``SCRATCH_MIN_PROGRAMS`` programs: one wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads,
+    however many sequences a packed batch holds."""
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -469,8 +485,7 @@ def super_terms_bwd_fn(
     project = da is None
     if project and (m is None or dm is None or dw is None):
         raise ValueError("super_terms_bwd_fn: without da, m, dm and dw are all needed")
-    per_row = H * BK * BK * span * 2 * 4  # the scratch of one superblock row, every head, bytes
-    wave = max(1, min(rows, SCRATCH_BYTES // per_row))
+    wave = superblock_wave(rows, H, BK, BC, span)
     su = torch.empty(wave, H, BK // BC, span, 2, BK, BC, dtype=torch.float32, device=x.device)
     for r0 in range(0, rows, wave):
         path_super_terms_bwd_kernel[(min(wave, rows - r0), BK // BC, H)](

@@ -255,6 +255,27 @@ def measured_16bit(dtype: torch.dtype, key_dim: int) -> bool:
     return dtype == torch.bfloat16 and block_dim(key_dim) in MEASURED_DIMS and not interpreting()
 
 
+# The dtype of the backward's per-token working copies of carried vectors: the keys at their chunk's end K̃ (the
+# prepare kernel's, or the forward's kept for the backward), the queries at their chunk's start x and the keys at
+# their superblock's end k̂. False: float32. True: float16 for 16-bit inputs (float32 ones keep float32); None: where
+# measured_16bit. Every reader loads them into float32 registers, so the products keep their precisions and only the
+# stored values round. Float16, not bfloat16: its 10-bit mantissa, and these vectors are bounded by the inputs'
+# (each transition I − β w wᵀ, β in [0, 2], unit w, is a contraction), far inside float16's range. The chunks' M W
+# stays float32: it meets cancellation in A = I − Wᵀ (M W) for nearly parallel w. Measured under the interpreter
+# (float32 inputs, exact products, beta in (1.9, 2), K = 16, T = 1300, superblocks of 3 chunks; float64 PyTorch
+# backend): the largest gradient error went from 5.5e-6 to 2.5e-4 with float16 copies, to 7.1e-3 with bfloat16 ones,
+# and to 9.9e-3 with bfloat16 M W as well, against a 1e-2 bar. At T = 32k, D = 64, PaTH-FoX it takes the backward's
+# peak from 25.4 to 23.4 bf16 [B, T, H·D] tensors (benchmarks/path_memory.py). Off until timed on a GPU (path_tune.py's
+# LOCAL row "16-bit working buffers").
+BUFFERS_16BIT: bool | None = False
+
+
+def buffer_dtype(dtype: torch.dtype, key_dim: int) -> torch.dtype:
+    """The dtype the backward's ``K̃``, ``x`` and ``k̂`` are stored in for inputs of ``dtype`` (:data:`BUFFERS_16BIT`)."""
+    low = measured_16bit(dtype, key_dim) if BUFFERS_16BIT is None else BUFFERS_16BIT
+    return torch.float16 if low and dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def inner_carry(dtype: torch.dtype, key_dim: int) -> str:
     """``input_precision`` of the backward's carries inside superblocks (``INNER_CARRY_16BIT`` where
     :func:`measured_16bit`, else the carries' own)."""
