@@ -534,6 +534,35 @@ def test_working_buffers_in_16bit(monkeypatch, span):
     assert prepare.buffer_dtype(torch.float32, 16) == torch.float32
 
 
+@pytest.mark.parametrize("offsets", [None, [0, 7, 7, 330]], ids=["dense", "varlen"])
+def test_superblock_terms_first_in_place(monkeypatch, offsets):
+    """``local.SUPER_TERMS_IN_PLACE``: the superblock terms' adjoint runs before the kernels between chunks and
+    overwrites ``dx̂``, ``dk̂`` with its shares of ``dx``, ``dK̃``, to which those kernels then add theirs (superblocks
+    of three chunks, GQA, gates, dense and packed with an empty sequence, beta near 2): the output and every gradient
+    as the default order's (the same sums in another order) and the PyTorch backend's; it runs in place where one
+    program takes a head's columns and the kernels between chunks sum ``dA`` (K = 16), not at K = 24 (BK 32 > C 16)."""
+    from attnkit.ops.path.triton import local, prepare
+
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
+    T = 330 if offsets else 20 * prepare.chunk_size(16) + 7
+    B = 1 if offsets else 2
+    inputs = [x.to(DEVICE) for x in make_inputs(B, T, 4, 2, 16, 24, gate=True, dtype=torch.float32, beta_low=1.9)]
+    do = torch.randn(B, T, 4, 24, device=DEVICE)
+    cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
+    expected = backend_grads([x.double() for x in inputs], do.double(), "torch", cu)
+    before = backend_grads(inputs, do, "triton", cu)
+    calls = []
+    terms = local.super_terms_bwd_fn
+    monkeypatch.setattr(local, "super_terms_bwd_fn", lambda *a, **kw: calls.append(kw) or terms(*a, **kw))
+    monkeypatch.setattr(local, "SUPER_TERMS_IN_PLACE", True)
+    actual = backend_grads(inputs, do, "triton", cu)
+    assert [kw.get("in_place", False) for kw in calls] == [True]
+    for grad, a, b, e in zip(GRAD_NAMES, actual, before, expected):
+        assert_close(grad, a, b, 1e-5)
+        assert_close(grad, a.double(), e, 1e-5)
+    assert local.terms_in_place(16, 16) and not local.terms_in_place(24, 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     """``parallel.KEEP_PREPARED`` (the default): the forward keeps its prepare kernel's ``M``, ``K̃`` (in float32) and

@@ -152,7 +152,8 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
     2. the gradients between superblocks (``backward_super.py``: one key-major sweep, ``E``'s rows in waves) and
        between chunks inside each superblock (``backward.py``, on the flattened batch cut at superblock boundaries);
     3. the superblock-local terms' adjoint and the chunk-local terms' adjoint with the diagonal blocks
-       (``local.py``), which give ``dq, dk, dw, dbeta``.
+       (``local.py``), which give ``dq, dk, dw, dbeta``; where :func:`local.terms_in_place`, the superblock-local
+       terms' adjoint runs before the kernels between chunks, in place of ``dx̂`` and ``dk̂``.
 
     16-bit inputs at a padded key dim below ``PAD_BELOW`` take it with ``q, k, w`` zero-padded to ``PAD_BELOW``.
     Buffers are dropped as soon as the last kernel that reads them has run.
@@ -206,21 +207,35 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
         cuts, cut_offsets = _superblock_cuts(cu_seqlens, offsets, B, T, chunk, span, q.device)
         inputs = (x, kt, v, w, m, mw, gcum, do, lse, delta)
         flat = [t if t is None or i == 4 else t.reshape(1, B * T, *t.shape[2:]) for i, t in enumerate(inputs)]
-        dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
-            *flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V), dgcum.view(1, B * T, HQ),
-            inner, low_grad, backward.INNER_EVERY,
-        )  # fmt: skip
-        dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
-        # Where the kernels between chunks gave dM, dW, the superblocks' dA goes onto them too (or on its own).
-        project = da.numel() == 0 and local.SUPER_DA_PROJECT
-        if da.numel() == 0 and not project:
+        between = (*flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V),
+                   dgcum.view(1, B * T, HQ), inner, low_grad, backward.INNER_EVERY)  # fmt: skip
+        if local.terms_in_place(K, chunk):
+            # The superblock terms first: dx̂ and dk̂ become dx's and dK̃'s shares, which the kernels between chunks
+            # then add theirs to (local.SUPER_TERMS_IN_PLACE).
             da = torch.zeros(rows, H, block_dim(K), block_dim(K), **f32)
-        dw_in = dw_in.view(B, T, H, K) if project else dw_in
-        local.super_terms_bwd_fn(
-            x, kt, w, mw, dxh, dkh, dsig, dx, dkt, None if project else da, cu_seqlens, chunk, span, q.dtype, offsets,
-            sb_offsets, inner, m, dm, dw_in,
-        )  # fmt: skip
-        del dxh, dkh, dsig
+            local.super_terms_bwd_fn(
+                x, kt, w, mw, dxh, dkh, dsig, dxh, dkh, da, cu_seqlens, chunk, span, q.dtype, offsets, sb_offsets,
+                inner, in_place=True,
+            )  # fmt: skip
+            del dsig
+            dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
+                *between, dkt=dkh.view(1, B * T, H, K), dx=dxh.view(1, B * T, HQ, K), da=da
+            )
+            del dxh, dkh
+            dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
+        else:
+            dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(*between)
+            dkt, dx = dkt.view(B, T, H, K), dx.view(B, T, HQ, K)
+            # Where the kernels between chunks gave dM, dW, the superblocks' dA goes onto them too (or on its own).
+            project = da.numel() == 0 and local.SUPER_DA_PROJECT
+            if da.numel() == 0 and not project:
+                da = torch.zeros(rows, H, block_dim(K), block_dim(K), **f32)
+            dw_in = dw_in.view(B, T, H, K) if project else dw_in
+            local.super_terms_bwd_fn(
+                x, kt, w, mw, dxh, dkh, dsig, dx, dkt, None if project else da, cu_seqlens, chunk, span, q.dtype,
+                offsets, sb_offsets, inner, m, dm, dw_in,
+            )  # fmt: skip
+            del dxh, dkh, dsig
     else:
         dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
             x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk, T, offsets, dv, dgcum

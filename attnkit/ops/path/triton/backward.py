@@ -438,9 +438,10 @@ def path_bwd_q_kernel(
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr, DA: tl.constexpr, LOW_GRAD: tl.constexpr = False, KV: tl.constexpr = False,
-    RECOMPUTE: tl.constexpr = False, CARRY_LOW: tl.constexpr = False,
+    RECOMPUTE: tl.constexpr = False, CARRY_LOW: tl.constexpr = False, ADD_DX: tl.constexpr = False,
 ):  # fmt: skip
-    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]`` (stored) and, by atomic adds,
+    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]`` (stored; with ``ADD_DX`` added to what it holds)
+    and, by atomic adds,
     either (``DA``) ``da [chunks, H, BK, BK]``, the gradient of each chunk's carry ``A_m``, or ``dw [*, H, K]`` and
     ``dm [chunks, H, BT, BT]``, all float32 and zero-initialised. Grid ``(chunks of this wave, N * HQ)``: program
     ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32: the carried
@@ -523,7 +524,10 @@ def path_bwd_q_kernel(
                     bos, chunk0, i_m, i_h, i_hq, m_i, scale, o_t, o_k, o_v, m_k, m_v, HQ, H, K, V, BK, BT, USE_G,
                     PRECISION, CARRY_PRECISION, DA, LOW_GRAD, KV, False,
                 )  # fmt: skip
-    tl.store(dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_gam, mask=m_i[:, None] & m_k)
+    p_dx = dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
+    if ADD_DX:  # added to what an earlier kernel left there
+        b_gam += tl.load(p_dx, mask=m_i[:, None] & m_k, other=0.0)
+    tl.store(p_dx, b_gam, mask=m_i[:, None] & m_k)
     if KV and USE_G:
         tl.atomic_add(dgcum + p_i * HQ + i_hq, b_dgq, mask=m_i, sem="relaxed")
 
@@ -549,13 +553,17 @@ def path_bwd_between_fn(
     carry_precision: str | None = None,
     low_grad: bool = False,
     every: int | None = None,
+    dkt: torch.Tensor | None = None,
+    dx: torch.Tensor | None = None,
+    da: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of the logits between chunks (``longest``: the longest sequence's length, known to the caller,
     so that the launch reads nothing back from the device; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)`` where
     the caller has it; ``dv``, ``dgcum``: float32 buffers to add into, else new zeros; ``carry_precision``: the
     carries' ``input_precision``, default ``precisions(v.dtype, K)[1]``; ``low_grad``: the logits' and gradients'
     products on operands rounded to ``do``'s dtype, as the sweep between superblocks takes them; ``every``: the
-    query kernel's key chunks per checkpoint segment, default :func:`checkpoint_every`'s). ``x [B,T,HQ,K]``,
+    query kernel's key chunks per checkpoint segment, default :func:`checkpoint_every`'s; ``dkt``, ``dx``, ``da``:
+    float32 buffers to add into, ``da`` only where :func:`sums_carry_gradient`). ``x [B,T,HQ,K]``,
     ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
@@ -571,12 +579,17 @@ def path_bwd_between_fn(
         offsets = chunk_offsets(cu_seqlens, BT)
     NC = triton.cdiv(T, BT)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dkt, dx = torch.zeros(B, T, H, K, **f32), torch.zeros(B, T, HQ, K, **f32)
+    add_dx = dx is not None
+    dkt = torch.zeros(B, T, H, K, **f32) if dkt is None else dkt
+    dx = torch.zeros(B, T, HQ, K, **f32) if dx is None else dx
     dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
     dgcum = torch.zeros(B, T, HQ, **f32) if dgcum is None else dgcum
     sums_da = sums_carry_gradient(K, BT)
+    if da is not None and not sums_da:
+        raise ValueError("da: the kernels between chunks take dA's projections at this key dim, not dA")
     if sums_da:  # the op's outputs may not alias one another: separate empty tensors
-        dw, dm, da = torch.empty(0, **f32), torch.empty(0, **f32), torch.zeros(m.shape[0], H, BK, BK, **f32)
+        da = torch.zeros(m.shape[0], H, BK, BK, **f32) if da is None else da
+        dw, dm = torch.empty(0, **f32), torch.empty(0, **f32)
     else:
         dw, dm, da = torch.zeros(B, T, H, K, **f32), torch.zeros_like(m), torch.empty(0, **f32)
     n_long = triton.cdiv(longest, BT)
@@ -620,6 +633,6 @@ def path_bwd_between_fn(
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
             x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dkt, dv, dgcum, scratch, cu_seqlens, offsets, T,
             NC, c_base, every, slots, scale, DA=sums_da, KV=one_kernel, RECOMPUTE=recompute,
-            CARRY_LOW=recompute and INNER_CARRY_LOW and low_grad, **common,
+            CARRY_LOW=recompute and INNER_CARRY_LOW and low_grad, ADD_DX=add_dx, **common,
         )  # fmt: skip
     return dkt, dv, dx, dw, dm, da, dgcum

@@ -73,6 +73,21 @@ LOCAL_SOLVE: str | None = "bf16x3"
 # (path_h200.md, thirteenth session): kept for the memory. False: the old way (path_tune.py's LOCAL row
 # "superblock terms' dA as K × K").
 SUPER_DA_PROJECT = True
+# Between superblocks, the order of the last two steps: the superblock terms' adjoint first, in place (dx̂ Pᵀ
+# overwrites dx̂ and dk̂ Sᵀ overwrites dk̂: path_super_terms_bwd_kernel's IN_PLACE), then the kernels between chunks
+# adding their dx, dK̃ and dA into those buffers, instead of the kernels between chunks first and the superblock terms
+# adding into their dx, dK̃, which held dx̂, dk̂ and dx, dK̃ at once (four float32 [B, T, H, K] buffers, two of them
+# needless). The same sums, in another order. Where one program takes every column of a head (BK <= 64) and the
+# kernels between chunks sum dA (terms_in_place). At T = 32k, D = 64, PaTH-FoX the superblock terms' step then holds
+# 21.4 bf16 [B, T, H·D] tensors instead of 25.4, and the backward's peak (now the sweep's) is 22.6
+# (benchmarks/path_memory.py; 19.6 with prepare.BUFFERS_16BIT and a 64 MiB SCRATCH_BYTES). Off until timed
+# (path_tune.py's LOCAL rows "superblock terms first, in place" and "memory: all three").
+SUPER_TERMS_IN_PLACE = False
+
+
+def terms_in_place(key_dim: int, chunk: int) -> bool:
+    """Whether the superblock terms' adjoint runs first and in place (:data:`SUPER_TERMS_IN_PLACE`)."""
+    return SUPER_TERMS_IN_PLACE and block_dim(key_dim) <= 64 and block_dim(key_dim) <= chunk
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
@@ -145,6 +160,7 @@ def path_super_terms_bwd_kernel(
     r0, N,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, PRECISION: tl.constexpr, PROJECT: tl.constexpr = False,
+    IN_PLACE: tl.constexpr = False,
 ):  # fmt: skip
     """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
     ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
@@ -158,7 +174,9 @@ def path_super_terms_bwd_kernel(
     independently; a program takes ``BC`` of them. A right-to-left pass writes every chunk's ``S_j`` and ``U_j`` to
     the scratch, then a left-to-right pass carries ``P_j`` and ``V_j`` and adds its share of
     ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums over the columns): ``2R − 1`` carries a
-    superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``."""
+    superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``. With
+    ``IN_PLACE`` (one program a head, ``BC = BK``: it alone reads and writes its rows' columns, each row last read at
+    its own step) ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` overwrite ``dxh`` and ``dkh`` instead of adding into ``dx`` and ``dkt``."""
     i_w, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = r0 + i_w  # the superblock's row in the per-superblock arrays
     if IS_VARLEN:
@@ -235,11 +253,17 @@ def path_super_terms_bwd_kernel(
             p_q = p_j[:, None] * (HQ * K) + (i_h * G + i_g) * K
             b_dxh = tl.load(dxh + p_q + o_c[None, :], mask=m_j[:, None] & m_c, other=0.0)
             b_dx = tl.dot(b_dxh, tl.trans(b_p), input_precision=PRECISION)
-            tl.atomic_add(dx + p_q + o_k[None, :], b_dx, mask=m_jk, sem="relaxed")
+            if IN_PLACE:
+                tl.store(dxh + p_q + o_k[None, :], b_dx, mask=m_jk)
+            else:
+                tl.atomic_add(dx + p_q + o_k[None, :], b_dx, mask=m_jk, sem="relaxed")
         p_kv = p_j[:, None] * (H * K) + i_h * K
         b_dkh = tl.load(dkh + p_kv + o_c[None, :], mask=m_j[:, None] & m_c, other=0.0)
-        tl.atomic_add(dkt + p_kv + o_k[None, :], tl.dot(b_dkh, tl.trans(b_s), input_precision=PRECISION), mask=m_jk,
-                      sem="relaxed")  # fmt: skip
+        b_dkt = tl.dot(b_dkh, tl.trans(b_s), input_precision=PRECISION)
+        if IN_PLACE:
+            tl.store(dkh + p_kv + o_k[None, :], b_dkt, mask=m_jk)
+        else:
+            tl.atomic_add(dkt + p_kv + o_k[None, :], b_dkt, mask=m_jk, sem="relaxed")
         b_kt = tl.load(kt + p_kv + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
         b_v = carry_columns(b_v, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION)
         b_v += tl.dot(tl.trans(b_kt), b_dkh, input_precision=PRECISION)  # V ← A_j V + k̃_jᵀ dk̂_j
@@ -467,6 +491,7 @@ def super_terms_bwd_fn(
     m: torch.Tensor | None = None,
     dm: torch.Tensor | None = None,
     dw: torch.Tensor | None = None,
+    in_place: bool = False,
 ) -> None:
     """Adds the superblock-local terms' adjoint into ``dx``, ``dkt`` and ``da`` (in place; shapes as
     :func:`path_super_terms_bwd_kernel`), or with ``da`` None each chunk's ``dA`` projected onto ``dm`` and ``dw``
@@ -475,7 +500,8 @@ def super_terms_bwd_fn(
     ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by superblocks. The superblocks go
     in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``, of
     at least ``SCRATCH_MIN_PROGRAMS`` programs: one wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads,
-    however many sequences a packed batch holds."""
+    however many sequences a packed batch holds. With ``in_place`` (where :func:`terms_in_place`) ``dx`` and ``dkt``
+    are ``dxh`` and ``dkh``, which their shares overwrite."""
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -485,6 +511,8 @@ def super_terms_bwd_fn(
     project = da is None
     if project and (m is None or dm is None or dw is None):
         raise ValueError("super_terms_bwd_fn: without da, m, dm and dw are all needed")
+    if in_place and (BC != BK or dx is not dxh or dkt is not dkh):
+        raise ValueError("super_terms_bwd_fn: in place takes dx = dxh and dkt = dkh, and one program a head")
     wave = superblock_wave(rows, H, BK, BC, span)
     su = torch.empty(wave, H, BK // BC, span, 2, BK, BC, dtype=torch.float32, device=x.device)
     for r0 in range(0, rows, wave):
@@ -494,7 +522,7 @@ def super_terms_bwd_fn(
             triton.cdiv(T, chunk), triton.cdiv(T, chunk * span), span, r0, N,
             HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
             LOG_N=max(1, N.bit_length()) if cu_seqlens is not None else 1,
-            PRECISION=precision or precisions(dtype, K)[1], PROJECT=project, **launch_config(K),
+            PRECISION=precision or precisions(dtype, K)[1], PROJECT=project, IN_PLACE=in_place, **launch_config(K),
         )  # fmt: skip
 
 
