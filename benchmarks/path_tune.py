@@ -96,7 +96,8 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # (forward.INNER_CARRY_LOW where measured), the backward's working copies K̃, x, k̂ in float16 (prepare.BUFFERS_16BIT
 # where measured), the superblock terms' scratch at 64 MiB (local.SCRATCH_BYTES; waves of at least 256 programs), and
 # both, the superblock terms' adjoint before the kernels between chunks, in place (local.SUPER_TERMS_IN_PLACE), and
-# the three at once, the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one
+# the three at once, the superblock-local terms' carries on 16-bit operands (local.TERMS_CARRY_LOW where measured),
+# the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one
 # TF32 pass or in one pass on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
 # (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk
 # (local.SUPER_DA_PROJECT off; it differs at K = 128 only), and at K = 128 the backward's chunks of 64 positions
@@ -119,6 +120,7 @@ LOCAL = [
     ("superblock terms' scratch 64 MiB", {(local, "SCRATCH_BYTES"): 1 << 26}),
     ("16-bit working buffers, scratch 64 MiB", {(prepare, "BUFFERS_16BIT"): None, (local, "SCRATCH_BYTES"): 1 << 26}),
     ("superblock terms first, in place", {(local, "SUPER_TERMS_IN_PLACE"): True}),
+    ("superblock terms' carries 16-bit", {(local, "TERMS_CARRY_LOW"): None}),
     ("memory: all three", {
         (prepare, "BUFFERS_16BIT"): None, (local, "SCRATCH_BYTES"): 1 << 26, (local, "SUPER_TERMS_IN_PLACE"): True,
     }),

@@ -496,6 +496,23 @@ def test_inner_carries_on_16bit_operands(monkeypatch):
     assert_16bit_option(monkeypatch, backward, "INNER_CARRY_LOW", *half_inputs(T))
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["after", "in-place"])
+def test_superblock_terms_carry_on_16bit_operands(monkeypatch, in_place):
+    """``local.TERMS_CARRY_LOW``: the superblock-local terms carry ``x`` to ``x̂`` and ``S``, ``U``, ``P``, ``V`` on
+    float16 operands (three superblocks of three chunks and a partial fourth, GQA, gates; after the kernels between
+    chunks or before them, in place): every gradient within float16's bars of the PyTorch backend, and not the
+    numbers of the carries' own precision."""
+    from attnkit.ops.path import parallel
+    from attnkit.ops.path.triton import local, prepare
+
+    monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
+    monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
+    monkeypatch.setattr(local, "SUPER_TERMS_IN_PLACE", in_place)
+    T = 10 * prepare.chunk_size(16) + 2  # ten chunks and two positions, whatever the chunk
+    assert_16bit_option(monkeypatch, local, "TERMS_CARRY_LOW", *half_inputs(T))
+    assert not local.terms_low(torch.float32, 16)  # float32 inputs keep their carries
+
+
 def test_forward_inner_carries_on_16bit_operands(monkeypatch):
     """``forward.INNER_CARRY_LOW``: the forward kernel carries its query across the chunks of its superblock on
     float16 operands (three superblocks of three chunks and a partial fourth, GQA, gates): the output and every

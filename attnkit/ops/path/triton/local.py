@@ -85,6 +85,24 @@ SUPER_DA_PROJECT = True
 SUPER_TERMS_IN_PLACE = False
 
 
+# The carries of the superblock-local terms (path_query_terms_kernel's x → x̂ across the earlier chunks of its
+# superblock; path_super_terms_bwd_kernel's S, U, P, V) on operands rounded to the inputs' 16-bit dtype, float32
+# accumulation, one tensor-core pass at twice TF32's rate on half the shared memory, instead of the carries' precision
+# inside superblocks (prepare.inner_carry: one TF32 pass for bf16 at K = 64 and 128), as the backward's query kernel
+# carries L and Γ (backward.INNER_CARRY_LOW, the default since the eighteenth session, every error unchanged to two
+# digits). x̂ is stored in the inputs' dtype anyway. None: where prepare.measured_16bit. Off until timed (path_tune.py's
+# LOCAL row "superblock terms' carries 16-bit"; the profile's superblock terms took 0.82 ms and the query terms 0.46 of
+# a 13.9 ms step at T = 4k, D = 64, eighteenth session).
+TERMS_CARRY_LOW: bool | None = False
+
+
+def terms_low(dtype: torch.dtype, key_dim: int) -> bool:
+    """Whether the superblock-local terms' carries take 16-bit operands (:data:`TERMS_CARRY_LOW`)."""
+    if TERMS_CARRY_LOW is None:
+        return measured_16bit(dtype, key_dim)
+    return TERMS_CARRY_LOW and dtype in (torch.bfloat16, torch.float16)
+
+
 def terms_in_place(key_dim: int, chunk: int) -> bool:
     """Whether the superblock terms' adjoint runs first and in place (:data:`SUPER_TERMS_IN_PLACE`)."""
     return SUPER_TERMS_IN_PLACE and block_dim(key_dim) <= 64 and block_dim(key_dim) <= chunk
@@ -102,11 +120,13 @@ def launch_config(key_dim: int) -> dict[str, int]:
 def path_query_terms_kernel(
     q, w, mw, x_out, xh_out, cu_seqlens, T, SPAN,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WRITE_XH: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, WRITE_XH: tl.constexpr, LOW: tl.constexpr = False,
+    DT: tl.constexpr = tl.float32,
 ):  # fmt: skip
     """``q [*, HQ, K]``, ``w, mw [*, H, K]`` (``mw`` = ``M W`` per chunk) -> ``x_out [*, HQ, K]`` (its own dtype),
     the queries carried to their chunk's start, and with ``WRITE_XH`` ``xh_out`` (its own dtype) the same carried on
-    to the start of their superblock of ``SPAN`` chunks. Grid ``(chunks, N * HQ)``."""
+    to the start of their superblock of ``SPAN`` chunks (with ``LOW`` each carry's products on operands rounded to
+    ``DT``, :data:`TERMS_CARRY_LOW`). Grid ``(chunks, N * HQ)``."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hq = i_nh // HQ, i_nh % HQ
     i_h = i_hq // (HQ // H)
@@ -135,20 +155,29 @@ def path_query_terms_kernel(
             p_mkv = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
             b_wm = tl.load(w + p_mkv, mask=m_k, other=0.0).to(tl.float32)
             b_mwm = tl.load(mw + p_mkv, mask=m_k, other=0.0).to(tl.float32)
-            b_x = b_x - tl.dot(tl.dot(b_x, tl.trans(b_wm), input_precision=PRECISION), b_mwm, input_precision=PRECISION)
+            if LOW:
+                b_x = b_x - tl.dot(tl.dot(b_x.to(DT), tl.trans(b_wm.to(DT))).to(DT), b_mwm.to(DT))
+            else:
+                b_xw = tl.dot(b_x, tl.trans(b_wm), input_precision=PRECISION)
+                b_x = b_x - tl.dot(b_xw, b_mwm, input_precision=PRECISION)
         tl.store(xh_out + p_x, b_x.to(xh_out.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit
 def carry_columns(b_r, w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, TRANSPOSED: tl.constexpr,
-                  PRECISION: tl.constexpr):  # fmt: skip
+                  PRECISION: tl.constexpr, LOW: tl.constexpr = False, DT: tl.constexpr = tl.float32):  # fmt: skip
     """Columns ``R [BK, BC]`` multiplied on the left by the carry of the chunk whose token offsets are ``p_t`` (valid
     rows ``m_t``): ``A R = R − Wᵀ ((M W) R)``, or with ``TRANSPOSED`` ``Aᵀ R = R − (M W)ᵀ (W R)`` (``A = I − Wᵀ M W``),
-    two rank-``BT`` products instead of the ``K × K`` carry."""
+    two rank-``BT`` products instead of the ``K × K`` carry; with ``LOW`` both on operands rounded to ``DT`` (float32
+    accumulation, ``R`` kept float32)."""
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
     b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
     b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0).to(tl.float32)
+    if LOW:
+        if TRANSPOSED:
+            return b_r - tl.dot(tl.trans(b_mw.to(DT)), tl.dot(b_w.to(DT), b_r.to(DT)).to(DT))
+        return b_r - tl.dot(tl.trans(b_w.to(DT)), tl.dot(b_mw.to(DT), b_r.to(DT)).to(DT))
     if TRANSPOSED:
         return b_r - tl.dot(tl.trans(b_mw), tl.dot(b_w, b_r, input_precision=PRECISION), input_precision=PRECISION)
     return b_r - tl.dot(tl.trans(b_w), tl.dot(b_mw, b_r, input_precision=PRECISION), input_precision=PRECISION)
@@ -160,7 +189,7 @@ def path_super_terms_bwd_kernel(
     r0, N,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, PRECISION: tl.constexpr, PROJECT: tl.constexpr = False,
-    IN_PLACE: tl.constexpr = False,
+    IN_PLACE: tl.constexpr = False, LOW: tl.constexpr = False, DT: tl.constexpr = tl.float32,
 ):  # fmt: skip
     """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
     ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
@@ -176,7 +205,9 @@ def path_super_terms_bwd_kernel(
     ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums over the columns): ``2R − 1`` carries a
     superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``. With
     ``IN_PLACE`` (one program a head, ``BC = BK``: it alone reads and writes its rows' columns, each row last read at
-    its own step) ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` overwrite ``dxh`` and ``dkh`` instead of adding into ``dx`` and ``dkt``."""
+    its own step) ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` overwrite ``dxh`` and ``dkh`` instead of adding into ``dx`` and ``dkt``.
+    With ``LOW`` the carries of ``S``, ``U``, ``P`` and ``V`` take operands rounded to ``DT``
+    (:data:`TERMS_CARRY_LOW`)."""
     i_w, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = r0 + i_w  # the superblock's row in the per-superblock arrays
     if IS_VARLEN:
@@ -212,8 +243,8 @@ def path_super_terms_bwd_kernel(
             o_r = (c_lo + j) * BT + o_t
             m_r = o_r < L
             p_r = bos + o_r.to(tl.int64)
-            b_u = carry_columns(b_u, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION)
-            b_s = carry_columns(b_s, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION)
+            b_u = carry_columns(b_u, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION, LOW, DT)
+            b_s = carry_columns(b_s, w, mw, p_r, m_r, i_h, o_k, H, K, True, PRECISION, LOW, DT)
             for i_g in range(G):
                 p_q = p_r[:, None] * (HQ * K) + (i_h * G + i_g) * K
                 b_x = tl.load(x + p_q + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
@@ -265,9 +296,9 @@ def path_super_terms_bwd_kernel(
         else:
             tl.atomic_add(dkt + p_kv + o_k[None, :], b_dkt, mask=m_jk, sem="relaxed")
         b_kt = tl.load(kt + p_kv + o_k[None, :], mask=m_jk, other=0.0).to(tl.float32)
-        b_v = carry_columns(b_v, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION)
+        b_v = carry_columns(b_v, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION, LOW, DT)
         b_v += tl.dot(tl.trans(b_kt), b_dkh, input_precision=PRECISION)  # V ← A_j V + k̃_jᵀ dk̂_j
-        b_p = carry_columns(b_p, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION)
+        b_p = carry_columns(b_p, w, mw, p_j, m_j, i_h, o_k, H, K, False, PRECISION, LOW, DT)
 
 
 @triton.jit
@@ -457,7 +488,7 @@ def query_terms_fn(
     path_query_terms_kernel[(triton.cdiv(T, chunk), N * HQ)](
         q, w, mw, x, xh, cu_seqlens, T, 1 if span is None else span, HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk,
         IS_VARLEN=cu_seqlens is not None, PRECISION=precision or precisions(q.dtype, K)[1], WRITE_XH=span is not None,
-        **launch_config(K),
+        LOW=terms_low(q.dtype, K), DT=tl.float16 if q.dtype == torch.float16 else tl.bfloat16, **launch_config(K),
     )  # fmt: skip
     return x, xh
 
@@ -522,7 +553,8 @@ def super_terms_bwd_fn(
             triton.cdiv(T, chunk), triton.cdiv(T, chunk * span), span, r0, N,
             HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
             LOG_N=max(1, N.bit_length()) if cu_seqlens is not None else 1,
-            PRECISION=precision or precisions(dtype, K)[1], PROJECT=project, IN_PLACE=in_place, **launch_config(K),
+            PRECISION=precision or precisions(dtype, K)[1], PROJECT=project, IN_PLACE=in_place, LOW=terms_low(dtype, K),
+            DT=tl.float16 if dtype == torch.float16 else tl.bfloat16, **launch_config(K),
         )  # fmt: skip
 
 
