@@ -35,7 +35,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
+from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, pair_dot, precisions
 
 SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
 # The kernels between chunks inside superblocks take their logits' and gradients' products (x yᵀ, dSᵀ x, dS K̃) on
@@ -348,17 +348,12 @@ def carry_across(
     ``R Aᵀ = R − (R (M W)ᵀ) W`` (carried keys, left to right; the gradient of carried queries). With ``LOW`` both
     products take operands rounded to ``DT`` (16-bit, float32 accumulation; ``R`` stays float32)."""
     p_mk = (bos + (i_m * BT + o_t).to(tl.int64))[:, None] * (H * K) + i_h * K + o_k[None, :]
-    if LOW:
-        b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(DT)
-        b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0).to(DT)
-        if TRANSPOSED:
-            return b_r - tl.dot(tl.dot(b_r.to(DT), tl.trans(b_mw)).to(DT), b_w)
-        return b_r - tl.dot(tl.dot(b_r.to(DT), tl.trans(b_w)).to(DT), b_mw)
+    P: tl.constexpr = "16bit" if LOW else PRECISION
     b_w = tl.load(w + p_mk, mask=m_k, other=0.0).to(tl.float32)
     b_mw = tl.load(mw + p_mk, mask=m_k, other=0.0).to(tl.float32)
     if TRANSPOSED:
-        return b_r - tl.dot(tl.dot(b_r, tl.trans(b_mw), input_precision=PRECISION), b_w, input_precision=PRECISION)
-    return b_r - tl.dot(tl.dot(b_r, tl.trans(b_w), input_precision=PRECISION), b_mw, input_precision=PRECISION)
+        return b_r - pair_dot(pair_dot(b_r, tl.trans(b_mw), P, DT), b_w, P, DT)
+    return b_r - pair_dot(pair_dot(b_r, tl.trans(b_w), P, DT), b_mw, P, DT)
 
 
 @triton.jit
@@ -564,7 +559,7 @@ def path_bwd_between_fn(
     products on operands rounded to ``do``'s dtype, as the sweep between superblocks takes them; ``every``: the
     query kernel's key chunks per checkpoint segment, default :func:`checkpoint_every`'s; ``dkt``, ``dx``, ``da``:
     float32 buffers to add into, ``da`` only where :func:`sums_carry_gradient`). ``x [B,T,HQ,K]``,
-    ``kt [B,T,H,K]`` float32, ``v [B,T,H,V]``,
+    ``kt [B,T,H,K]`` (both in ``prepare.buffer_dtype``), ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
     ``(dkt [B,T,H,K], dv [B,T,H,V], dx [B,T,HQ,K], dw [B,T,H,K], dm [chunks,H,BT,BT], da [chunks,H,BK,BK],

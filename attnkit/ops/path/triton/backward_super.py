@@ -41,7 +41,7 @@ from attnkit.ops.common.triton_seq import launch_grid, locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
-from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, precisions
+from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, pair_dot, precisions
 
 # dq̂ by float32 atomics in the key-major sweep; False: path_bwd_super_q_kernel, slower on the H200 (PaTH-FoX, T = 4k,
 # D = 64: 25.80 ms against 24.85, eighth session)
@@ -81,16 +81,6 @@ def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
 def row_offset(i_r, n0, NL):
     """The first entry of row ``n0 + i_r`` among a wave's rows ``n0, n0 + 1, …`` of ``NL − 1 − n`` entries each."""
     return i_r * (NL - 1 - n0) - (i_r * (i_r - 1)) // 2
-
-
-@triton.jit
-def pair_dot(a, b, PRECISION: tl.constexpr, dtype: tl.constexpr):
-    """``a @ b`` with float32 accumulation: ``PRECISION`` "16bit" rounds both operands to ``dtype`` (the inputs'),
-    anything else is ``tl.dot``'s ``input_precision``."""
-    if PRECISION == "16bit":
-        return tl.dot(a.to(dtype), b.to(dtype))
-    else:
-        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit

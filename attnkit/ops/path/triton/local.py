@@ -30,7 +30,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import first_chunk, measured_16bit, precisions
+from attnkit.ops.path.triton.prepare import first_chunk, measured_16bit, pair_dot, precisions
 
 SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
 # ... but a wave has at least this many programs, whatever SCRATCH_BYTES asks (about two an SM on the H200's 132):
@@ -150,16 +150,13 @@ def path_query_terms_kernel(
     tl.store(x_out + p_x, b_x.to(x_out.dtype.element_ty), mask=m_tk)
     if WRITE_XH:
         first = (i_c // SPAN) * SPAN
+        P: tl.constexpr = "16bit" if LOW else PRECISION
         for i_back in range(0, i_c - first):  # chunks i_c − 1, …, first: x ← x − (x W_mᵀ)(M_m W_m)
             p_m = bos + ((i_c - 1 - i_back) * BT + o_t).to(tl.int64)
             p_mkv = p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
             b_wm = tl.load(w + p_mkv, mask=m_k, other=0.0).to(tl.float32)
             b_mwm = tl.load(mw + p_mkv, mask=m_k, other=0.0).to(tl.float32)
-            if LOW:
-                b_x = b_x - tl.dot(tl.dot(b_x.to(DT), tl.trans(b_wm.to(DT))).to(DT), b_mwm.to(DT))
-            else:
-                b_xw = tl.dot(b_x, tl.trans(b_wm), input_precision=PRECISION)
-                b_x = b_x - tl.dot(b_xw, b_mwm, input_precision=PRECISION)
+            b_x = b_x - pair_dot(pair_dot(b_x, tl.trans(b_wm), P, DT), b_mwm, P, DT)
         tl.store(xh_out + p_x, b_x.to(xh_out.dtype.element_ty), mask=m_tk)
 
 
@@ -172,15 +169,12 @@ def carry_columns(b_r, w, mw, p_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constex
     accumulation, ``R`` kept float32)."""
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_kv = p_t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    P: tl.constexpr = "16bit" if LOW else PRECISION
     b_w = tl.load(w + p_kv, mask=m_tk, other=0.0).to(tl.float32)
     b_mw = tl.load(mw + p_kv, mask=m_tk, other=0.0).to(tl.float32)
-    if LOW:
-        if TRANSPOSED:
-            return b_r - tl.dot(tl.trans(b_mw.to(DT)), tl.dot(b_w.to(DT), b_r.to(DT)).to(DT))
-        return b_r - tl.dot(tl.trans(b_w.to(DT)), tl.dot(b_mw.to(DT), b_r.to(DT)).to(DT))
     if TRANSPOSED:
-        return b_r - tl.dot(tl.trans(b_mw), tl.dot(b_w, b_r, input_precision=PRECISION), input_precision=PRECISION)
-    return b_r - tl.dot(tl.trans(b_w), tl.dot(b_mw, b_r, input_precision=PRECISION), input_precision=PRECISION)
+        return b_r - pair_dot(tl.trans(b_mw), pair_dot(b_w, b_r, P, DT), P, DT)
+    return b_r - pair_dot(tl.trans(b_w), pair_dot(b_mw, b_r, P, DT), P, DT)
 
 
 @triton.jit
@@ -192,22 +186,22 @@ def path_super_terms_bwd_kernel(
     IN_PLACE: tl.constexpr = False, LOW: tl.constexpr = False, DT: tl.constexpr = tl.float32,
 ):  # fmt: skip
     """The adjoint of the superblock-local terms (module docstring): ``x, dxh [*, HQ, K]``, ``kt, dkh [*, H, K]``,
-    ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``) -> adds into ``dx``, ``dkt`` and
-    either ``da [chunks, H, BK, BK]`` (each chunk's ``dA``) or, with ``PROJECT``, its projections through
-    ``A = I − Wᵀ M W`` onto ``dm [chunks, H, BT, BT]`` and ``dw [*, H, K]`` (``m``: each chunk's ``M``;
-    ``dM −= W dA Wᵀ``, ``dW −= (M W) dAᵀ + Mᵀ W dA``, as the kernels between chunks project theirs when
-    ``BK > BT``: no ``K × K`` buffer a chunk), all by atomic adds; ``su [wave, H, BK / BC, SPAN, 2, BK, BC]``
-    float32 is the programs' scratch. Grid ``(rows r0, r0 + 1, … of this wave, BK / BC, H)`` over the rows of ``dΣ``
-    (every sequence's superblocks; a packed batch finds a row's sequence by binary search over ``sb_offsets``, rows
-    past the last return): ``P``, ``S``, ``U`` and ``V`` evolve by products on the left, so their columns do
-    independently; a program takes ``BC`` of them. A right-to-left pass writes every chunk's ``S_j`` and ``U_j`` to
-    the scratch, then a left-to-right pass carries ``P_j`` and ``V_j`` and adds its share of
-    ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums over the columns): ``2R − 1`` carries a
-    superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by starting it at ``V_0 = dΣ``. With
-    ``IN_PLACE`` (one program a head, ``BC = BK``: it alone reads and writes its rows' columns, each row last read at
-    its own step) ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` overwrite ``dxh`` and ``dkh`` instead of adding into ``dx`` and ``dkt``.
-    With ``LOW`` the carries of ``S``, ``U``, ``P`` and ``V`` take operands rounded to ``DT``
-    (:data:`TERMS_CARRY_LOW`)."""
+    ``w``, ``mw [*, H, K]``, ``dsig [superblocks, H, BK, BK]`` (float32 but ``w``; ``x``, ``kt`` in
+    ``prepare.buffer_dtype``) -> adds into ``dx``, ``dkt`` and either ``da [chunks, H, BK, BK]`` (each chunk's
+    ``dA``) or, with ``PROJECT``, its projections through ``A = I − Wᵀ M W`` onto ``dm [chunks, H, BT, BT]`` and
+    ``dw [*, H, K]`` (``m``: each chunk's ``M``; ``dM −= W dA Wᵀ``, ``dW −= (M W) dAᵀ + Mᵀ W dA``, as the kernels
+    between chunks project theirs when ``BK > BT``: no ``K × K`` buffer a chunk), all by atomic adds;
+    ``su [wave, H, BK / BC, SPAN, 2, BK, BC]`` float32 is the programs' scratch. Grid
+    ``(rows r0, r0 + 1, … of this wave, BK / BC, H)`` over the rows of ``dΣ`` (every sequence's superblocks; a packed
+    batch finds a row's sequence by binary search over ``sb_offsets``, rows past the last return): ``P``, ``S``,
+    ``U`` and ``V`` evolve by products on the left, so their columns do independently; a program takes ``BC`` of
+    them. A right-to-left pass writes every chunk's ``S_j`` and ``U_j`` to the scratch, then a left-to-right pass
+    carries ``P_j`` and ``V_j`` and adds its share of ``dA_j = U_j P_jᵀ + S_j V_jᵀ``, ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` (sums
+    over the columns): ``2R − 1`` carries a superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by
+    starting it at ``V_0 = dΣ``. With ``IN_PLACE`` (one program a head, ``BC = BK``: it alone reads and writes its
+    rows' columns, each row last read at its own step) ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` overwrite ``dxh`` and ``dkh`` instead
+    of adding into ``dx`` and ``dkt``. With ``LOW`` the carries of ``S``, ``U``, ``P`` and ``V`` take operands rounded
+    to ``DT`` (:data:`TERMS_CARRY_LOW`)."""
     i_w, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = r0 + i_w  # the superblock's row in the per-superblock arrays
     if IS_VARLEN:

@@ -18,6 +18,16 @@ from attnkit.ops.common.triton_utils import block_dim, interpreting
 
 
 @triton.jit
+def pair_dot(a, b, PRECISION: tl.constexpr, dtype: tl.constexpr):
+    """``a @ b`` with float32 accumulation: ``PRECISION`` "16bit" rounds both operands to ``dtype`` (a 16-bit dtype),
+    anything else is ``tl.dot``'s ``input_precision`` (the kernels' carries and products that can take either)."""
+    if PRECISION == "16bit":
+        return tl.dot(a.to(dtype), b.to(dtype))
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def first_chunk(chunk_offsets, i_n, NC, IS_VARLEN: tl.constexpr):
     """The row of sequence ``i_n``'s first chunk in the per-chunk arrays (``M``), int64: ``chunk_offsets[i_n]``
     for packed sequences, ``i_n * NC`` for a dense batch."""
@@ -265,8 +275,10 @@ def measured_16bit(dtype: torch.dtype, key_dim: int) -> bool:
 # (float32 inputs, exact products, beta in (1.9, 2), K = 16, T = 1300, superblocks of 3 chunks; float64 PyTorch
 # backend): the largest gradient error went from 5.5e-6 to 2.5e-4 with float16 copies, to 7.1e-3 with bfloat16 ones,
 # and to 9.9e-3 with bfloat16 M W as well, against a 1e-2 bar. At T = 32k, D = 64, PaTH-FoX it takes the backward's
-# peak from 25.4 to 23.4 bf16 [B, T, H·D] tensors (benchmarks/path_memory.py). Off until timed on a GPU (path_tune.py's
-# LOCAL row "16-bit working buffers").
+# peak from 25.4 to 23.4 bf16 [B, T, H·D] tensors (benchmarks/path_memory.py). The forward that keeps K̃ for the
+# backward then reads it for its logits rounded twice (float16, then the inputs' dtype), so its output may differ in
+# the last bit from a forward without gradients. Off until timed on a GPU (path_tune.py's LOCAL row "16-bit working
+# buffers").
 BUFFERS_16BIT: bool | None = False
 
 
