@@ -77,6 +77,15 @@ def path_prepare(K):
     w = torch.nn.functional.normalize(torch.randn(1, 256, 2, K), dim=-1)
     path_fwd_fn(q, k, v, w, torch.rand(1, 256, 2) * 2, None, K**-0.5, None)
 
+def path_options(K):
+    # PaTH-FoX's step with the backward's untimed options on (path_tune.py's LOCAL rows): 16-bit working copies, the
+    # superblock terms first and in place (the query kernel's ADD_DX) on 16-bit carries
+    from benchmarks import path_tune
+    from benchmarks.kernel_resources import path_step
+    rows = dict(path_tune.LOCAL)
+    with path_tune.patched({**rows["memory: all three"], **rows["superblock terms' carries 16-bit"]}):
+        path_step(K, True)
+
 def path_forward(K, dtype):
     from attnkit.ops.path.triton.forward import path_fwd_fn
     q, k, v = (torch.randn(1, 64, 2, K, dtype=dtype) for _ in range(3))
@@ -89,6 +98,7 @@ steps = {
     "delta_prepare": [functools.partial(delta_prepare, K, d) for K, d in ((64, torch.bfloat16), (128, torch.float32))],
     "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
     "path_wide": [functools.partial(path_forward, 256, d) for d in (torch.float32, torch.bfloat16)],
+    "path_options": [functools.partial(path_options, K) for K in (64, 128)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
                       ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
@@ -106,6 +116,7 @@ WANTED = {
     "delta_prepare": ("delta_prepare_kernel",),
     "path_prepare": ("path_prepare_kernel",),
     "path_wide": ("path_fwd_kernel",),
+    "path_options": ("path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
     "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
@@ -141,6 +152,8 @@ for step in steps:
         ("path_prepare", {"path_prepare_kernel"}),
         # PaTH's forward at K = 256 in float32 (its exact carries wanted 272 KB: forward.wide_carry) and bf16
         ("path_wide", {"path_fwd_kernel"}),
+        # prepare.BUFFERS_16BIT, local.SUPER_TERMS_IN_PLACE, local.TERMS_CARRY_LOW (off by default, untimed)
+        ("path_options", {"path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",
