@@ -525,19 +525,25 @@ def test_forward_inner_carries_on_16bit_operands(monkeypatch):
     assert not forward.inner_low(torch.float32, 16)  # float32 inputs keep their carries
 
 
-@pytest.mark.parametrize("span", [3, None], ids=["superblocks", "chunks"])
+@pytest.mark.parametrize("span", [3, None, "together"], ids=["superblocks", "chunks", "with-the-other-options"])
 def test_working_buffers_in_16bit(monkeypatch, span):
     """``prepare.BUFFERS_16BIT``: the backward's ``K̃``, ``x`` and ``k̂`` (and the forward's ``K̃`` kept for it) stored
     in float16 for 16-bit inputs, with superblocks of three chunks (the sweep, the superblock
     terms) or none (every pair chunk by chunk), GQA, gates, packed with an empty sequence: the output and every
     gradient within float16's bars of the PyTorch backend, and not the numbers of float32 buffers. The forward keeps
     ``K̃`` in float16 and ``M``, ``M W`` in float32; bfloat16 inputs take float16 too, and float32 inputs keep
-    float32."""
+    float32. "together": with the other memory and carry options on (the superblock terms first and in place, their
+    carries on 16-bit operands, their scratch in waves of one superblock)."""
     from attnkit.ops.path import parallel
     from attnkit.ops.path.parallel import path_fwd_op
-    from attnkit.ops.path.triton import prepare
+    from attnkit.ops.path.triton import local, prepare
 
     monkeypatch.setattr(parallel, "PAD_BELOW", 0)  # the kernels' own 16-bit path at K = 16
+    if span == "together":
+        span = 3
+        for name, value in (("SUPER_TERMS_IN_PLACE", True), ("TERMS_CARRY_LOW", True), ("SCRATCH_BYTES", 1),
+                            ("SCRATCH_MIN_PROGRAMS", 1)):  # fmt: skip
+            monkeypatch.setattr(local, name, value)
     if span is not None:
         monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
     T = 10 * prepare.chunk_size(16) + 2  # ten chunks and two positions, whatever the chunk
