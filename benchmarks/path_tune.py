@@ -95,9 +95,9 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # operands (backward.INNER_CARRY_LOW off), the forward's carries inside superblocks in one 16-bit pass
 # (forward.INNER_CARRY_LOW where measured), the backward's working copies K̃, x, k̂ in float16 (prepare.BUFFERS_16BIT
 # where measured), the superblock terms' scratch at 64 MiB (local.SCRATCH_BYTES; waves of at least 256 programs), and
-# both, the superblock terms' adjoint before the kernels between chunks, in place (local.SUPER_TERMS_IN_PLACE), and
-# the three at once, the superblock-local terms' carries on 16-bit operands (local.TERMS_CARRY_LOW where measured),
-# the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one
+# both, the superblock terms' adjoint before the kernels between chunks, in place (local.SUPER_TERMS_IN_PLACE), the
+# superblock-local terms' carries on 16-bit operands (local.TERMS_CARRY_LOW where measured), the three memory options
+# at once, the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one
 # TF32 pass or in one pass on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
 # (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk
 # (local.SUPER_DA_PROJECT off; it differs at K = 128 only), and at K = 128 the backward's chunks of 64 positions
@@ -333,7 +333,8 @@ def local_cell(
                     row.update({} if ms is None else dict(ms=ms, peak_mib=peak_mib(lambda: grads_of(x, do), device)))
         cell["local"].append(row)
         shown = " ".join(f"{n} {e:.1e}" for n, e in row.get("errs", {}).items())
-        print(f"  fwd+bwd D={D} T={T} {label}: {row.get('ms', float('nan')):.3f} ms {shown} {row['error'] or ''}")
+        peak = f"peak {row['peak_mib']:.0f} MiB " if row.get("peak_mib") is not None else ""
+        print(f"  fwd+bwd D={D} T={T} {label}: {row.get('ms', float('nan')):.3f} ms {peak}{shown} {row['error'] or ''}")
     return cell
 
 
