@@ -249,9 +249,7 @@ def path_fwd_fn(
 
 def inner_low(dtype: torch.dtype, key_dim: int) -> bool:
     """Whether the forward kernel's carries inside superblocks take 16-bit operands (:data:`INNER_CARRY_LOW`)."""
-    if INNER_CARRY_LOW is None:
-        return prepare.measured_16bit(dtype, key_dim)
-    return INNER_CARRY_LOW and dtype in (torch.bfloat16, torch.float16)
+    return prepare.applies_16bit(INNER_CARRY_LOW, dtype, key_dim)
 
 
 def wide_carry(carry: str, BK: int) -> str:

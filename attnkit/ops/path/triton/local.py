@@ -30,7 +30,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import first_chunk, measured_16bit, pair_dot, precisions
+from attnkit.ops.path.triton.prepare import applies_16bit, first_chunk, measured_16bit, pair_dot, precisions
 
 SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
 # ... but a wave has at least this many programs, whatever SCRATCH_BYTES asks (about two an SM on the H200's 132):
@@ -98,9 +98,13 @@ TERMS_CARRY_LOW: bool | None = False
 
 def terms_low(dtype: torch.dtype, key_dim: int) -> bool:
     """Whether the superblock-local terms' carries take 16-bit operands (:data:`TERMS_CARRY_LOW`)."""
-    if TERMS_CARRY_LOW is None:
-        return measured_16bit(dtype, key_dim)
-    return TERMS_CARRY_LOW and dtype in (torch.bfloat16, torch.float16)
+    return applies_16bit(TERMS_CARRY_LOW, dtype, key_dim)
+
+
+def low_dtype(dtype: torch.dtype):
+    """The Triton dtype the 16-bit carries round their operands to for inputs of ``dtype``: float16 for float16,
+    else bfloat16."""
+    return tl.float16 if dtype == torch.float16 else tl.bfloat16
 
 
 def terms_in_place(key_dim: int, chunk: int) -> bool:
@@ -482,7 +486,7 @@ def query_terms_fn(
     path_query_terms_kernel[(triton.cdiv(T, chunk), N * HQ)](
         q, w, mw, x, xh, cu_seqlens, T, 1 if span is None else span, HQ=HQ, H=H, K=K, BK=block_dim(K), BT=chunk,
         IS_VARLEN=cu_seqlens is not None, PRECISION=precision or precisions(q.dtype, K)[1], WRITE_XH=span is not None,
-        LOW=terms_low(q.dtype, K), DT=tl.float16 if q.dtype == torch.float16 else tl.bfloat16, **launch_config(K),
+        LOW=terms_low(q.dtype, K), DT=low_dtype(q.dtype), **launch_config(K),
     )  # fmt: skip
     return x, xh
 
@@ -548,7 +552,7 @@ def super_terms_bwd_fn(
             HQ=HQ, H=H, K=K, BK=BK, BC=BC, BT=chunk, IS_VARLEN=cu_seqlens is not None,
             LOG_N=max(1, N.bit_length()) if cu_seqlens is not None else 1,
             PRECISION=precision or precisions(dtype, K)[1], PROJECT=project, IN_PLACE=in_place, LOW=terms_low(dtype, K),
-            DT=tl.float16 if dtype == torch.float16 else tl.bfloat16, **launch_config(K),
+            DT=low_dtype(dtype), **launch_config(K),
         )  # fmt: skip
 
 

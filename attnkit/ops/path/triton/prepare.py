@@ -282,10 +282,17 @@ def measured_16bit(dtype: torch.dtype, key_dim: int) -> bool:
 BUFFERS_16BIT: bool | None = False
 
 
+def applies_16bit(option: bool | None, dtype: torch.dtype, key_dim: int) -> bool:
+    """Whether a 16-bit option (True, False, or None: where :func:`measured_16bit`) applies to inputs of ``dtype`` at
+    ``key_dim``: never to float32 inputs."""
+    if option is None:
+        return measured_16bit(dtype, key_dim)
+    return option and dtype in (torch.bfloat16, torch.float16)
+
+
 def buffer_dtype(dtype: torch.dtype, key_dim: int) -> torch.dtype:
     """The dtype the backward's ``K̃``, ``x`` and ``k̂`` are stored in for inputs of ``dtype`` (:data:`BUFFERS_16BIT`)."""
-    low = measured_16bit(dtype, key_dim) if BUFFERS_16BIT is None else BUFFERS_16BIT
-    return torch.float16 if low and dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return torch.float16 if applies_16bit(BUFFERS_16BIT, dtype, key_dim) else torch.float32
 
 
 def inner_carry(dtype: torch.dtype, key_dim: int) -> str:
