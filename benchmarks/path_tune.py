@@ -88,22 +88,25 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 
 # --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 and
 # 128 the chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass
-# and the inner kernels' products on 16-bit operands; and everywhere the local adjoint's L⁻ᵀ dM by two products in
-# bf16x3), then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the
-# back substitution for local.LOCAL_SOLVE), the inner query kernel checkpointing its carried queries instead of
+# and the inner kernels' products on 16-bit operands, the forward's and the superblock-local terms' carries inside
+# superblocks on 16-bit operands, the backward's working copies K̃, x, k̂ in float16; and everywhere the local
+# adjoint's L⁻ᵀ dM by two products in bf16x3, the superblock terms' adjoint first and in place, its scratch at 64 MiB),
+# then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the back
+# substitution for local.LOCAL_SOLVE), the inner query kernel checkpointing its carried queries instead of
 # recomputing them (backward.INNER_RECOMPUTE off; with INNER_EVERY = 1 every one kept), its carries on float32
-# operands (backward.INNER_CARRY_LOW off), the forward's carries inside superblocks in one 16-bit pass
-# (forward.INNER_CARRY_LOW where measured), the backward's working copies K̃, x, k̂ in float16 (prepare.BUFFERS_16BIT
-# where measured), the superblock terms' scratch at 64 MiB (local.SCRATCH_BYTES; waves of at least 256 programs), and
-# both, the superblock terms' adjoint before the kernels between chunks, in place (local.SUPER_TERMS_IN_PLACE), the
-# superblock-local terms' carries on 16-bit operands (local.TERMS_CARRY_LOW where measured), the three memory options
-# at once, the two products in one TF32 pass, the sweep's products a (key tile, superblock) pair in one
-# TF32 pass or in one pass on 16-bit operands (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128
-# (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk
-# (local.SUPER_DA_PROJECT off; it differs at K = 128 only), and at K = 128 the backward's chunks of 64 positions
-# with the local adjoint's products in bf16 (chunks_of_64_at_k128); each timed forward+backward on bf16 q, k, v with
-# float32 w, beta and g (as the layers pass them) and held to the PyTorch backend in float32 on path_accuracy's inputs
-# (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T, with the peak memory of one step on a GPU.
+# operands (backward.INNER_CARRY_LOW off), the forward's carries inside superblocks in their precision
+# (forward.INNER_CARRY_LOW off), the working copies in float32 (prepare.BUFFERS_16BIT off), the superblock terms'
+# scratch at 256 MiB (local.SCRATCH_BYTES), and both, the superblock terms' adjoint after the kernels between chunks
+# (local.SUPER_TERMS_IN_PLACE off), the superblock-local terms' carries in their precision (local.TERMS_CARRY_LOW
+# off), the three memory settings undone at once (the nineteenth session's default; each of these five was timed
+# against it in the twentieth, path_local_session20_h200_d{64,128}.json), the two products in one TF32 pass, the
+# sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass on 16-bit operands
+# (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128 (prepare.MEASURED_DIMS; LOCAL_DIMS=128
+# ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk (local.SUPER_DA_PROJECT off; it differs at
+# K = 128 only), and at K = 128 the backward's chunks of 64 positions with the local adjoint's products in bf16
+# (chunks_of_64_at_k128); each timed forward+backward on bf16 q, k, v with float32 w, beta and g (as the layers pass
+# them) and held to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w,
+# B = 1, H = 2) at the same T, with the peak memory of one step on a GPU.
 # --local-pick narrows the rows to labels holding a string.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
@@ -115,14 +118,14 @@ LOCAL = [
     ("inner kernels on 3 stages", {(backward, "INNER_STAGES"): 3}),
     ("inner checkpoints, not recomputed", {(backward, "INNER_RECOMPUTE"): False}),
     ("inner recompute, float32 carries", {(backward, "INNER_CARRY_LOW"): False}),
-    ("forward inner carries 16-bit", {(forward, "INNER_CARRY_LOW"): None}),
-    ("16-bit working buffers", {(prepare, "BUFFERS_16BIT"): None}),
-    ("superblock terms' scratch 64 MiB", {(local, "SCRATCH_BYTES"): 1 << 26}),
-    ("16-bit working buffers, scratch 64 MiB", {(prepare, "BUFFERS_16BIT"): None, (local, "SCRATCH_BYTES"): 1 << 26}),
-    ("superblock terms first, in place", {(local, "SUPER_TERMS_IN_PLACE"): True}),
-    ("superblock terms' carries 16-bit", {(local, "TERMS_CARRY_LOW"): None}),
-    ("memory: all three", {
-        (prepare, "BUFFERS_16BIT"): None, (local, "SCRATCH_BYTES"): 1 << 26, (local, "SUPER_TERMS_IN_PLACE"): True,
+    ("forward inner carries in their precision", {(forward, "INNER_CARRY_LOW"): False}),
+    ("working buffers in float32", {(prepare, "BUFFERS_16BIT"): False}),
+    ("superblock terms' scratch 256 MiB", {(local, "SCRATCH_BYTES"): 1 << 28}),
+    ("float32 buffers, scratch 256 MiB", {(prepare, "BUFFERS_16BIT"): False, (local, "SCRATCH_BYTES"): 1 << 28}),
+    ("superblock terms after, not in place", {(local, "SUPER_TERMS_IN_PLACE"): False}),
+    ("superblock terms' carries in their precision", {(local, "TERMS_CARRY_LOW"): False}),
+    ("memory: all three off", {
+        (prepare, "BUFFERS_16BIT"): False, (local, "SCRATCH_BYTES"): 1 << 28, (local, "SUPER_TERMS_IN_PLACE"): False,
     }),
     ("local grads tf32", {(local, "LOCAL_GRADS_16BIT"): None}),
     ("local solve by substitution", {(local, "LOCAL_SOLVE"): None}),

@@ -78,12 +78,13 @@ def path_prepare(K):
     path_fwd_fn(q, k, v, w, torch.rand(1, 256, 2) * 2, None, K**-0.5, None)
 
 def path_options(K):
-    # PaTH-FoX's step with the backward's untimed options on (path_tune.py's LOCAL rows): 16-bit working copies, the
-    # superblock terms first and in place (the query kernel's ADD_DX) on 16-bit carries
+    # PaTH-FoX's step with the memory and carry settings that were the default until the twentieth session off
+    # (path_tune.py's LOCAL rows): float32 working copies, the superblock terms after the kernels between chunks
+    # (no ADD_DX) with their carries in their precision; the default step compiles in the other groups
     from benchmarks import path_tune
     from benchmarks.kernel_resources import path_step
     rows = dict(path_tune.LOCAL)
-    with path_tune.patched({**rows["memory: all three"], **rows["superblock terms' carries 16-bit"]}):
+    with path_tune.patched({**rows["memory: all three off"], **rows["superblock terms' carries in their precision"]}):
         path_step(K, True)
 
 def path_forward(K, dtype):
@@ -152,7 +153,7 @@ for step in steps:
         ("path_prepare", {"path_prepare_kernel"}),
         # PaTH's forward at K = 256 in float32 (its exact carries wanted 272 KB: forward.wide_carry) and bf16
         ("path_wide", {"path_fwd_kernel"}),
-        # prepare.BUFFERS_16BIT, local.SUPER_TERMS_IN_PLACE, local.TERMS_CARRY_LOW (off by default, untimed)
+        # prepare.BUFFERS_16BIT, local.SUPER_TERMS_IN_PLACE, local.TERMS_CARRY_LOW off (on by default)
         ("path_options", {"path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",

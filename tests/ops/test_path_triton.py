@@ -559,11 +559,12 @@ def test_working_buffers_in_16bit(monkeypatch, span):
 
 @pytest.mark.parametrize("offsets", [None, [0, 7, 7, 330]], ids=["dense", "varlen"])
 def test_superblock_terms_first_in_place(monkeypatch, offsets):
-    """``local.SUPER_TERMS_IN_PLACE``: the superblock terms' adjoint runs before the kernels between chunks and
-    overwrites ``dx̂``, ``dk̂`` with its shares of ``dx``, ``dK̃``, to which those kernels then add theirs (superblocks
-    of three chunks, GQA, gates, dense and packed with an empty sequence, beta near 2): the output and every gradient
-    as the default order's (the same sums in another order) and the PyTorch backend's; it runs in place where one
-    program takes a head's columns and the kernels between chunks sum ``dA`` (K = 16), not at K = 24 (BK 32 > C 16)."""
+    """``local.SUPER_TERMS_IN_PLACE`` (the default): the superblock terms' adjoint runs before the kernels between
+    chunks and overwrites ``dx̂``, ``dk̂`` with its shares of ``dx``, ``dK̃``, to which those kernels then add theirs
+    (superblocks of three chunks, GQA, gates, dense and packed with an empty sequence, beta near 2): the output and
+    every gradient as the old order's (the same sums in another order) and the PyTorch backend's; it runs in place
+    where one program takes a head's columns and the kernels between chunks sum ``dA`` (K = 16), not at K = 24
+    (BK 32 > C 16)."""
     from attnkit.ops.path.triton import local, prepare
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: 3)
@@ -573,6 +574,7 @@ def test_superblock_terms_first_in_place(monkeypatch, offsets):
     do = torch.randn(B, T, 4, 24, device=DEVICE)
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
     expected = backend_grads([x.double() for x in inputs], do.double(), "torch", cu)
+    monkeypatch.setattr(local, "SUPER_TERMS_IN_PLACE", False)
     before = backend_grads(inputs, do, "triton", cu)
     calls = []
     terms = local.super_terms_bwd_fn
@@ -752,10 +754,11 @@ def test_superblock_terms_waves_keep_the_machine_busy(monkeypatch):
     D = 128, 8 heads, 16 chunks of 32, two 64-column programs a head)."""
     from attnkit.ops.path.triton import local
 
-    assert local.SCRATCH_MIN_PROGRAMS == 256
+    assert local.SCRATCH_MIN_PROGRAMS == 256 and local.SCRATCH_BYTES == 1 << 26
+    monkeypatch.setattr(local, "SCRATCH_BYTES", 1 << 28)
     assert local.superblock_wave(64, 16, 64, 64, 8) == 64  # 256 MiB: one wave
     assert local.superblock_wave(64, 8, 128, 64, 16) == 16  # four waves of 256 programs
-    monkeypatch.setattr(local, "SCRATCH_BYTES", 1 << 26)
+    monkeypatch.setattr(local, "SCRATCH_BYTES", 1 << 26)  # the default
     assert local.superblock_wave(64, 16, 64, 64, 8) == 16  # 64 MiB: 16 rows of 4 MiB, 256 programs
     assert local.superblock_wave(64, 8, 128, 64, 16) == 16  # 4 rows would fit; 16 keep 256 programs
     assert local.superblock_wave(3, 8, 128, 64, 16) == 3  # never more than there are

@@ -38,9 +38,11 @@ from attnkit.ops.path.triton.prepare import (
 # query stays float32), instead of the carries' precision (three bf16 passes for bf16 at K = 64 and 128); the carries
 # across superblocks (Σ, which accumulate over T) and the chunk-local terms keep theirs. The backward's carries inside
 # superblocks take one 16-bit pass (backward.INNER_CARRY_LOW) with every error from the PyTorch backend unchanged on
-# the H200. None: where prepare.measured_16bit; True: for every 16-bit input (tests); False (the default until timed:
-# path_tune.py's LOCAL row "forward inner carries 16-bit").
-INNER_CARRY_LOW: bool | None = False
+# the H200. None (the default): where prepare.measured_16bit; True: for every 16-bit input (tests); False: the carries'
+# precision. On the H200 at T = 4k (PaTH-FoX, bf16, 32768 tokens; path_tune.py's LOCAL row "forward inner carries
+# 16-bit") forward+backward took 14.67 ms against 14.85 at D = 64 and 35.09 against 35.57 at D = 128, every error from
+# the PyTorch backend unchanged (path_local_session20_h200_d{64,128}.json).
+INNER_CARRY_LOW: bool | None = None
 
 
 @triton.jit

@@ -30,14 +30,17 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.path.triton import backward
 from attnkit.ops.path.triton.prepare import applies_16bit, first_chunk, measured_16bit, pair_dot, precisions
 
-SCRATCH_BYTES = 1 << 28  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
+SCRATCH_BYTES = 1 << 26  # the superblock-local adjoint's S_j and U_j, per wave of superblocks
 # ... but a wave has at least this many programs, whatever SCRATCH_BYTES asks (about two an SM on the H200's 132):
 # a smaller budget then costs launches, not parallelism. At T = 32k, D = 64, PaTH-FoX the scratch is 4 of the
-# backward's 25.4 bf16 [B, T, H·D] tensors at its peak (benchmarks/path_memory.py); 64 MiB (path_tune.py's LOCAL row
-# "superblock terms' scratch 64 MiB", four waves of 256 programs) makes it 1. At D = 128 a superblock row of every
-# head holds 16 MiB, so 256 programs keep 256 MiB either way.
+# backward's 25.4 bf16 [B, T, H·D] tensors at its peak (benchmarks/path_memory.py) with 256 MiB; 64 MiB (four waves
+# of 256 programs there) makes it 1. On the H200 at T = 4k, D = 64 (PaTH-FoX, bf16, 32768 tokens) 64 MiB took 14.89 ms
+# against 14.85 and a peak of 1756 MiB against 1948 (path_tune.py's LOCAL row "superblock terms' scratch 64 MiB",
+# path_local_session20_h200_d64.json): the default. At D = 128 a superblock row of every head holds 16 MiB, so 256
+# programs keep 256 MiB either way.
 SCRATCH_MIN_PROGRAMS = 256
 # The chunk-local adjoint's gradient products (the query-head loop, the carries' dA) for 16-bit inputs: "bf16" rounds
 # both operands to bfloat16, one tensor-core pass at twice TF32's rate on half the shared memory; None keeps the
@@ -80,9 +83,11 @@ SUPER_DA_PROJECT = True
 # needless). The same sums, in another order. Where one program takes every column of a head (BK <= 64) and the
 # kernels between chunks sum dA (terms_in_place). At T = 32k, D = 64, PaTH-FoX the superblock terms' step then holds
 # 21.4 bf16 [B, T, H·D] tensors instead of 25.4, and the backward's peak (now the sweep's) is 22.6
-# (benchmarks/path_memory.py; 19.6 with prepare.BUFFERS_16BIT and a 64 MiB SCRATCH_BYTES). Off until timed
-# (path_tune.py's LOCAL rows "superblock terms first, in place" and "memory: all three").
-SUPER_TERMS_IN_PLACE = False
+# (benchmarks/path_memory.py; 19.6 with prepare.BUFFERS_16BIT and a 64 MiB SCRATCH_BYTES). On the H200 at T = 4k,
+# D = 64 (PaTH-FoX, bf16, 32768 tokens) forward+backward took 14.87 ms against 14.85, its peak 1740 MiB against 1948,
+# every error from the PyTorch backend unchanged; with the other two memory settings 14.76 ms and 1552 MiB
+# (path_local_session20_h200_d64.json): the default. False: the old order.
+SUPER_TERMS_IN_PLACE = True
 
 
 # The carries of the superblock-local terms (path_query_terms_kernel's x → x̂ across the earlier chunks of its
@@ -90,10 +95,11 @@ SUPER_TERMS_IN_PLACE = False
 # accumulation, one tensor-core pass at twice TF32's rate on half the shared memory, instead of the carries' precision
 # inside superblocks (prepare.inner_carry: one TF32 pass for bf16 at K = 64 and 128), as the backward's query kernel
 # carries L and Γ (backward.INNER_CARRY_LOW, the default since the eighteenth session, every error unchanged to two
-# digits). x̂ is stored in the inputs' dtype anyway. None: where prepare.measured_16bit. Off until timed (path_tune.py's
-# LOCAL row "superblock terms' carries 16-bit"; the profile's superblock terms took 0.82 ms and the query terms 0.46 of
-# a 13.9 ms step at T = 4k, D = 64, eighteenth session).
-TERMS_CARRY_LOW: bool | None = False
+# digits). x̂ is stored in the inputs' dtype anyway. None (the default): where prepare.measured_16bit. On the H200 at
+# T = 4k (PaTH-FoX, bf16, 32768 tokens; path_tune.py's LOCAL row "superblock terms' carries 16-bit") forward+backward
+# took 14.45 ms against 14.85 at D = 64 and 35.11 against 35.57 at D = 128, every error from the PyTorch backend
+# unchanged (path_local_session20_h200_d{64,128}.json). False: the carries' precision.
+TERMS_CARRY_LOW: bool | None = None
 
 
 def terms_low(dtype: torch.dtype, key_dim: int) -> bool:
@@ -108,8 +114,10 @@ def low_dtype(dtype: torch.dtype):
 
 
 def terms_in_place(key_dim: int, chunk: int) -> bool:
-    """Whether the superblock terms' adjoint runs first and in place (:data:`SUPER_TERMS_IN_PLACE`)."""
-    return SUPER_TERMS_IN_PLACE and block_dim(key_dim) <= 64 and block_dim(key_dim) <= chunk
+    """Whether the superblock terms' adjoint runs first and in place (:data:`SUPER_TERMS_IN_PLACE`): where one
+    program takes a head's columns and the kernels between chunks sum ``dA``
+    (:func:`backward.sums_carry_gradient`, into the buffer this adjoint starts)."""
+    return SUPER_TERMS_IN_PLACE and block_dim(key_dim) <= 64 and backward.sums_carry_gradient(key_dim, chunk)
 
 
 def launch_config(key_dim: int) -> dict[str, int]:
