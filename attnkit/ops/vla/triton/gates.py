@@ -262,8 +262,9 @@ def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
     leaves 512 programs. The H200 sweep of ``benchmarks/vla_profile.py`` (``vla_profile_h200.txt``, T = 1k, 32768
     tokens) set it: the forward gate kernel took 1.50 ms with ``GROUP = 8`` against 1.71 (4) and 2.93 (1) at
     K = 64 (8192 chunks), and 4.07 ms against 5.20 (4) and 11.9 (1) at K = 128 (4096 chunks); ``SB = 16`` beat
-    32 and 64 at both, and eight warps at K = 64 were 2.2× slower than four. The backward kernel ignores
-    ``GROUP`` and ``SB``."""
+    32 and 64 at both, and eight warps at K = 64 were 2.2× slower than four. Fewer warps were slower too
+    (twentieth session, ``vla_profile_session20_h200.log``): two at K = 64 took 2.30 ms forward and 25.5 backward
+    (spilling), four at K = 128 5.54 against 3.94. The backward kernel ignores ``GROUP`` and ``SB``."""
     group = next((g for g in (8, 4, 2) if chunks // g >= 512), 1)
     return dict(num_warps=4 if key_dim <= 64 else 8, num_stages=1, GROUP=group, SB=16)
 
