@@ -41,6 +41,9 @@ if compgen -G ".tcache/triton_cache.t*" > /dev/null; then
     tar xf /tmp/triton_cache.carried -C "$TRITON_CACHE_DIR" || echo "the carried Triton cache did not unpack"
     rm -f /tmp/triton_cache.carried
 fi
+# What this call compiles is newer than this mark (tar keeps the carried entries' old times): returned alone when the
+# whole cache outgrows what may come back (at the end).
+touch "$OUT/.cache_mark"
 # Every test step's failures, each with its traceback, land in $OUT/failures.log as they happen (tests/conftest.py):
 # a step cut by its time limit loses pytest's summary, and with it the tracebacks (seventeenth session).
 export ATTNKIT_FAILURE_LOG=$OUT/failures.log
@@ -104,17 +107,19 @@ for step in $steps; do
                 deltanet_triton fla_chunk_delta_rule vla_triton --out "$OUT" --name ops_delta_h200 \
                 > "$OUT/prepare.log" 2>&1 ;;
         deltastate)  # issue 17: the delta rule's state passes (delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT,
-            # STATE_PREFETCH) kernel by kernel, DeltaNet at D = 64: at T = 32k, B = 1 (16 sequence-head programs) with
-            # FLA's chunk_delta_rule beside the default (16-column blocks there, seventeenth session), the tiles read a
-            # chunk ahead (on 16 and 32 columns), 16-bit operands on 32 columns (they skip 16-column blocks); then at
-            # T = 2k, B = 16 (256 programs: 64 columns) the default, the prefetch, and the prefetch with 16-bit operands
+            # STATE_PREFETCH; delta_bwd.LOCAL_DU) kernel by kernel, DeltaNet at D = 64: at T = 32k, B = 1 (16
+            # sequence-head programs) with FLA's chunk_delta_rule beside the default (16-column blocks there, the
+            # forward's tiles read a chunk ahead), the backward's triu(A Qᵀ) dO in its own chunk-parallel kernel, with
+            # the backward's prefetch too, 16-bit operands on 32 columns (they skip 16-column blocks); then at T = 2k,
+            # B = 16 (256 programs: 64 columns) the default, the local dU, and the local dU with both prefetches
             i=0
-            for run in "" "STATE_PREFETCH=True" "STATE_PREFETCH=True STATE_BV=32" "STATE_BV=32 STATE_16BIT=True" \
-                "@2048" "STATE_PREFETCH=True@2048" "STATE_PREFETCH=True STATE_16BIT=True@2048"; do
+            for run in "" "delta_bwd.LOCAL_DU=True" "delta_bwd.LOCAL_DU=True delta_fwd.STATE_PREFETCH=True" \
+                "delta_fwd.STATE_BV=32 delta_fwd.STATE_16BIT=True" "@2048" "delta_bwd.LOCAL_DU=True@2048" \
+                "delta_bwd.LOCAL_DU=True delta_fwd.STATE_PREFETCH=True@2048"; do
                 set=${run%@*} len=32768
                 [ "$set" != "$run" ] && len=${run##*@}
                 batch=$((32768 / len))
-                sets=(); for s in $set; do sets+=("attnkit.ops.common.triton.delta_fwd.$s"); done
+                sets=(); for s in $set; do sets+=("attnkit.ops.common.triton.$s"); done
                 echo "== ${set:-default} T=$len B=$batch" >> "$OUT/deltastate.log"
                 timeout $([ $i = 0 ] && echo 200 || echo 60) python3 benchmarks/kernel_profile.py --op deltanet \
                     --impls deltanet_triton $([ $i = 0 ] && echo fla_chunk_delta_rule) --batch $batch --seq-len $len \
@@ -284,11 +289,22 @@ compress=gzip
 command -v xz > /dev/null && compress="xz -6 -T0"
 tar cf - -C "$TRITON_CACHE_DIR" . | $compress | split -b 15m -d - "$OUT/triton_cache.tar."
 if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
+    # Too big with the carried entries (earlier trees' kernels among them, twentieth session): this call's alone,
+    # which replace .tcache here, so that the carried cache keeps to the kernels the tree now compiles.
     rm -f "$OUT"/triton_cache.tar.*
-    echo "the Triton cache outgrew three 15 MiB parts: not returned"
+    (cd "$TRITON_CACHE_DIR" && find . -mindepth 1 -maxdepth 1 -newer "$OUT/.cache_mark" -print0 |
+        tar cf - --null -T -) | $compress | split -b 15m -d - "$OUT/triton_cache.tar."
+    if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
+        rm -f "$OUT"/triton_cache.tar.*
+        echo "this call's Triton cache alone outgrew three 15 MiB parts: not returned"
+    else
+        echo "the Triton cache outgrew three 15 MiB parts: this call's entries only"
+        du -ch "$OUT"/triton_cache.tar.* | tail -1
+    fi
 else
     du -ch "$OUT"/triton_cache.tar.* | tail -1
 fi
+rm -f "$OUT/.cache_mark"
 for log in fox foxtune linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }

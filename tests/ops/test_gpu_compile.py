@@ -57,9 +57,10 @@ def delta_strided(K, V, dtype, deltanet):
     o, _, saved = delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32", None, beta, K**-0.5)
     delta_bwd_fn(q, k, v, a, saved, torch.randn_like(o), None, 64, "tf32", None, beta, K**-0.5)
 
-def delta_state(K, V, bv, stages, low=False, prefetch=False):
+def delta_state(K, V, bv, stages, low=False, prefetch=False, local=False):
+    from attnkit.ops.common.triton import delta_bwd
     delta_fwd.STATE_BV, delta_fwd.STATE_STAGES, delta_fwd.STATE_16BIT = bv, stages, low
-    delta_fwd.STATE_PREFETCH = prefetch
+    delta_fwd.STATE_PREFETCH, delta_bwd.LOCAL_DU = prefetch, local
     delta_strided(K, V, torch.bfloat16, True)
 
 def vla(K, dtype):
@@ -108,7 +109,9 @@ steps = {
                     ((64, 16, 3, False, False), (64, 32, 2, False, False), (128, 64, 3, False, False),
                      (128, 32, 2, False, False), (64, 16, 1, True, False), (64, 64, 1, True, False),
                      (128, 64, 1, True, False), (64, 16, 1, False, True), (64, 64, 1, True, True),
-                     (128, 64, 1, False, True))],
+                     (128, 64, 1, False, True))] +
+                   [functools.partial(delta_state, K, K, bv, 1, low, pre, True) for K, bv, low, pre in
+                    ((64, 16, False, False), (64, 16, False, True), (64, 64, True, True), (128, 64, False, True))],
     "vla": [functools.partial(vla, K, torch.bfloat16) for K in (64, 128)],
 }[sys.argv[1]]
 WANTED = {
@@ -121,7 +124,7 @@ WANTED = {
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
     "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
-    "delta_state": ("delta_fwd_state_kernel", "delta_bwd_state_kernel"),
+    "delta_state": ("delta_fwd_state_kernel", "delta_bwd_state_kernel", "delta_bwd_local_kernel"),
     "vla": ("unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
             "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",
             "normalize_dden_kernel", "normalize_bwd_kernel"),
@@ -159,8 +162,8 @@ for step in steps:
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",
                            "delta_bwd_sum_kernel"}),
-        # delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT, STATE_PREFETCH
-        ("delta_state", {"delta_fwd_state_kernel", "delta_bwd_state_kernel"}),
+        # delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT, STATE_PREFETCH; delta_bwd.LOCAL_DU
+        ("delta_state", {"delta_fwd_state_kernel", "delta_bwd_state_kernel", "delta_bwd_local_kernel"}),
         ("vla", {"unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
                  "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",
                  "normalize_dden_kernel", "normalize_bwd_kernel"}),

@@ -498,10 +498,10 @@ def test_state_blocks_keep_their_width_at_wide_keys(monkeypatch):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_state_passes_prefetch(monkeypatch, packed):
-    """``delta_fwd.STATE_PREFETCH``: both state passes read each chunk's tiles during the chunk before (the forward
-    left to right, the backward right to left): the same output, final state and every gradient as the default
-    launch, bit for bit, and the PyTorch rule's; dense (an odd length, a partial last chunk, an initial state) and
-    packed (empty sequences first and between, partial chunks, two value blocks)."""
+    """``delta_fwd.STATE_PREFETCH``: the state passes read each chunk's tiles during the chunk before (the forward
+    left to right, the backward right to left): with neither, the forward's (the default) and both, the same output,
+    final state and every gradient, bit for bit, and the PyTorch rule's; dense (an odd length, a partial last chunk,
+    an initial state) and packed (empty sequences first and between, partial chunks, two value blocks)."""
     from attnkit.ops.common.triton import delta_fwd
 
     offsets = [0, 0, 7, 40, 40, 75] if packed else None
@@ -514,14 +514,61 @@ def test_state_passes_prefetch(monkeypatch, packed):
         o, S = delta_rule_triton(*bthd(q, k, v, a), st[0], False, cu)
         return o.transpose(1, 2), (S,)
 
-    default = grads_of(run, inputs, state)
-    monkeypatch.setattr(delta_fwd, "STATE_PREFETCH", True)
-    prefetched = grads_of(run, inputs, state)
+    monkeypatch.setattr(delta_fwd, "STATE_PREFETCH", False)
+    plain = grads_of(run, inputs, state)
     expected = grads_of(delta_torch_fn, inputs, state) if not packed else None
-    for i, (name, x, d) in enumerate(zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], prefetched, default)):
-        assert torch.equal(x, d), name
-        if expected is not None:
-            assert_close(name, x, expected[i], 1e-4)
+    for setting in ("forward", True):
+        monkeypatch.setattr(delta_fwd, "STATE_PREFETCH", setting)
+        prefetched = grads_of(run, inputs, state)
+        for i, (name, x, d) in enumerate(zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], prefetched, plain)):
+            assert torch.equal(x, d), (setting, name)
+            if expected is not None:
+                assert_close(name, x, expected[i], 1e-4)
+    CPU, dims = torch.device("cpu"), dict(K=16, V=32)
+    for setting, passes in (("forward", (True, False)), (True, (True, True)), (False, (False, False))):
+        monkeypatch.setattr(delta_fwd, "STATE_PREFETCH", setting)
+        launched = [delta_fwd.state_launch(32, dims, 4, CPU, torch.float32, backward=b)[1] for b in (False, True)]
+        assert tuple(launch["PREFETCH"] for launch in launched) == passes, setting
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["in-step", "prefetched"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_state_pass_local_du(monkeypatch, packed, prefetch):
+    """``delta_bwd.LOCAL_DU``: the chunk-parallel kernel writes ``triu(A Qᵀ) dO`` into ``du`` and the backward's
+    state pass adds ``A dh'`` to it (read in the step, or a chunk ahead with the backward's prefetch): the same
+    output, final state and every gradient as the pass that computes it, bit for bit; dense in DeltaNet's form
+    (``a = β k`` from ``beta`` near 2, queries scaled; an odd length, a partial last chunk, an initial state) and
+    packed (generic ``a``; empty sequences first and between, partial chunks, two value blocks, a state-pass block
+    narrower than the local kernel's)."""
+    from attnkit.ops.common.triton import delta_bwd, delta_fwd
+
+    offsets = [0, 0, 7, 40, 40, 75] if packed else None
+    B, H, T, K, V = (1, 2, 75, 16, 80) if packed else (2, 2, 53, 16, 32)
+    inputs = delta_inputs(B, H, T, K, V)
+    if not packed:  # the fourth input is beta [B, H, T, 1]
+        inputs[3] = 1.9 + 0.1 * torch.rand(B, H, T, 1, device=DEVICE)
+    state = [torch.randn(len(offsets) - 1 if packed else B, H, V, K, device=DEVICE)]
+    cu = torch.tensor(offsets, device=DEVICE) if packed else None
+    monkeypatch.setattr(delta_fwd, "STATE_PREFETCH", True if prefetch else "forward")
+    if packed:
+        monkeypatch.setattr(delta_fwd, "STATE_BV", 16)
+
+    def run(q, k, v, a, st):
+        q, k, v, a = bthd(q, k, v, a)
+        if packed:
+            o, S = delta_rule_triton(q, k, v, a, st[0], False, cu)
+        else:
+            o, S = delta_rule_triton(q, k, v, None, st[0], False, None, beta=a[..., 0], scale=0.25)
+        return o.transpose(1, 2), (S,)
+
+    computed = grads_of(run, inputs, state)
+    launches = launch_counter(monkeypatch, delta_bwd, "delta_bwd_local_kernel")
+    monkeypatch.setattr(delta_bwd, "LOCAL_DU", True)
+    local = grads_of(run, inputs, state)
+    assert len(launches) == 1
+    for name, x, c in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], local, computed):
+        assert torch.equal(x, c), name
+    assert computed[5].abs().sum() > 0  # the gradient reaches a (beta)
 
 
 def test_state_16bit_operands_skip_narrow_blocks(monkeypatch):

@@ -30,6 +30,7 @@ from attnkit.ops.common.triton.delta_fwd import (
     launch_config,
     launch_dims,
     operand,
+    query_chunk,
     row_tile,
     seq_site,
     seq_tiles,
@@ -39,20 +40,75 @@ from attnkit.ops.common.triton.delta_fwd import (
     write_rows,
 )
 
+# The state pass's terms that do not depend on the state, triu(A Qᵀ) dO (dU's share) and Qᵀ dO (dh's), computed a
+# chunk at a time by delta_bwd_local_kernel (chunk-parallel, into du and dhs) before the pass, which then reads them
+# where it read Q and dO: its chunk step goes from five products to two, as the forward's (U = Ũ − W h, h + Aᵀ U).
+# Counted at K = 64 and 16 value columns (the narrow launch at T = 32k, B = 1), a step's multiply-adds fall from 524k
+# to 131k (A Qᵀ, BT × BT × K, was half of them, recomputed by every value block's program); the pass reads a [K, BV]
+# and a [BT, BV] float32 tile a chunk instead of Q and dO. One more launch, and one more float32 write and read of
+# du and dhs. Compiled for sm_90a (Triton 3.6, DeltaNet K = V = 64, bf16, no prefetch; mixers_h200.md, twentieth
+# session) the pass's loop went from 1303 to 592 instructions at 16 columns (16 wgmma against 40, no spills against 196
+# bytes, 24 KB of shared memory against 56) and from 1765 to 888 at 64. Off until timed
+# (`bash benchmarks/run_gpu.sh deltastate`).
+LOCAL_DU = False
+
 
 @triton.jit
-def bwd_state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION: tl.constexpr, LOW: tl.constexpr):
-    """One chunk of the backward's state pass, right to left: ``dU = triu(A Qᵀ) dO + A dh'`` and ``dh'`` carried to
-    the chunk's start, ``dh' + Qᵀ dO − Wᵀ dU``. Returns ``(dU, dh')``."""
-    # tril(Q Aᵀ)ᵀ = triu(A Qᵀ)
+def local_du(b_q, b_a, b_do, rows, cols, PRECISION: tl.constexpr, LOW: tl.constexpr):
+    """``triu(A Qᵀ) dO`` of a chunk (``tril(Q Aᵀ)ᵀ = triu(A Qᵀ)``): the share of ``dU`` that skips the state."""
     b_aq = tl.where(
         rows <= cols, tl.dot(operand(b_a, LOW), operand(tl.trans(b_q), LOW), input_precision=PRECISION), 0.0
     )
-    b_du = tl.dot(operand(b_aq, LOW), operand(b_do, LOW), input_precision=PRECISION)
+    return tl.dot(operand(b_aq, LOW), operand(b_do, LOW), input_precision=PRECISION)
+
+
+@triton.jit
+def local_dh(b_q, b_do, PRECISION: tl.constexpr, LOW: tl.constexpr):
+    """``Qᵀ dO`` of a chunk: the share of the state's gradient that skips the state."""
+    return tl.dot(operand(tl.trans(b_q), LOW), operand(b_do, LOW), input_precision=PRECISION)
+
+
+@triton.jit
+def bwd_state_step(b_a, b_w, b_dh, b_f1, b_f2, rows, cols, PRECISION: tl.constexpr, LOW: tl.constexpr,
+                   LOCAL: tl.constexpr):  # fmt: skip
+    """One chunk of the backward's state pass, right to left, from :func:`free_tiles`: ``dU = triu(A Qᵀ) dO + A dh'``
+    and ``dh'`` carried to the chunk's start, ``dh' + Qᵀ dO − Wᵀ dU``, the terms without the state (:func:`local_du`,
+    :func:`local_dh`) read (``LOCAL``) or computed. Returns ``(dU, dh')``."""
+    if LOCAL:
+        b_du = b_f1
+    else:
+        b_du = local_du(b_f1, b_a, b_f2, rows, cols, PRECISION, LOW)
     b_du += tl.dot(operand(b_a, LOW), operand(b_dh, LOW), input_precision=PRECISION)
-    b_dh += tl.dot(operand(tl.trans(b_q), LOW), operand(b_do, LOW), input_precision=PRECISION)
+    if LOCAL:
+        b_dh += b_f2
+    else:
+        b_dh += local_dh(b_f1, b_f2, PRECISION, LOW)
     b_dh -= tl.dot(operand(tl.trans(b_w), LOW), operand(b_du, LOW), input_precision=PRECISION)
     return b_du, b_dh
+
+
+@triton.jit
+def delta_bwd_local_kernel(
+    q, a, beta, do, du, dhs, cu_seqlens, offsets, T, NC, N, scale,
+    sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, LOW: tl.constexpr = "",
+):  # fmt: skip
+    """:func:`local_du` and :func:`local_dh` of every chunk, ``Q`` the queries times ``scale``, into ``du [BH, T,
+    V]`` and ``dhs [BH, NC, K, V]`` (float32, inputs as :func:`delta_bwd_state_kernel`'s), where the state pass
+    reads them and then writes its own (:data:`LOCAL_DU`). Grid ``(chunk slots, BH, value blocks)``."""
+    i_p = tl.program_id(0)
+    i_b, i_h, bos, L, i_c, i_bh, o_k, o_v, p_v, m_v, b_q, b_a = query_chunk(
+        q, a, beta, cu_seqlens, offsets, T, N, scale, sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh,
+        H, K, V, BK, BV, BT, IS_VARLEN, LOG_N,
+    )  # fmt: skip
+    b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
+    rows = tl.arange(0, BT)[:, None]
+    cols = tl.arange(0, BT)[None, :]
+    tl.store(du + p_v, local_du(b_q, b_a, b_do, rows, cols, PRECISION, LOW), mask=m_v)
+    p_dhs = (i_bh * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :] & (o_k * 0 + L > 0)[:, None]  # no chunk past the last
+    tl.store(dhs + p_dhs, local_dh(b_q, b_do, PRECISION, LOW), mask=m_kv)
 
 
 @triton.jit
@@ -61,13 +117,14 @@ def delta_bwd_state_kernel(
     sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_DHT: tl.constexpr, PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOW: tl.constexpr = "",
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, LOCAL: tl.constexpr = False,
 ):  # fmt: skip
     """``q [B, T, H, K]``, ``a`` (and ``beta``) as the forward's, ``w [BH, T, K]`` float32, ``do [B, T, H, V]``
     (strided), ``dht [NH, V, K]`` (gradient of the final state) -> ``dhs [BH, NC, K, V]`` (``dh'`` of each chunk),
     ``du [BH, T, V]``, ``dh0 [NH, V, K]``, all float32. Grid ``(value blocks, NH)`` (:func:`seq_site`).
-    ``PREFETCH`` (:data:`delta_fwd.STATE_PREFETCH`): each chunk's ``Q``, ``A``, ``W``, ``dO`` are read during the
-    chunk after it."""
+    ``PREFETCH`` (:data:`delta_fwd.STATE_PREFETCH`): each chunk's tiles that do not depend on ``dh'`` are read during
+    the chunk after it. ``LOCAL`` (:data:`LOCAL_DU`): ``du`` and ``dhs`` hold every chunk's :func:`local_du` and
+    :func:`local_dh` on entry, read (each before its slot is overwritten) instead of ``Q`` and ``dO``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
     i_bh = i_b * H + i_h
@@ -85,39 +142,55 @@ def delta_bwd_state_kernel(
     NCS = tl.cdiv(L, BT)
     if PREFETCH:  # the tiles that do not depend on dh', read one chunk ahead of their use (right to left)
         i_l = tl.maximum(NCS - 1, 0)  # the last chunk (an empty sequence: chunk 0, every row masked, never used)
-        b_q = row_tile(q, i_b, i_h, bos, i_l, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
-        b_a = write_rows(a, beta, i_b, i_h, bos, i_l, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-        p_k, m_k, p_v, m_v = seq_tiles(row0, i_l, L, o_k, o_v, K, V, BT)
-        b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-        b_do = row_tile(do, i_b, i_h, bos, i_l, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
-        for i_back in range(0, NCS):
-            i_c = NCS - 1 - i_back
-            p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_a, b_w, b_f1, b_f2 = free_tiles(
+            q, a, beta, w, do, du, dhs, i_b, i_h, bos, i_l, L, row0, i_bh * NC + c0 + i_l, scale, o_k, o_v, m_kv,
+            sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod, K, V, BT, LOCAL,
+        )  # fmt: skip
+    for i_back in range(0, NCS):
+        i_c = NCS - 1 - i_back
+        # The tiles read now: this chunk's, or with PREFETCH chunk i_c − 1's (at the first chunk its own again,
+        # unused), before this step overwrites slot i_c of dhs and du (LOCAL: i_c − 1's are not yet overwritten).
+        i_t = tl.maximum(i_c - 1, 0) if PREFETCH else i_c
+        p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        if not LOCAL:
             tl.store(dhs + p_dhs, b_dh, mask=m_kv)
-            # chunk i_c − 1's tiles (at the first chunk, its own again, unused: no chunk −1 to read)
-            i_p = tl.maximum(i_c - 1, 0)
-            b_q_next = row_tile(q, i_b, i_h, bos, i_p, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32)
-            b_a_next = write_rows(a, beta, i_b, i_h, bos, i_p, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-            n_k, nm_k, _, _ = seq_tiles(row0, i_p, L, o_k, o_v, K, V, BT)
-            b_w_next = tl.load(w + n_k, mask=nm_k, other=0.0)
-            b_do_next = row_tile(do, i_b, i_h, bos, i_p, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0]
-            _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-            b_du, b_dh = bwd_state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
-            tl.store(du + p_v, b_du, mask=m_v)
-            b_q, b_a, b_w, b_do = b_q_next * scale, b_a_next, b_w_next, b_do_next.to(tl.float32)
-    else:
-        for i_back in range(0, NCS):
-            i_c = NCS - 1 - i_back
-            p_dhs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        n_a, n_w, n_f1, n_f2 = free_tiles(
+            q, a, beta, w, do, du, dhs, i_b, i_h, bos, i_t, L, row0, i_bh * NC + c0 + i_t, scale, o_k, o_v, m_kv,
+            sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod, K, V, BT, LOCAL,
+        )  # fmt: skip
+        if not PREFETCH:
+            b_a, b_w, b_f1, b_f2 = n_a, n_w, n_f1, n_f2
+        if LOCAL:
             tl.store(dhs + p_dhs, b_dh, mask=m_kv)
-            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-            b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
-            b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-            b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-            b_do = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
-            b_du, b_dh = bwd_state_step(b_q, b_a, b_w, b_do, b_dh, rows, cols, PRECISION, LOW)
-            tl.store(du + p_v, b_du, mask=m_v)
+        b_du, b_dh = bwd_state_step(b_a, b_w, b_dh, b_f1, b_f2, rows, cols, PRECISION, LOW, LOCAL)
+        _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+        tl.store(du + p_v, b_du, mask=m_v)
+        if PREFETCH:
+            b_a, b_w, b_f1, b_f2 = n_a, n_w, n_f1, n_f2
     tl.store(dh0 + p_state, b_dh, mask=m_kv)
+
+
+@triton.jit
+def free_tiles(
+    q, a, beta, w, do, du, dhs, i_b, i_h, bos, i_c, L, row0, slot, scale, o_k, o_v, m_kv,
+    sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh, sdob, sdot, sdoh, sdod,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, LOCAL: tl.constexpr,
+):  # fmt: skip
+    """The tiles of chunk ``i_c`` (dhs slot ``slot``) that the state pass's step reads and that do not depend on
+    ``dh'``: ``(A, W, f1, f2)``, with ``(f1, f2)`` the chunk's :func:`local_du` and :func:`local_dh` as the local
+    kernel stored them (``LOCAL``), else ``(Q · scale, dO)``, float32."""
+    p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+    if LOCAL:
+        b_f1 = tl.load(du + p_v, mask=m_v, other=0.0)
+    else:
+        b_f1 = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+    b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+    b_w = tl.load(w + p_k, mask=m_k, other=0.0)
+    if LOCAL:
+        b_f2 = tl.load(dhs + slot * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+    else:
+        b_f2 = row_tile(do, i_b, i_h, bos, i_c, L, sdob, sdot, sdoh, sdod, o_v, V, BT)[0].to(tl.float32)
+    return b_a, b_w, b_f1, b_f2
 
 
 @triton.jit
@@ -295,12 +368,17 @@ def delta_bwd_fn(
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     write = strides(a=a_or_k, beta=beta)
     reads = strides(q=q, do=do) | write
-    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device, k.dtype)
+    bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device, k.dtype, backward=True)
+    NV = triton.cdiv(V, BV_STATE)
+    if LOCAL_DU:
+        delta_bwd_local_kernel[(NC, B * H, NV)](
+            q, a_or_k, beta, do, du, dhs, T=T, NC=NC, scale=scale, H=H, BV=BV_STATE, LOW=state_dims["LOW"], **reads,
+            **varlen, **dims,
+        )  # fmt: skip
     delta_bwd_state_kernel[(triton.cdiv(V, bv), N * H)](
         q, a_or_k, beta, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, scale=scale, BV=bv,
-        USE_DHT=dht is not None, **reads, **seq, **state_dims,
+        USE_DHT=dht is not None, LOCAL=LOCAL_DU, **reads, **seq, **state_dims,
     )  # fmt: skip
-    NV = triton.cdiv(V, BV_STATE)
     grid = (NC, B * H, NV)
     hs, u_new = saved["hs"], saved["u_new"]
     wy = dims | launch_config(K, wide=True)

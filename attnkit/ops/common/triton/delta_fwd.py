@@ -282,6 +282,26 @@ def delta_fwd_state_kernel(
 
 
 @triton.jit
+def query_chunk(
+    q, a, beta, cu_seqlens, offsets, T, N, scale, sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+):  # fmt: skip
+    """What a program of a launch over ``(chunk slots, BH, value blocks)`` reads first: its :func:`chunk_site`
+    ``(i_b, i_h, bos, L, i_c)``, then ``(i_bh, o_k, o_v, p_v, m_v, Q, A)``: its chunk's row (batch row × head), key
+    and value offsets, its ``[BT, BV]`` tile's offsets and mask in ``[BH, T, V]`` rows, the queries times ``scale``
+    and the write directions (float32)."""
+    i_p, i_v = tl.program_id(0), tl.program_id(2)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, tl.program_id(1), T, N, H, IS_VARLEN, LOG_N)
+    i_bh = i_b * H + i_h
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    _, _, p_v, m_v = seq_tiles(i_bh * T + bos, i_c, L, o_k, o_v, K, V, BT)
+    b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
+    b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+    return i_b, i_h, bos, L, i_c, i_bh, o_k, o_v, p_v, m_v, b_q, b_a
+
+
+@triton.jit
 def delta_fwd_output_kernel(
     q, a, beta, hs, u_new, o, cu_seqlens, offsets, T, NC, N, scale,
     sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh,
@@ -291,13 +311,11 @@ def delta_fwd_output_kernel(
     """``O = Q h + tril(Q Aᵀ) U`` per chunk, ``Q`` the queries times ``scale``: ``q [B, T, H, K]`` (strided), ``a``
     (and ``beta``) as the prepare kernel's, ``hs``, ``u_new`` from the state kernel -> ``o [B, T, H, V]``
     (contiguous, its dtype). Grid ``(chunk slots, BH, value blocks)``."""
-    i_p, i_v = tl.program_id(0), tl.program_id(2)
-    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, tl.program_id(1), T, N, H, IS_VARLEN, LOG_N)
-    i_bh = i_b * H + i_h
-    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    _, _, p_v, m_v = seq_tiles(i_bh * T + bos, i_c, L, o_k, o_v, K, V, BT)
-    b_q = row_tile(q, i_b, i_h, bos, i_c, L, sqb, sqt, sqh, sqd, o_k, K, BT)[0].to(tl.float32) * scale
-    b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+    i_p = tl.program_id(0)
+    i_b, i_h, bos, L, i_c, i_bh, o_k, o_v, p_v, m_v, b_q, b_a = query_chunk(
+        q, a, beta, cu_seqlens, offsets, T, N, scale, sqb, sqt, sqh, sqd, sab, sat, sah, sad, sbeb, sbet, sbeh,
+        H, K, V, BK, BV, BT, IS_VARLEN, LOG_N,
+    )  # fmt: skip
     b_u = tl.load(u_new + p_v, mask=m_v, other=0.0)
     p_hs = (i_bh * NC + i_p) * K * V + o_k[:, None] * V + o_v[None, :]
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :] & (o_k * 0 + L > 0)[:, None]  # no state past the last chunk
@@ -348,18 +366,22 @@ STATE_16BIT = False
 # previous chunk's products instead of stalling each step of the chain (the pipeline stages, STATE_STAGES, did so only
 # partly on the H200: at 32k, B = 1, two stages took the 64-column passes from 4.75 to 4.31 ms). FLA's state kernels
 # take a chunk step in about a quarter of ours at 32k, B = 1 (benchmarks/results/mixers_h200.md, eighteenth
-# session). Off: not yet timed (`bash benchmarks/run_gpu.sh deltastate`).
-STATE_PREFETCH = False
+# session). Timed on the H200 (twentieth session, DeltaNet D = 64, bf16, forward+backward kernels; delta_state_session20
+# in mixers_h200.md): the forward pass went from 1286 to 832 us at T = 32k, B = 1 and from 204 to 163 at T = 2k,
+# B = 16; the backward pass from 1969 to 1901 at 32k but from 304 to 349 at 2k. "forward" (the default): the forward
+# pass only; True: both; False: neither.
+STATE_PREFETCH: bool | str = "forward"
 
 
 def state_launch(
-    bv_state: int, dims: dict, programs: int, device: torch.device, dtype: torch.dtype
+    bv_state: int, dims: dict, programs: int, device: torch.device, dtype: torch.dtype, backward: bool = False
 ) -> tuple[int, dict]:
     """The state passes' value-block width and launch constexprs from the other kernels' ``BV_STATE``, ``dims`` and
     the number of ``(sequence, head)`` programs: :data:`STATE_BV` if set, else 16 columns at ``K <= 64`` where the
     default width would launch at most :data:`NARROW_STATE_FILL` of the device's multiprocessors, else ``BV_STATE``;
     :data:`STATE_STAGES` stages; 16-bit operands (``LOW``) for inputs of 16-bit ``dtype`` where
-    :data:`STATE_16BIT`, on blocks of 32 columns or more; :data:`STATE_PREFETCH`."""
+    :data:`STATE_16BIT`, on blocks of 32 columns or more; :data:`STATE_PREFETCH` for the forward pass, or for the
+    ``backward`` one."""
     wide_keys = dims["K"] > 64
     if STATE_BV is not None:
         bv = min(block_dim(STATE_BV), bv_state)
@@ -370,7 +392,8 @@ def state_launch(
         few = programs * columns <= NARROW_STATE_FILL * multiprocessors(device)
         bv = min(16, bv_state) if few and not wide_keys else bv_state
     low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "") if STATE_16BIT and bv >= 32 else ""
-    return bv, dims | dict(num_stages=STATE_STAGES, LOW=low, PREFETCH=STATE_PREFETCH)
+    prefetch = STATE_PREFETCH is True or (STATE_PREFETCH == "forward" and not backward)
+    return bv, dims | dict(num_stages=STATE_STAGES, LOW=low, PREFETCH=prefetch)
 
 
 def launch_dims(key_dim: int, value_dim: int, chunk_size: int, precision: str) -> tuple[int, dict]:
