@@ -534,9 +534,10 @@ def test_state_passes_prefetch(monkeypatch, packed):
 @pytest.mark.parametrize("prefetch", [False, True], ids=["in-step", "prefetched"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_state_pass_local_du(monkeypatch, packed, prefetch):
-    """``delta_bwd.LOCAL_DU``: the chunk-parallel kernel writes ``triu(A Qᵀ) dO`` into ``du`` and the backward's
-    state pass adds ``A dh'`` to it (read in the step, or a chunk ahead with the backward's prefetch): the same
-    output, final state and every gradient as the pass that computes it, bit for bit; dense in DeltaNet's form
+    """``delta_bwd.LOCAL_DU``: the chunk-parallel kernel writes ``triu(A Qᵀ) dO`` into ``du`` and ``Qᵀ dO`` into
+    ``dhs``, and the backward's state pass reads them (in the step, or a chunk ahead with the backward's prefetch)
+    where it computed them: the same output, final state and every gradient as the pass that computes them, bit for
+    bit; dense in DeltaNet's form
     (``a = β k`` from ``beta`` near 2, queries scaled; an odd length, a partial last chunk, an initial state) and
     packed (generic ``a``; empty sequences first and between, partial chunks, two value blocks, a state-pass block
     narrower than the local kernel's)."""
