@@ -43,7 +43,8 @@ if compgen -G ".tcache/triton_cache.t*" > /dev/null; then
 fi
 # What this call compiles is newer than this mark (tar keeps the carried entries' old times): returned alone when the
 # whole cache outgrows what may come back (at the end).
-touch "$OUT/.cache_mark"
+CACHE_MARK=$(realpath "$OUT")/.cache_mark
+touch "$CACHE_MARK"
 # Every test step's failures, each with its traceback, land in $OUT/failures.log as they happen (tests/conftest.py):
 # a step cut by its time limit loses pytest's summary, and with it the tracebacks (seventeenth session).
 export ATTNKIT_FAILURE_LOG=$OUT/failures.log
@@ -292,9 +293,12 @@ if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
     # Too big with the carried entries (earlier trees' kernels among them, twentieth session): this call's alone,
     # which replace .tcache here, so that the carried cache keeps to the kernels the tree now compiles.
     rm -f "$OUT"/triton_cache.tar.*
-    (cd "$TRITON_CACHE_DIR" && find . -mindepth 1 -maxdepth 1 -newer "$OUT/.cache_mark" -print0 |
+    fresh=$(find "$TRITON_CACHE_DIR" -mindepth 1 -maxdepth 1 -newer "$CACHE_MARK" | wc -l)
+    [ "$fresh" -gt 0 ] && (cd "$TRITON_CACHE_DIR" && find . -mindepth 1 -maxdepth 1 -newer "$CACHE_MARK" -print0 |
         tar cf - --null -T -) | $compress | split -b 15m -d - "$OUT/triton_cache.tar."
-    if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
+    if [ "$fresh" -eq 0 ]; then
+        echo "the Triton cache outgrew three 15 MiB parts and this call compiled nothing: keep the carried one"
+    elif [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
         rm -f "$OUT"/triton_cache.tar.*
         echo "this call's Triton cache alone outgrew three 15 MiB parts: not returned"
     else
@@ -304,7 +308,7 @@ if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
 else
     du -ch "$OUT"/triton_cache.tar.* | tail -1
 fi
-rm -f "$OUT/.cache_mark"
+rm -f "$CACHE_MARK"
 for log in fox foxtune linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
