@@ -9,12 +9,13 @@
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [prepare] [deltastate] [foxtune]
+#                              [pathsmall]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
 #   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`;
 #   `pathacc pathsuper`; `pathvs` alone;
-#   `pathgrid` alone; `train` alone; `foxtests fox`; `lineartests linear`; `prepare`; `deltastate`
+#   `pathgrid` alone; `train` alone; `pathsmall` alone; `foxtests fox`; `lineartests linear`; `prepare`; `deltastate`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -33,13 +34,26 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # cache: 5.3 against 11.3 MB, eleventh session), else gzip. Copied here into .tcache (ignored by git: `rm -rf .tcache
 # && mkdir .tcache && cp <files_at>/triton_cache.tar.* .tcache/`) and carried into the next call (carry: [".whl",
 # ".tcache"]), they are unpacked below (tar reads either compression) and spare that call every kernel whose source
-# and specialisation they hold.
+# and specialisation they hold. Kernels changed since the last call can be compiled before it, here, without a GPU
+# (`env -u TRITON_INTERPRET PYTHONPATH=<Triton 3.6's CPU wheel>:. python benchmarks/precompile.py --cache DIR --ops
+# path path_fox --probes --pack .tcache`): .tcache/precompiled.tar.NN, kept apart from the parts above (`rm -rf
+# .tcache` drops them too).
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".tcache/triton_cache.t*" > /dev/null; then
     cat .tcache/triton_cache.t* > /tmp/triton_cache.carried
     tar xf /tmp/triton_cache.carried -C "$TRITON_CACHE_DIR" || echo "the carried Triton cache did not unpack"
     rm -f /tmp/triton_cache.carried
+fi
+# Kernels compiled without a GPU (benchmarks/precompile.py --pack .tcache): used where this machine's Triton has the
+# key they were compiled for (.tcache/precompiled.key, the sha256 of triton_key()); said either way.
+if compgen -G ".tcache/precompiled.tar.*" > /dev/null; then
+    key=$(python3 -c "import hashlib; from triton.runtime.cache import triton_key; print(hashlib.sha256(triton_key().encode()).hexdigest())")
+    if [ "$key" = "$(cat .tcache/precompiled.key 2>/dev/null)" ]; then
+        cat .tcache/precompiled.tar.* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "precompiled kernels: this Triton's key"
+    else
+        echo "precompiled kernels: not this Triton's key ($key), not used"
+    fi
 fi
 # What this call compiles is newer than this mark (tar keeps the carried entries' old times): returned alone when the
 # whole cache outgrows what may come back (at the end).
@@ -59,8 +73,9 @@ for step in $steps; do
                 tests/ops/test_path_decoding_triton.py \
                 > "$OUT/tests.log" 2>&1
             tail -12 "$OUT/tests.log" ;;
-        vlatests)  # the VLA kernels' GPU tests alone (the 64k case takes a minute), DeltaNet's real sizes with them
-            timeout 200 python3 -m pytest -v -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
+        vlatests)  # the VLA kernels' GPU tests alone (the 64k case takes a minute), DeltaNet's real sizes with them;
+            # 300 s: on a cold machine 200 s ended inside the strided DeltaNet cases, still compiling (twenty-first session)
+            timeout 300 python3 -m pytest -v -rf tests/ops/test_vla_triton.py tests/ops/test_vla_decoding_triton.py \
                 > "$OUT/vlatests.log" 2>&1
             tail -12 "$OUT/vlatests.log" ;;
         pathtests)  # the PaTH kernels' GPU tests alone: the small cases, then the real-size gradients, then the
@@ -90,9 +105,13 @@ for step in $steps; do
                 > "$OUT/pathcheck.log" 2>&1
             grep -E "passed|failed|FAILED|Error" "$OUT/pathcheck.log" | tail -15 ;;
         mixertests)  # issue 17's quick GPU checks: DeltaNet's kernels at real sizes (they decide delta_rule's CUDA
-            # default) and every mixer's model under bf16/fp16 autocast on CUDA
+            # default) and every mixer's model under bf16/fp16 autocast on CUDA, PaTH's models in a process of their
+            # own (an illegal memory access loses the process's CUDA context: in the twenty-first session PaTH's
+            # took the 37 tests after it down)
             timeout 200 python3 -m pytest -v -rf --tb=short tests/ops/test_vla_triton.py tests/models/test_autocast.py \
-                -k "deltanet_real_sizes or deltanet_baseline_triton or cuda" > "$OUT/mixertests.log" 2>&1
+                -k "deltanet_real_sizes or deltanet_baseline_triton or (cuda and not path)" > "$OUT/mixertests.log" 2>&1
+            timeout 150 python3 -m pytest -v -rf --tb=short tests/models/test_autocast.py -k "cuda and path" \
+                >> "$OUT/mixertests.log" 2>&1
             grep -E "passed|failed|FAILED|Error" "$OUT/mixertests.log" | tail -15 ;;
         lineartests)  # issue 17: linear attention's kernels' GPU tests (they decide linear.AUTO_TRITON) and the
             # delta-rule prepare kernel against the PyTorch delta rule, with DeltaNet's real sizes
@@ -186,6 +205,27 @@ for step in $steps; do
                 --head-dims ${SUPER_DIMS:-64 128} \
                 --out "$OUT" \
                 > "$OUT/pathsuper.log" 2>&1 ;;
+        pathsmall)  # PaTH at small head dims (issue 16): benchmarks/path_probe.py, each probe in its own process under
+            # CUDA_LAUNCH_BLOCKING=1 (a fault names its kernel and loses only that process), six at a time: the
+            # autocast model's shape (K = V = 16, T = 24, bf16 q, k, v, float32 w, beta) that faulted in the local
+            # adjoint (twenty-first session), then what tells its cause apart (path_probe.PROBES: V, T, gates, query
+            # heads a key head, the local adjoint's 16-bit products, parallel.PAD_VALUES); then the model and
+            # small-head-dim tests, and compute-sanitizer on the first shape
+            i=0
+            while IFS= read -r probe; do
+                (CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/path_probe.py $probe > "$OUT/pathsmall_$i.log" \
+                    2>&1 || echo "FAIL ($probe): $(grep -E "Error|error" "$OUT/pathsmall_$i.log" | tail -1)" \
+                    >> "$OUT/pathsmall_$i.log") &
+                i=$((i + 1)); [ $((i % 6)) = 0 ] && wait
+            done < <(python3 benchmarks/path_probe.py --list)
+            wait
+            for f in $(ls "$OUT"/pathsmall_*.log | sort -V); do grep -E "^OK|^FAIL" "$f"; done | tee "$OUT/pathsmall.log"
+            timeout 200 python3 -m pytest -v -rf --tb=short -n 6 --timeout 180 tests/models/test_autocast.py \
+                tests/ops/test_path_triton.py -k "(cuda and path) or small_head_dims" >> "$OUT/pathsmall.log" 2>&1
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 4 \
+                python3 benchmarks/path_probe.py > "$OUT/pathsmall_sanitizer.log" 2>&1
+            grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pathsmall.log" | tail -14
+            grep -E "^=+ (Invalid|ERROR SUMMARY)|^=+ +at .*path" "$OUT/pathsmall_sanitizer.log" | head -8 ;;
         pathacc)  # PaTH: the accuracy bar, bf16 to 32k first (the float32 cells' float64 references take minutes: at
             # 54fdc54 the first, 4k at D = 64, took the whole 200 s); PATHACC_DTYPES="bfloat16 float32" for both
             timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --dtypes ${PATHACC_DTYPES:-bfloat16} \
