@@ -1,7 +1,7 @@
-"""The kernels address only their arguments' memory (``tests/memcheck.py``), under the interpreter: PaTH, VLA and
-DeltaNet forward and backward at odd lengths, GQA, packed sequences with empty ones and K ≠ V, and PaTH with the
-GPU's chunks, precisions and 16-bit buffers too (the configuration a GPU launches, emulated here: the interpreter's
-bf16 products are wrong, but their addresses are the GPU's)."""
+"""The kernels address only their arguments' memory (``tests/memcheck.py``), under the interpreter: PaTH, VLA,
+DeltaNet, TAPA, FoX and linear attention forward and backward at odd lengths, GQA, packed sequences with empty ones
+and K ≠ V, and PaTH with the GPU's chunks, precisions and 16-bit buffers too (the configuration a GPU launches,
+emulated here: the interpreter's bf16 products are wrong, but their addresses are the GPU's)."""
 
 from __future__ import annotations
 
@@ -129,3 +129,21 @@ def test_vla_and_deltanet_kernels_stay_inside_their_arguments(offsets):
         out = delta_rule(q, kn, v, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu, backend="triton")
         backward(out, [q, kn, v, beta, s0])
     assert len(set(launched)) >= 6, launched
+
+
+@pytest.mark.parametrize("offsets", [None, [0, 0, 13, 13, 61]], ids=["odd-gqa", "packed-empty"])
+def test_tapa_fox_and_linear_kernels_stay_inside_their_arguments(offsets):
+    from attnkit.ops import linear_attention, softmax_attention, tapa_attention
+
+    B, T = (2, 37) if offsets is None else (1, 61)
+    cu = None if offsets is None else torch.tensor(offsets)
+    q, k, v = (torch.randn(B, T, h, 32).requires_grad_() for h in (4, 2, 2))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, 4) + 2).requires_grad_()
+    with memcheck.interpreter_memcheck() as launched:
+        backward(tapa_attention(q, k, v, cu_seqlens=cu, backend="triton"), [q, k, v])
+        backward(softmax_attention(q, k, v, g, cu_seqlens=cu, backend="triton"), [q, k, v, g])
+        kv = [x.detach()[:, :, :2].abs().requires_grad_() for x in (q, k)] + [v]
+        out, _ = linear_attention(*kv, cu_seqlens=cu, backend="triton")
+        backward(out, kv)
+    assert any("tapa" in n for n in launched) and any("fox" in n for n in launched), launched
+    assert any("linear" in n for n in launched), launched

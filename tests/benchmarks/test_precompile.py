@@ -1,0 +1,51 @@
+"""``benchmarks/precompile.py``: kernels compiled for the GPU machine on a machine without one, into a Triton cache
+packed for the device call to carry, keyed by the GPU machine's Triton build."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import triton
+
+from benchmarks import precompile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_key_is_this_builds_with_the_gpu_machines_library_hash():
+    from triton.runtime.cache import triton_key
+
+    local = hashlib.sha256((Path(triton.__file__).parent / "_C" / "libtriton.so").read_bytes()).hexdigest()
+    other = "ab" * 32
+    key = precompile.gpu_triton_key(other)
+    assert local in triton_key() and local not in key and other in key
+    assert key.replace(other, local) == triton_key()
+
+
+def test_a_step_compiles_for_sm90_without_running_and_packs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cache, carry = tmp_path / "cache", tmp_path / "tcache"
+    script = [sys.executable, str(ROOT / "benchmarks" / "precompile.py"), "--cache", str(cache), "--ops", "path_fox"]
+    script += ["--seq-lens", "128", "--head-dims", "64", "--tokens", "128", "--any-triton", "--pack", str(carry)]
+    done = subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    kernels = {p.name for entry in cache.iterdir() for p in entry.glob("*.cubin")}
+    assert {"path_prepare_kernel.cubin", "path_fwd_kernel.cubin", "path_local_bwd_kernel.cubin"} <= kernels, kernels
+    assert all('"arch": 90' in next(entry.glob("path_*.json"), entry).read_text() for entry in cache.iterdir()
+               if next(entry.glob("path_*.json"), None))  # fmt: skip
+    parts = sorted(carry.glob("precompiled.tar.*"))
+    assert (
+        parts
+        and (carry / "precompiled.key").read_text().strip()
+        == hashlib.sha256(precompile.gpu_triton_key(precompile.LIBTRITON_CP312).encode()).hexdigest()
+    )
+    whole = tmp_path / "whole.tar.xz"
+    whole.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(whole) as archive:
+        assert {Path(n).name for n in archive.getnames()} >= kernels
+    assert "launches of" in done.stdout and "cache entries" in done.stdout
