@@ -3,7 +3,7 @@ carries (``.tcache/precompiled.tar.NN``, unpacked by ``run_gpu.sh``): the GPU ma
 compiling, its first call after a kernel changed included.
 
     env -u TRITON_INTERPRET PYTHONPATH=<Triton 3.6>:. python benchmarks/precompile.py --cache DIR
-        [--ops path path_fox ...] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--probes]
+        [--ops path path_fox ...] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--train path ...] [--probes]
         [--pytest PYTEST ARGS ...] [--pack .tcache]
 
 How. The launchers run on CPU tensors without the interpreter, so they pick the GPU's chunks, warps, precisions and
@@ -15,14 +15,17 @@ the kernel's source, specialisation (dtypes, 16-byte alignment, integers equal t
 and options, and ptxas's version: the entries are the GPU machine's where its Triton is the same release from the same
 wheel. The wheels differ only in ``libtriton.so`` between Python versions, so the key is this build's with that
 library's hash replaced by the GPU machine's (``--libtriton-sha256``: by default the cp312 wheel of Triton 3.6.0, the
-GPU machine's Python 3.12). In the twenty-first session the entries made here for ``rowdot_kernel``,
-``segment_cumsum_kernel``, ``path_fwd_kernel`` and ``path_query_terms_kernel`` had the very keys of the GPU's own
-(the others differed only where the inputs' dtypes did).
+GPU machine's Python 3.12). In the twenty-first session every entry made here for the step of
+``tests/models/test_autocast.py``'s PaTH model under bf16 autocast (``direction_fwd``, ``path_prepare`` twice,
+``path_fwd``, ``path_query_terms``, ``rowdot``, ``path_local_bwd``, ``direction_bwd``) had the very key of the entry
+the GPU machine had compiled for it, and nothing else was made.
 
 Workloads: ``--ops``, ``benchmarks/ops.py``'s attnkit kernels (``*_triton``) forward and backward at its cells (bf16,
-``32768 // T`` sequences, ``H·D = 1024``); ``--probes``, ``benchmarks/path_probe.py``'s list (``run_gpu.sh
-pathsmall``); ``--pytest``, a pytest run whose kernels compile instead of running (its tests fail their checks,
-which is expected; tests that need CUDA skip). ``--pack`` writes the cache as xz-compressed 15 MiB parts.
+``32768 // T`` sequences, ``H·D = 1024``); ``--train``, ``benchmarks/train_throughput.py``'s step of these mixers
+(under the CPU's bf16 autocast, whose casts at the kernels' inputs are CUDA's); ``--probes``,
+``benchmarks/path_probe.py``'s list (``run_gpu.sh pathsmall``); ``--pytest``, a pytest run whose kernels compile
+instead of running (its tests fail their checks, which is expected; tests that need CUDA skip). ``--pack`` writes the
+cache as xz-compressed 15 MiB parts.
 """
 
 from __future__ import annotations
@@ -130,6 +133,26 @@ def ops_cells(ops: list[str], seq_lens: list[int], head_dims: list[int], tokens:
                 print(f"  {name} D={D} T={T}", flush=True)
 
 
+def train_steps(mixers: list[str], seq_lens: list[int], tokens: int = 16384) -> None:
+    """``benchmarks/train_throughput.py``'s model-level step of each attnkit mixer (hidden 1024, 16 heads, bf16
+    autocast, ``tokens // T`` sequences) with the kernels' backend: one layer and a small vocabulary, which no kernel
+    sees."""
+    import torch
+
+    from attnkit.models import AttnKitConfig, AttnKitForCausalLM
+
+    for mixer in mixers:
+        config = AttnKitConfig(vocab_size=256, hidden_size=1024, num_hidden_layers=1, num_heads=16, mixer=mixer)
+        config.backend, config.use_cache = "triton", False
+        model = AttnKitForCausalLM(config)
+        for T in seq_lens:
+            ids = torch.randint(0, 256, (max(1, tokens // T), T))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            print(f"  train {mixer} T={T}", flush=True)
+
+
 def probes() -> None:
     """``benchmarks/path_probe.py``'s probes (``run_gpu.sh pathsmall``), each with the settings it changes restored."""
     from benchmarks import path_probe
@@ -173,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--probes", action="store_true", help="benchmarks/path_probe.py's probes")
+    parser.add_argument("--train", nargs="*", default=[], help="train_throughput.py's step of these mixers")
+    parser.add_argument("--train-seq-lens", nargs="+", type=int, default=[4096, 16384])
+    parser.add_argument("--train-tokens", type=int, default=16384, help="tokens a step (B·T)")
     parser.add_argument("--pytest", nargs=argparse.REMAINDER, default=None, help="pytest's arguments (last)")
     parser.add_argument("--pack", type=Path, help="write the cache as DIR/precompiled.tar.NN")
     parser.add_argument("--libtriton-sha256", default=LIBTRITON_CP312, help="the GPU machine's libtriton.so hash")
@@ -191,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         ops_cells(args.ops, args.seq_lens, args.head_dims, args.tokens)
         if args.probes:
             probes()
+        train_steps(args.train, args.train_seq_lens, args.train_tokens)
         if args.pytest is not None:
             import pytest
 

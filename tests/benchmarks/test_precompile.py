@@ -27,15 +27,17 @@ def test_gpu_key_is_this_builds_with_the_gpu_machines_library_hash():
     assert key.replace(other, local) == triton_key()
 
 
-def test_a_step_compiles_for_sm90_without_running_and_packs(tmp_path):
+def test_an_op_and_a_model_step_compile_for_sm90_without_running_and_pack(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cache, carry = tmp_path / "cache", tmp_path / "tcache"
     script = [sys.executable, str(ROOT / "benchmarks" / "precompile.py"), "--cache", str(cache), "--ops", "path_fox"]
     script += ["--seq-lens", "128", "--head-dims", "64", "--tokens", "128", "--any-triton", "--pack", str(carry)]
+    script += ["--train", "path", "--train-seq-lens", "64", "--train-tokens", "64"]  # the layer's direction kernels
     done = subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     kernels = {p.name for entry in cache.iterdir() for p in entry.glob("*.cubin")}
-    assert {"path_prepare_kernel.cubin", "path_fwd_kernel.cubin", "path_local_bwd_kernel.cubin"} <= kernels, kernels
+    expected = {"path_prepare_kernel", "path_fwd_kernel", "path_local_bwd_kernel", "direction_fwd_kernel"}
+    assert {f"{name}.cubin" for name in expected} <= kernels, kernels
     assert all('"arch": 90' in next(entry.glob("path_*.json"), entry).read_text() for entry in cache.iterdir()
                if next(entry.glob("path_*.json"), None))  # fmt: skip
     parts = sorted(carry.glob("precompiled.tar.*"))
