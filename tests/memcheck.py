@@ -1,5 +1,6 @@
-"""An address check for Triton's interpreter: inside :func:`interpreter_memcheck`, every address a kernel loads from or
-stores to without a mask (or with its mask on) must lie inside the storage of one of that launch's tensor arguments.
+"""An address check for Triton's interpreter: inside :func:`interpreter_memcheck`, every address a kernel loads from,
+stores to or updates atomically without a mask (or with its mask on) must lie inside the storage of one of that
+launch's tensor arguments.
 
 The NaN-filled ``torch.empty`` of ``conftest.py`` catches a read of memory a kernel never wrote; this catches a read or
 a write outside every buffer, which on a GPU is an illegal memory access, or worse, another tensor's memory. It hooks
@@ -31,12 +32,16 @@ def available() -> bool:
     return (
         hasattr(getattr(interpreter, "GridExecutor", None), "_init_args_hst")
         and hasattr(interpreter, "_get_np_dtype")
-        and all(hasattr(builder, name) for name in _MASK_ARG)
+        and all(hasattr(builder, name) for name in _OPERANDS)
     )
 
 
-# The interpreter builder's loads and stores, and where their mask comes in the arguments after the pointers.
-_MASK_ARG = {"create_load": None, "create_store": None, "create_masked_load": 0, "create_masked_store": 1}
+# The interpreter builder's loads, stores and atomics: where their pointers and their mask (None: none) come among
+# their arguments.
+_OPERANDS = {
+    "create_load": (0, None), "create_store": (0, None), "create_masked_load": (0, 1), "create_masked_store": (0, 2),
+    "create_atomic_rmw": (1, 3), "create_atomic_cas": (0, None),
+}  # fmt: skip
 
 
 class OutOfBounds(AssertionError):
@@ -52,7 +57,7 @@ def interpreter_memcheck() -> Iterator[list[str]]:
     ranges: list[tuple[int, int]] = []
     launched: list[str] = []
     init_args = executor._init_args_hst
-    originals = {name: getattr(builder, name) for name in _MASK_ARG}
+    originals = {name: getattr(builder, name) for name in _OPERANDS}
 
     def init_args_checked(self, args_dev, kwargs):
         args, kwargs_host = init_args(self, args_dev, kwargs)
@@ -81,16 +86,16 @@ def interpreter_memcheck() -> Iterator[list[str]]:
                 f"argument's storage, program {program}"
             )
 
-    def hooked(name: str, original, mask_at: int | None):
-        def method(self, ptrs, *args):
-            check(name, ptrs, None if mask_at is None else args[mask_at])
-            return original(self, ptrs, *args)
+    def hooked(name: str, original, ptrs_at: int, mask_at: int | None):
+        def method(self, *args):
+            check(name, args[ptrs_at], None if mask_at is None else args[mask_at])
+            return original(self, *args)
 
         return method
 
     executor._init_args_hst = init_args_checked
     for name, original in originals.items():
-        setattr(builder, name, hooked(name, original, _MASK_ARG[name]))
+        setattr(builder, name, hooked(name, original, *_OPERANDS[name]))
     try:
         yield launched
     finally:

@@ -40,6 +40,11 @@ def test_check_catches_an_address_outside_the_arguments():
         o = tl.arange(0, 16)
         tl.store(y + o, tl.load(x + o + shift, mask=o < n, other=0.0), mask=o < 16)
 
+    @triton.jit
+    def shifted_add(y, shift, n):
+        o = tl.arange(0, 8)
+        tl.atomic_add(y + o + shift, 1.0, mask=o < n)
+
     x, y = torch.arange(8.0), torch.zeros(16)
     with memcheck.interpreter_memcheck() as launched:
         shifted_copy[(1,)](x, y, 0, 8)  # masked past x's end: in bounds
@@ -48,8 +53,11 @@ def test_check_catches_an_address_outside_the_arguments():
         with pytest.raises(Exception, match="create_masked_load"):
             shifted_copy[(1,)](x[2:], y, 0, 8)  # a view: its storage's end is x's
         shifted_copy[(1,)](x[:4], y, 0, 8)  # past the view, inside its storage: not this check's to see
-    assert launched == ["shifted_copy"] * 4
-    assert torch.equal(y[:8], x) and not y[8:].any()
+        shifted_add[(1,)](y, 8, 8)
+        with pytest.raises(Exception, match="create_atomic_rmw of 2 of 8 elements outside"):
+            shifted_add[(1,)](y, 10, 8)
+    assert launched == ["shifted_copy"] * 4 + ["shifted_add"] * 2
+    assert torch.equal(y[:8], x) and torch.equal(y[8:], torch.ones(8))
 
 
 PATH_CASES = {  # B, T, HQ, H, K, V, gate, dtype, cu_seqlens
