@@ -51,6 +51,8 @@ if compgen -G ".tcache/precompiled.tar.*" > /dev/null; then
     key=$(python3 -c "import hashlib; from triton.runtime.cache import triton_key; print(hashlib.sha256(triton_key().encode()).hexdigest())")
     if [ "$key" = "$(cat .tcache/precompiled.key 2>/dev/null)" ]; then
         cat .tcache/precompiled.tar.* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "precompiled kernels: this Triton's key"
+        # not returned at the end (they stay in .tcache/precompiled.tar.NN)
+        cat .tcache/precompiled.tar.* | tar tJf - | cut -d/ -f2 | sort -u | grep . > /tmp/precompiled.list
     else
         echo "precompiled kernels: not this Triton's key ($key), not used"
     fi
@@ -328,7 +330,8 @@ done
 # At most 8 files come back from a call: three parts of the cache at most, or none.
 compress=gzip
 command -v xz > /dev/null && compress="xz -6 -T0"
-tar cf - -C "$TRITON_CACHE_DIR" . | $compress | split -b 15m -d - "$OUT/triton_cache.tar."
+[ -f /tmp/precompiled.list ] || touch /tmp/precompiled.list
+tar cf - -C "$TRITON_CACHE_DIR" -X /tmp/precompiled.list . | $compress | split -b 15m -d - "$OUT/triton_cache.tar."
 if [ "$(ls "$OUT"/triton_cache.tar.* | wc -l)" -gt 3 ]; then
     # Too big with the carried entries (earlier trees' kernels among them, twentieth session): this call's alone,
     # which replace .tcache here, so that the carried cache keeps to the kernels the tree now compiles.
