@@ -229,6 +229,19 @@ def fwd_state_step(b_w, b_a, b_u0, b_h, PRECISION: tl.constexpr, LOW: tl.constex
 
 
 @triton.jit
+def free_rows(
+    w, u, a, beta, i_b, i_h, bos, i_c, L, row0, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, o_v,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """The tiles of chunk ``i_c`` that the forward's state step reads and that do not depend on the state:
+    ``(W, A, Ũ)``, ``A`` float32 (:func:`write_rows`)."""
+    p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+    b_w = tl.load(w + p_k, mask=m_k, other=0.0)
+    b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
+    return b_w, b_a, tl.load(u + p_v, mask=m_v, other=0.0)
+
+
+@triton.jit
 def delta_fwd_state_kernel(
     w, u, a, beta, h0, hs, u_new, ht, cu_seqlens, offsets, T, NC, H, sab, sat, sah, sad, sbeb, sbet, sbeh,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -253,31 +266,25 @@ def delta_fwd_state_kernel(
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if PREFETCH:  # the tiles that do not depend on the state, read one chunk ahead of their use
-        p_k, m_k, p_v, m_v = seq_tiles(row0, 0, L, o_k, o_v, K, V, BT)
-        b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-        b_a = write_rows(a, beta, i_b, i_h, bos, 0, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-        b_u0 = tl.load(u + p_v, mask=m_v, other=0.0)
-        for i_c in range(0, tl.cdiv(L, BT)):
-            p_hs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(hs + p_hs, b_h, mask=m_kv)
-            # chunk i_c + 1's tiles (past the last chunk every row is masked: zeros, unused)
-            n_k, nm_k, n_v, nm_v = seq_tiles(row0, i_c + 1, L, o_k, o_v, K, V, BT)
-            b_w_next = tl.load(w + n_k, mask=nm_k, other=0.0)
-            b_a_next = write_rows(a, beta, i_b, i_h, bos, i_c + 1, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-            b_u_next = tl.load(u + n_v, mask=nm_v, other=0.0)
-            _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-            b_u, b_h = fwd_state_step(b_w, b_a, b_u0, b_h, PRECISION, LOW)
-            tl.store(u_new + p_v, b_u, mask=m_v)
-            b_w, b_a, b_u0 = b_w_next, b_a_next, b_u_next
-    else:
-        for i_c in range(0, tl.cdiv(L, BT)):
-            p_hs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
-            tl.store(hs + p_hs, b_h, mask=m_kv)
-            p_k, m_k, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
-            b_w = tl.load(w + p_k, mask=m_k, other=0.0)
-            b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-            b_u, b_h = fwd_state_step(b_w, b_a, tl.load(u + p_v, mask=m_v, other=0.0), b_h, PRECISION, LOW)
-            tl.store(u_new + p_v, b_u, mask=m_v)
+        b_w, b_a, b_u0 = free_rows(
+            w, u, a, beta, i_b, i_h, bos, 0, L, row0, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, o_v, K, V, BT
+        )
+    for i_c in range(0, tl.cdiv(L, BT)):
+        p_hs = (i_bh * NC + c0 + i_c) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(hs + p_hs, b_h, mask=m_kv)
+        # The tiles read now: this chunk's, or with PREFETCH chunk i_c + 1's (past the last chunk every row is masked:
+        # zeros, unused).
+        n_w, n_a, n_u0 = free_rows(
+            w, u, a, beta, i_b, i_h, bos, i_c + 1 if PREFETCH else i_c, L, row0, sab, sat, sah, sad, sbeb, sbet, sbeh,
+            o_k, o_v, K, V, BT,
+        )  # fmt: skip
+        if not PREFETCH:
+            b_w, b_a, b_u0 = n_w, n_a, n_u0
+        _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
+        b_u, b_h = fwd_state_step(b_w, b_a, b_u0, b_h, PRECISION, LOW)
+        tl.store(u_new + p_v, b_u, mask=m_v)
+        if PREFETCH:
+            b_w, b_a, b_u0 = n_w, n_a, n_u0
     tl.store(ht + p_state, b_h, mask=m_kv)
 
 
