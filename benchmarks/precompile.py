@@ -115,7 +115,8 @@ def compile_only(key: str):
 
 
 def ops_cells(ops: list[str], seq_lens: list[int], head_dims: list[int], tokens: int) -> None:
-    """``benchmarks/ops.py``'s cells of ``ops``: each attnkit kernel (``*_triton``) forward and backward."""
+    """``benchmarks/ops.py``'s cells of ``ops``: each attnkit kernel (``*_triton``) forward alone (its ``fwd`` mode),
+    then forward and backward."""
     import torch
 
     from benchmarks.ops import REGISTRY, WIDTH, _layout, _leaves
@@ -128,6 +129,7 @@ def ops_cells(ops: list[str], seq_lens: list[int], head_dims: list[int], tokens:
                 x = {k: t.to(torch.bfloat16) for k, t in op.make_inputs(B, T, H, D).items()}
                 for impl_name, impl in op.impls.items():
                     if impl_name.endswith("_triton"):
+                        impl.fn(_leaves(x, impl, False))  # the forward alone keeps nothing for a backward
                         out = impl.fn(_leaves(x, impl, True))
                         out.backward(_layout(torch.randn_like(x["v"]), impl))
                 print(f"  {name} D={D} T={T}", flush=True)
