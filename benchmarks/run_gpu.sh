@@ -47,6 +47,7 @@ if compgen -G ".tcache/triton_cache.t*" > /dev/null; then
 fi
 # Kernels compiled without a GPU (benchmarks/precompile.py --pack .tcache): used where this machine's Triton has the
 # key they were compiled for (.tcache/precompiled.key, the sha256 of triton_key()); said either way.
+rm -f /tmp/precompiled.list  # an earlier call's, on a machine still warm
 if compgen -G ".tcache/precompiled.tar.*" > /dev/null; then
     key=$(python3 -c "import hashlib; from triton.runtime.cache import triton_key; print(hashlib.sha256(triton_key().encode()).hexdigest())")
     if [ "$key" = "$(cat .tcache/precompiled.key 2>/dev/null)" ]; then
