@@ -4,12 +4,14 @@ fault that a shape or a setting brings out (``run_gpu.sh pathsmall`` runs each i
 ``TRITON_INTERPRET=1``, where the tests run it).
 
     python benchmarks/path_probe.py [--batch 2] [--seq-len 24] [--heads 2] [--kv-heads 2] [--key-dim 16]
-        [--value-dim 16] [--dtype bfloat16] [--w-dtype float32] [--gate] [--set MODULE.NAME=VALUE ...]
+        [--value-dim 16] [--dtype bfloat16] [--w-dtype float32] [--beta-dtype float32] [--gate]
+        [--set MODULE.NAME=VALUE ...]
 
 The defaults are the PaTH model of ``tests/models/test_autocast.py`` (hidden 32, 2 heads) under bf16 autocast: bf16
-``q, k, v``, float32 ``w`` and ``beta`` as the layer hands them. Prints one line, ``OK`` or ``FAIL``, with the largest
-error of ``o`` and of each gradient relative to the PyTorch backend's largest value (bars: 5e-3 for ``o``, 1e-2 for
-the gradients, at 16-bit inputs; 1e-3 at float32), and exits 1 on ``FAIL``.
+``q, k, v``, float32 ``w`` and ``beta`` as the layer hands them (until the twenty-first session ``beta`` came in bf16
+under autocast: ``--beta-dtype bfloat16``, the shape that faulted on the GPU). Prints one line, ``OK`` or ``FAIL``,
+with the largest error of ``o`` and of each gradient relative to the PyTorch backend's largest value (bars: 5e-3 for
+``o``, 1e-2 for the gradients, at 16-bit inputs; 1e-3 at float32), and exits 1 on ``FAIL``.
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ from benchmarks.kernel_profile import apply_setting  # noqa: E402
 
 NAMES = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
 # run_gpu.sh pathsmall's probes (``--list`` prints them, one a line; ``benchmarks/precompile.py --probes`` compiles
-# them): the autocast model's shape, then what tells a fault's cause apart (V, T, gates, query heads a key head, K),
-# the settings that might end it, and the other dtypes.
+# them): the shape that faulted (bf16 beta), the autocast model's now (float32 beta), then the faulting shape changed
+# in one thing each (V, T, gates, query heads a key head, K, a setting that might end the fault, the inputs' dtype).
 LOCAL = "attnkit.ops.path.triton.local"
-PROBES = [
-    "", "--value-dim 64", "--seq-len 77", "--seq-len 77 --heads 4 --gate", "--gate", "--heads 4",
-    "--key-dim 64 --value-dim 16", "--key-dim 64 --value-dim 64", "--key-dim 32 --value-dim 32",
-    "--set attnkit.ops.path.parallel.PAD_VALUES=True", f"--set {LOCAL}.LOCAL_GRADS_16BIT=None",
-    f"--set {LOCAL}.LOCAL_SOLVE=None", "--dtype float16", "--dtype float32",
+FAULT = "--beta-dtype bfloat16"
+PROBES = [FAULT, ""] + [
+    f"{FAULT} {change}"
+    for change in (
+        "--value-dim 64", "--seq-len 77", "--seq-len 77 --heads 4 --gate", "--gate", "--heads 4",
+        "--key-dim 64 --value-dim 16", "--key-dim 64 --value-dim 64", "--key-dim 32 --value-dim 32",
+        "--dtype float16", "--dtype float32", "--set attnkit.ops.path.parallel.PAD_VALUES=True",
+        f"--set {LOCAL}.LOCAL_GRADS_16BIT=None", f"--set {LOCAL}.LOCAL_SOLVE=None",
+    )
 ]  # fmt: skip
 
 
@@ -49,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--value-dim", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--w-dtype", default="float32", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--beta-dtype", default="float32", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--gate", action="store_true", help="PaTH-FoX: forget gates")
     parser.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE", help="module attributes to change")
     parser.add_argument("--list", action="store_true", help="print run_gpu.sh pathsmall's probes, one a line, and stop")
@@ -61,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the probe runs the kernels on a GPU, or on the CPU under TRITON_INTERPRET=1")
     settings = dict(apply_setting(text) for text in args.set)
     B, T, HQ, H, K, V = args.batch, args.seq_len, args.heads, args.kv_heads, args.key_dim, args.value_dim
-    dtype, w_dtype = getattr(torch, args.dtype), getattr(torch, args.w_dtype)
+    dtype, w_dtype, beta_dtype = (getattr(torch, name) for name in (args.dtype, args.w_dtype, args.beta_dtype))
     gen = torch.Generator().manual_seed(0)
 
     def make(*shape, scale=1.0, offset=0.0, to=dtype):
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     q, k, v = make(B, T, HQ, K), make(B, T, H, K), make(B, T, H, V)
     w = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(w_dtype).to(device).requires_grad_()
-    beta = (1.0 + 0.9 * torch.rand(B, T, H, generator=gen)).to(w_dtype).to(device).requires_grad_()
+    beta = (1.0 + 0.9 * torch.rand(B, T, H, generator=gen)).to(beta_dtype).to(device).requires_grad_()
     g = F.logsigmoid(torch.randn(B, T, HQ, generator=gen) + 3).to(device).requires_grad_() if args.gate else None
     do = torch.randn(B, T, HQ, V, generator=gen).to(dtype).to(device)
     inputs = [x for x in (q, k, v, w, beta, g) if x is not None]

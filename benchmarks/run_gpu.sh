@@ -210,10 +210,10 @@ for step in $steps; do
                 > "$OUT/pathsuper.log" 2>&1 ;;
         pathsmall)  # PaTH at small head dims (issue 16): benchmarks/path_probe.py, each probe in its own process under
             # CUDA_LAUNCH_BLOCKING=1 (a fault names its kernel and loses only that process), six at a time: the
-            # autocast model's shape (K = V = 16, T = 24, bf16 q, k, v, float32 w, beta) that faulted in the local
-            # adjoint (twenty-first session), then what tells its cause apart (path_probe.PROBES: V, T, gates, query
-            # heads a key head, the local adjoint's 16-bit products, parallel.PAD_VALUES); then the model and
-            # small-head-dim tests, and compute-sanitizer on the first shape
+            # autocast model's shape that faulted in the local adjoint in the twenty-first session (K = V = 16, T = 24,
+            # bf16 q, k, v, beta, float32 w), the model's now (float32 beta), then that shape changed in one thing each
+            # (path_probe.PROBES: V, T, gates, query heads a key head, dtype, parallel.PAD_VALUES, the local adjoint's
+            # 16-bit products); then the model and small-head-dim tests, and compute-sanitizer on the first shape
             i=0
             while IFS= read -r probe; do
                 (CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 benchmarks/path_probe.py $probe > "$OUT/pathsmall_$i.log" \
@@ -226,7 +226,7 @@ for step in $steps; do
             timeout 200 python3 -m pytest -v -rf --tb=short -n 6 --timeout 180 tests/models/test_autocast.py \
                 tests/ops/test_path_triton.py -k "(cuda and path) or small_head_dims" >> "$OUT/pathsmall.log" 2>&1
             PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 4 \
-                python3 benchmarks/path_probe.py > "$OUT/pathsmall_sanitizer.log" 2>&1
+                python3 benchmarks/path_probe.py --beta-dtype bfloat16 > "$OUT/pathsmall_sanitizer.log" 2>&1
             grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pathsmall.log" | tail -14
             grep -E "^=+ (Invalid|ERROR SUMMARY)|^=+ +at .*path" "$OUT/pathsmall_sanitizer.log" | head -8 ;;
         pathacc)  # PaTH: the accuracy bar, bf16 to 32k first (the float32 cells' float64 references take minutes: at

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit.ops.common.utils import segment_bounds
+from attnkit.ops.common.utils import autocast_off, segment_bounds
 from attnkit.ops.common.validation import check_backend, check_cu_seqlens, checks_data, data_checked
 
 State = dict[str, torch.Tensor]
@@ -126,6 +126,14 @@ def left_pad_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     col = torch.arange(L, device=cu_seqlens.device)
     mask = col[None, :] >= (L - lengths)[:, None]
     return mask.flatten().nonzero().squeeze(1), mask
+
+
+@autocast_off
+def linear_fp32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)`` in float32 whatever autocast is on (under autocast ``F.linear`` would run in 16 bits, whatever
+    its inputs' dtypes): the projections of the gates ``beta`` and ``g``, which the layers keep in float32."""
+    bias = None if layer.bias is None else layer.bias.float()
+    return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
 
 
 def segment_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:

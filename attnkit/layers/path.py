@@ -26,7 +26,7 @@ from torch import nn
 from attnkit.ops.common.validation import check_scalar
 from attnkit.ops.path import path_attention, path_backend, path_carry_keys, path_decode_step, path_decode_step_
 
-from .base import State, TokenMixer, check_int, segment_cumsum, sequence_lengths, token_positions
+from .base import State, TokenMixer, check_int, linear_fp32, segment_cumsum, sequence_lengths, token_positions
 
 # FLA's PaTHAttention uses a rank-32 factorisation of the w projection; the paper's ablations do not tune it.
 DEFAULT_W_RANK = 32
@@ -84,16 +84,12 @@ class PaTHAttention(TokenMixer):
         self.beta_proj = nn.Linear(hidden_size, H, bias=True)
         self.g_proj = nn.Linear(hidden_size, HQ, bias=True) if self.use_forget_gate else None
 
-    @staticmethod
-    def _linear_fp32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        return F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``beta [B,T,H]`` and ``g [B,T,HQ]`` (or None), float32."""
-        beta = 2 * torch.sigmoid(self._linear_fp32(x, self.beta_proj))
+        """``beta [B,T,H]`` and ``g [B,T,HQ]`` (or None), float32, under autocast too."""
+        beta = 2 * torch.sigmoid(linear_fp32(x, self.beta_proj))
         if self.beta_max is not None:
             beta = beta.clamp_max(self.beta_max)
-        g = None if self.g_proj is None else F.logsigmoid(self._linear_fp32(x, self.g_proj))
+        g = None if self.g_proj is None else F.logsigmoid(linear_fp32(x, self.g_proj))
         return beta, g
 
     def _direction(self, conv_out: torch.Tensor) -> torch.Tensor:

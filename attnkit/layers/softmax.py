@@ -17,7 +17,7 @@ from attnkit.ops.baselines.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from attnkit.ops.baselines.softmax import softmax_attention, softmax_decode_step
 from attnkit.ops.common.validation import check_scalar
 
-from .base import State, TokenMixer, segment_cumsum, sequence_lengths, token_positions
+from .base import State, TokenMixer, linear_fp32, segment_cumsum, sequence_lengths, token_positions
 
 
 class SoftmaxAttention(TokenMixer):
@@ -103,7 +103,7 @@ class SoftmaxAttention(TokenMixer):
         q, k, v = self.qkv(x)
         g = None
         if self.g_proj is not None:
-            g = F.logsigmoid(F.linear(x.float(), self.g_proj.weight.float(), self.g_proj.bias.float()))
+            g = F.logsigmoid(linear_fp32(x, self.g_proj))  # float32, under autocast too
         return q, k, v, g
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:

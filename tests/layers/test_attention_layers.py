@@ -190,3 +190,25 @@ def test_empty_sequence(name, masked):
     assert out.shape == (2, 0, HIDDEN)
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["fox-gqa", "path-fox"])
+def test_gates_reach_the_ops_in_float32_under_autocast(monkeypatch, name):
+    """Under bf16 autocast the gates' projections still run in float32 (``F.linear`` alone would run in bf16, whatever
+    its inputs' dtypes): ``beta`` and ``g`` reach the ops in float32, ``q, k, v`` in bf16."""
+    import attnkit.layers.path as path_layer
+    import attnkit.layers.softmax as softmax_layer
+
+    module, op = (path_layer, "path_attention") if name.startswith("path") else (softmax_layer, "softmax_attention")
+    seen, fn = [], getattr(module, op)
+
+    def spy(*args, **kwargs):
+        seen.append([None if x is None else x.dtype for x in args])
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, op, spy)
+    layer = make(name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(2, 9, HIDDEN))
+    gates = seen[0][4:] if op == "path_attention" else seen[0][3:]  # (beta, g) or (g,)
+    assert seen[0][:3] == [torch.bfloat16] * 3 and gates == [torch.float32] * len(gates), seen

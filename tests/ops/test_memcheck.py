@@ -102,12 +102,13 @@ def gpu_configuration(monkeypatch):
 @pytest.mark.parametrize("T, HQ, gate", [(24, 2, False), (77, 4, True)], ids=["autocast-model", "small-head-dims-test"])
 def test_path_kernels_stay_inside_their_arguments_as_a_gpu_launches_them(gpu_configuration, monkeypatch, T, HQ, gate):
     """The shapes of the D = 16 model under bf16 autocast (an illegal memory access in the local adjoint on the GPU,
-    twenty-first session) and of ``test_bf16_small_head_dims_on_gpu[16]``: bf16 ``q, k, v`` padded to K = 64, float32
-    ``w, beta``, as the GPU launches them. In bounds here: the GPU's fault is not the kernels' indexing."""
+    twenty-first session) and of ``test_bf16_small_head_dims_on_gpu[16]``: bf16 ``q, k, v`` (padded to K = 64) and
+    ``beta``, float32 ``w``, as the GPU launches them. In bounds here: the GPU's fault is not the kernels' indexing."""
     from attnkit.ops.path.triton import local
 
     inputs = list(path_inputs(2, T, HQ, 2, 16, 16, gate=gate, dtype=torch.float32))
     inputs[:3] = [x.to(torch.bfloat16) for x in inputs[:3]]
+    inputs[4] = inputs[4].to(torch.bfloat16)  # beta as both came to the op: bf16 under autocast, until this session
     inputs = [None if x is None else x.requires_grad_() for x in inputs]
     seen, local_bwd = [], local.local_bwd_fn
 
