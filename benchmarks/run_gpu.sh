@@ -51,9 +51,9 @@ rm -f /tmp/precompiled.list  # an earlier call's, on a machine still warm
 if compgen -G ".tcache/precompiled.tar.*" > /dev/null; then
     key=$(python3 -c "import hashlib; from triton.runtime.cache import triton_key; print(hashlib.sha256(triton_key().encode()).hexdigest())")
     if [ "$key" = "$(cat .tcache/precompiled.key 2>/dev/null)" ]; then
-        cat .tcache/precompiled.tar.* | tar xJf - -C "$TRITON_CACHE_DIR" && echo "precompiled kernels: this Triton's key"
-        # not returned at the end (they stay in .tcache/precompiled.tar.NN)
-        cat .tcache/precompiled.tar.* | tar tJf - | cut -d/ -f2 | sort -u | grep . > /tmp/precompiled.list
+        # unpacked once, their entries listed as they come: not returned at the end (they stay in .tcache)
+        cat .tcache/precompiled.tar.* | tar xvJf - -C "$TRITON_CACHE_DIR" | cut -d/ -f2 | sort -u | grep . \
+            > /tmp/precompiled.list && echo "precompiled kernels: this Triton's key"
     else
         echo "precompiled kernels: not this Triton's key ($key), not used"
     fi
