@@ -34,12 +34,15 @@ from benchmarks.sass_report import compile_report  # noqa: E402
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
-def record_launches(fn, keep: bool = True) -> list[dict]:
+def record_launches(fn, keep: bool = True, on_launch=None) -> list[dict]:
     """Run ``fn`` with every Triton launch recorded (kernel, arguments by name, warps, stages) instead of run; with
-    ``keep`` False each launch is dropped and nothing is recorded (its arguments would outlive their frees)."""
+    ``keep`` False each launch is dropped and nothing is recorded (its arguments would outlive their frees).
+    ``on_launch``: called with each launch's kernel (a ``JITFunction``) as it is dropped or recorded."""
     launches, run = [], JITFunction.run
 
     def recorder(self, *args, grid, warmup, **kwargs):
+        if on_launch is not None:
+            on_launch(self)
         if keep:
             named = dict(zip([p.name for p in self.params], args)) | kwargs
             launches.append(dict(kernel=self, args=named))

@@ -3,6 +3,7 @@ and the set alive at the peak (``benchmarks/results/path_memory_cpu.json``).
 
     python benchmarks/path_memory.py [--head-dims 64 128] [--gate] [--batch 8] [--seq-len 4096] [--top 16] [--out F]
         [--setting LABEL]    # one of path_tune.py's LOCAL settings (its module attributes patched meanwhile)
+        [--phases]           # also what is allocated at each launch (the JSON has it always, with the buffers)
 
 The launchers run on CPU tensors without ``TRITON_INTERPRET`` (it must be unset), so that they pick the GPU's chunks,
 waves and buffers; no kernel runs (its launch is dropped, its arguments not kept), so the numbers are the
@@ -78,13 +79,24 @@ def measure(D: int, gate: bool, B: int, T: int) -> dict:
         with counter:
             path_step(D, gate, inputs)
 
-    record_launches(step, keep=False)  # the launchers' allocations alone
     unit = B * T * 1024 * 2
-    alive = sorted(counter.at_peak.values(), key=lambda r: -r[0])
+
+    def buffers(live: dict) -> list[dict]:
+        alive = sorted(live.values(), key=lambda r: -r[0])
+        return [dict(bytes=n, units=n / unit, site=site, shape=shape, dtype=dt) for n, site, shape, dt in alive]
+
+    phases = []  # at each launch: the kernel and what is allocated then (runs of one kernel at one level kept once)
+
+    def on_launch(kernel) -> None:
+        name = kernel.fn.__name__
+        if not phases or (phases[-1]["kernel"], phases[-1]["bytes"]) != (name, counter.current):
+            phases.append(dict(kernel=name, bytes=counter.current, units=counter.current / unit))
+            phases[-1]["alive"] = buffers(counter.live)
+
+    record_launches(step, keep=False, on_launch=on_launch)  # the launchers' allocations alone
     return dict(
         D=D, B=B, T=T, H=max(1, 1024 // D), gate=gate, peak_bytes=counter.peak, peak_units=counter.peak / unit,
-        leaked_bytes=counter.current,
-        at_peak=[dict(bytes=n, units=n / unit, site=site, shape=shape, dtype=dt) for n, site, shape, dt in alive],
+        leaked_bytes=counter.current, at_peak=buffers(counter.at_peak), phases=phases,
     )  # fmt: skip
 
 
@@ -96,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--top", type=int, default=16, help="buffers shown a head dim")
     parser.add_argument("--out", help="JSON of every head dim")
+    parser.add_argument("--phases", action="store_true", help="print what is allocated at each launch")
     parser.add_argument("--setting", help="a path_tune.LOCAL label: the allocations that setting makes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -118,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         for b in row["at_peak"][: args.top]:
             print(f"  {b['bytes'] / 2**20:8.1f} MiB  {b['units']:5.2f}  {b['site']:<44} {b['shape']} {b['dtype']}")
+        if args.phases:
+            print("  allocated at each launch (units; a run of one kernel at one level once):")
+            for p in row["phases"]:
+                print(f"    {p['units']:6.2f}  {p['kernel']}")
     if args.out:
         import triton
 

@@ -31,13 +31,14 @@ from benchmarks.kernel_profile import apply_setting  # noqa: E402
 NAMES = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
 # run_gpu.sh pathsmall's probes (``--list`` prints them, one a line; ``benchmarks/precompile.py --probes`` compiles
 # them): the shape that faulted (bf16 beta), the autocast model's now (float32 beta), then the faulting shape changed
-# in one thing each (V, T, gates, query heads a key head, K, a setting that might end the fault, the inputs' dtype).
+# in one thing each (V, T: one whole chunk as at 24 a single chunk, then two chunks; gates, query heads a key head, K,
+# a setting that might end the fault, the inputs' dtype).
 LOCAL = "attnkit.ops.path.triton.local"
 FAULT = "--beta-dtype bfloat16"
 PROBES = [FAULT, ""] + [
     f"{FAULT} {change}"
     for change in (
-        "--value-dim 64", "--seq-len 77", "--seq-len 77 --heads 4 --gate", "--gate", "--heads 4",
+        "--value-dim 64", "--seq-len 64", "--seq-len 77", "--seq-len 77 --heads 4 --gate", "--gate", "--heads 4",
         "--key-dim 64 --value-dim 16", "--key-dim 64 --value-dim 64", "--key-dim 32 --value-dim 32",
         "--dtype float16", "--dtype float32", "--set attnkit.ops.path.parallel.PAD_VALUES=True",
         f"--set {LOCAL}.LOCAL_GRADS_16BIT=None", f"--set {LOCAL}.LOCAL_SOLVE=None",

@@ -74,3 +74,23 @@ def test_a_setting_changes_what_is_counted(tmp_path):
     assert peaks[1] > peaks[0] + 1.5, peaks
     done = subprocess.run([*script, "--setting", "no such row"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode != 0 and "--setting" in done.stderr
+
+
+def test_the_local_adjoint_holds_no_buffer_it_does_not_read(tmp_path):
+    """At the chunk-local adjoint's launch (bf16 inputs, float32 ``w`` as the layers hand them, D = 64 with
+    superblocks) the float16 ``[B, T, H, K]`` buffers are ``K̃`` alone (the forward's, kept by autograd): the queries
+    carried to their chunk's start are dropped with the tuple of the kernels between chunks. The float32 ones are
+    ``M W`` (the forward's), ``dv``, ``dx`` and ``dK̃``, whose storage ``dw`` takes: no fifth for ``dw``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU's chunks, no kernel run
+    out = tmp_path / "memory.json"
+    script = [sys.executable, str(ROOT / "benchmarks" / "path_memory.py"), "--gate", "--batch", "1", "--seq-len"]
+    script += ["4096", "--head-dims", "64", "--top", "0", "--phases", "--out", str(out)]
+    done = subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "path_local_bwd_kernel" in done.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    (local,) = [p for p in row["phases"] if p["kernel"] == "path_local_bwd_kernel"]
+    shapes = [(b["dtype"], tuple(b["shape"])) for b in local["alive"]]
+    assert shapes.count(("float16", (1, 4096, 16, 64))) == 1, shapes
+    assert shapes.count(("float32", (1, 4096, 16, 64))) == 4, shapes
+    assert local["units"] < max(p["units"] for p in row["phases"])

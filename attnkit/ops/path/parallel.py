@@ -249,6 +249,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
                 offsets, sb_offsets, inner, m, dm, dw_in,
             )  # fmt: skip
             del dxh, dkh, dsig
+        del inputs, flat, between  # they hold x, K̃ and M W, which the local adjoint does not read
     else:
         dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
             x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk, T, offsets, dv, dgcum

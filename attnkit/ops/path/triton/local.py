@@ -608,7 +608,11 @@ def local_bwd_fn(
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    dq, dk, dw, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(w), torch.empty_like(beta)
+    dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
+    # dw takes dK̃'s storage where their layouts agree (float32 w, as the layers hand it): a program reads its rows of
+    # dK̃ before anything else and writes the same rows of dw last, and no other program touches them.
+    reuse = w.dtype == dkt.dtype and w.shape == dkt.shape and w.stride() == dkt.stride()
+    dw = dkt if reuse else torch.empty_like(w)
     precision, grads = local_precisions(q.dtype, K)
     exact = precision == "ieee" or interpreting()  # the interpreter knows no bf16x3
     solve = "substitution" if LOCAL_SOLVE is None else ("ieee" if exact else LOCAL_SOLVE)
