@@ -132,6 +132,10 @@ LOCAL = [
     ("local solve by products tf32", {(local, "LOCAL_SOLVE"): "tf32"}),
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
     ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
+    ("sweep superblocks outer", {(backward_super, "SWEEP_ORDER"): "superblocks"}),
+    ("sweep superblocks outer, 128 MiB", {
+        (backward_super, "SWEEP_ORDER"): "superblocks", (backward_super, "SCRATCH_BYTES"): 1 << 27,
+    }),
     ("16-bit settings off at K = 128", {(prepare, "MEASURED_DIMS"): (64,)}),
     ("superblock terms' dA as K × K", {(local, "SUPER_DA_PROJECT"): False}),
     ("chunks of 64 at K = 128", {

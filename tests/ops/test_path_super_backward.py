@@ -170,6 +170,37 @@ def test_sweep_kernels_match_autograd(monkeypatch, tiles_per_program, budget, K,
     check_sweep(monkeypatch, tiles_per_program, budget, K, offsets)
 
 
+@pytest.mark.parametrize(
+    "tiles_per_program", [0, 1, 2], ids=["groups-left-open", "program-a-tile", "program-a-superblock"]
+)
+@pytest.mark.parametrize("budget", [None, 1, 96 << 10], ids=["one-wave", "a-row-a-wave", "rows-a-wave"])
+@pytest.mark.parametrize(
+    "K, offsets", [(16, None), (80, None), (16, [0, 5, 5, 40, 100])], ids=["K16", "K80-split-products", "varlen"]
+)
+def test_sweep_superblocks_outer(monkeypatch, tiles_per_program, budget, K, offsets):
+    """The same gradients with the later superblocks in the sweep's outer loop (``SWEEP_ORDER = "superblocks"``:
+    ``Π_{n,s}`` in one slot a program, the tiles' ``dk̂`` and ``dV`` added a pair at a time); a budget of 96 KiB puts
+    two or three rows in some waves at K = 16 (12 to 24 slots of 4 or 8 KiB), whose programs keep separate ``Π``
+    slots."""
+    from attnkit.ops.path.triton import backward_super
+
+    monkeypatch.setattr(backward_super, "SWEEP_ORDER", "superblocks")
+    check_sweep(monkeypatch, tiles_per_program, budget, K, offsets)
+
+
+def test_sweep_waves_count_the_superblocks_order_slots(monkeypatch):
+    """Waves over 6 rows (entries 6, 5, …, 1): with a row's ``Π`` slot counted, the superblocks' order fits more rows
+    a wave than the tiles' order, whose every entry holds ``E`` and ``Π``; an unknown order is refused."""
+    from attnkit.ops.path.triton import backward_super
+
+    monkeypatch.setattr(backward_super, "SCRATCH_BYTES", 16)
+    assert backward_super.waves(6, 2) == [(0, 1, 6), (1, 2, 5), (2, 4, 7), (4, 6, 3)]  # the tiles' order
+    assert backward_super.waves(6, 1, 1) == [(0, 2, 11), (2, 6, 10)]  # E 1 byte an entry, Π 1 byte a row
+    monkeypatch.setattr(backward_super, "SWEEP_ORDER", "rows")
+    with pytest.raises(ValueError, match="SWEEP_ORDER"):
+        check_sweep(monkeypatch, 0, None, 16, None)
+
+
 @pytest.mark.parametrize("budget", [None, 1], ids=["one-wave", "a-row-a-wave"])
 @pytest.mark.parametrize(
     "K, offsets",

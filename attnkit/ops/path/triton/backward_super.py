@@ -15,6 +15,8 @@ whose scratch fits ``SCRATCH_BYTES`` (``README.md`` beside the op derives the fo
   ``dk̂ += scale · Σ dSᵀ q̂ Π``, ``dV += Σ Pᵀ dO``, both sides of the gates' gradient, ``dq̂ += scale · dS y`` by
   float32 atomic adds (FlashAttention-2's ``dQ``) and the row ``E_{n,s} = scale · Σ_heads q̂ᵀ dS k̂`` (``K × K``,
   the gradient of ``Π_{n,s}``) into the program's own scratch slots.
+  With ``SWEEP_ORDER = "superblocks"`` the program walks the later superblocks outside and its tiles inside, ``Π``
+  in one slot a program, so that a wave's scratch is ``E``'s row alone.
 - ``path_bwd_super_row_kernel``, one program per (row ``n``, key/value head): right to left
   ``F_{n,p} = E_{n,p+1}ᵀ + F_{n,p+1} Σ_{p+1}ᵀ``, in place of ``E``, then left to right (``Π`` recomputed, one
   product a step) ``Z_{n,p} = Π_{n,p} F_{n,p}``, in place again.
@@ -55,6 +57,13 @@ SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (fl
 # takes its dK, dQ products so), a third of the default's tensor-core passes; not yet timed. The chain Π ← Σᵀ Π, which
 # compounds over the superblocks, keeps the carries'.
 PAIR_16BIT: str | None = None
+# The sweep's loop order. "tiles": a program takes each of its key tiles in turn through every later superblock, with
+# Π_{n,s} of every s kept in its slots (a row of them beside the row of E); "superblocks": every later superblock in
+# turn through each of its tiles, with Π_{n,s} in one slot a program, the tiles' dk̂ and dV added a pair at a time (a
+# load and a store of both tiles a pair, the values that the other order keeps in registers), so that a wave's
+# scratch is E's row alone: at 32k, D = 64, half the waves for the same budget, or half the scratch (2 bf16
+# [B, T, H·D] units) for the same waves. Not yet timed.
+SWEEP_ORDER = "tiles"
 
 
 def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
@@ -84,13 +93,51 @@ def row_offset(i_r, n0, NL):
 
 
 @triton.jit
+def sweep_pair(
+    xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi, p_s, b_kh, b_v, b_dkh, b_dv, b_dg, first, bos, L, s, R, n_tiles,
+    p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    USE_G: tl.constexpr, PRECISION: tl.constexpr, ADD_DX: tl.constexpr, PAIR_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (key tile, later superblock ``s``) pair of :func:`path_bwd_super_kv_kernel`: the key tile (rows ``p_m``,
+    ``b_kh`` float32, ``b_v``) meets every query tile of ``s`` with ``Π_{n,s}`` read from ``p_pi`` (a ``[BK, BK]``
+    block of pointers); returns its gradients ``(dk̂, dV, the gates' key side)`` added to ``b_dkh, b_dv, b_dg``, adds
+    ``dq̂`` and the gates' query side atomically and its share of ``E_{n,s}`` into the slot ``p_s`` (written where
+    ``first``, else added)."""
+    BC: tl.constexpr = 64 if BK > 64 else BK
+    # k̂ at superblock s's start, in the products' dtype: the logits and dS y take 16-bit operands, as the forward's
+    # logits between superblocks do.
+    b_y = pair_dot(b_kh, tl.trans(tl.load(p_pi)), PAIR_PRECISION, do.dtype.element_ty)
+    b_y = b_y.to(do.dtype.element_ty)
+    b_dys = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
+        b_dy, b_dv, b_dg = key_chunk_grads(
+            xh, do, lse, delta, gcum, dgcum, dxh, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
+            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, ADD_DX,
+        )  # fmt: skip
+        b_dys += b_dy
+    b_dys *= scale
+    b_dkh += pair_dot(b_dys, tl.load(p_pi), PAIR_PRECISION, do.dtype.element_ty)
+    for cb in tl.static_range(BK // BC):
+        o_c = cb * BC + tl.arange(0, BC)
+        b_kc = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_c[None, :], mask=(o_c < K)[None, :], other=0.0)
+        b_kc = b_kc.to(tl.float32)
+        b_e = pair_dot(tl.trans(b_dys), b_kc, PAIR_PRECISION, do.dtype.element_ty)
+        p_c = p_s + o_k[:, None] * BK + o_c[None, :]
+        if not first:
+            b_e += tl.load(p_c)
+        tl.store(p_c, b_e)
+    return b_dkh, b_dv, b_dg
+
+
+@triton.jit
 def path_bwd_super_kv_kernel(
     xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, cu_seqlens, sb_offsets, T, NSB, NL, R,
     GROUPS, n0, WE, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, TPP: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, ADD_DX: tl.constexpr = True,
-    PAIR_PRECISION: tl.constexpr = "tf32x3",
+    PAIR_PRECISION: tl.constexpr = "tf32x3", SUPERBLOCKS_OUTER: tl.constexpr = False,
 ):  # fmt: skip
     """``xh [*, HQ, K]`` (queries carried to their superblock's start, in ``do``'s dtype or float32), ``kh [*, H, K]``
     float32 (keys carried to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32,
@@ -100,7 +147,10 @@ def path_bwd_super_kv_kernel(
     ``Π_{n,s}``). Grid ``(rows of this wave × GROUPS, N * H)``: program
     ``(r · GROUPS + u, ·)`` takes key superblock ``n0 + r``'s tiles ``u · TPP … u · TPP + TPP − 1`` (``R`` tiles a
     superblock, ``NL`` superblocks in the longest sequence, ``NSB`` rows of ``sig`` a dense sequence). Without
-    ``ADD_DX`` it leaves ``dxh`` to :func:`path_bwd_super_q_kernel`."""
+    ``ADD_DX`` it leaves ``dxh`` to :func:`path_bwd_super_q_kernel`. ``SUPERBLOCKS_OUTER``: the later superblocks in
+    the outer loop and the tiles inside (:data:`SWEEP_ORDER`), ``Π_{n,s}`` carried in one slot a program
+    (``rows_pi [N * H, programs of the wave, BK, BK]``) and the tiles' gradients added to ``dkh``, ``dv`` a pair at a
+    time."""
     i_ru, i_nh = tl.program_id(0), tl.program_id(1)
     i_r, i_u = i_ru // GROUPS, i_ru % GROUPS
     n = n0 + i_r
@@ -116,51 +166,60 @@ def path_bwd_super_kv_kernel(
     m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
     p_kk = o_k[:, None] * BK + o_k[None, :]
     p_slots = ((i_nh * GROUPS + i_u).to(tl.int64) * WE + row_offset(i_r, n0, NL)) * (BK * BK)
-    p_e, p_pi = rows_e + p_slots, rows_pi + p_slots
-    BC: tl.constexpr = 64 if BK > 64 else BK
-    # Π_{n,s} for every later superblock s, once for the program's key tiles (Π ← Σ_sᵀ Π, one K × K product a step),
-    # into the program's own slots, which every tile then reads: recomputed per tile, the chain cost R K³ carries a
-    # step, as much as a superblock's pairs at K = 128.
-    b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
-    for s in range(n + 1, n_sb):
-        tl.store(p_pi + (s - n - 1) * (BK * BK) + p_kk, b_pi)
-        if s + 1 < n_sb:
-            b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + p_kk)
-            b_pi = tl.dot(tl.trans(b_sig), b_pi, input_precision=CARRY_PRECISION)
-    tl.debug_barrier()  # the tiles read the slots every thread wrote
-    for t in range(0, TPP):
-        # A later superblock exists, so key tile i_m is complete.
-        i_m = n * R + i_u * TPP + t
-        p_m, b_kh, b_v, _, b_dkh, b_dv, b_dg = load_key_chunk(
-            kh, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
-        )
+    p_e = rows_e + p_slots
+    if SUPERBLOCKS_OUTER:
+        # Π_{n,s} in one slot, stepped after every tile has read it: each E_{n,s} is the program's whole share once
+        # its tiles have met s, and no row of Π is kept.
+        p_pi = rows_pi + (i_nh.to(tl.int64) * tl.num_programs(0) + i_ru) * (BK * BK) + p_kk
+        tl.store(p_pi, tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0))
+        tl.debug_barrier()
         for s in range(n + 1, n_sb):
             p_s = p_e + (s - n - 1) * (BK * BK)
-            p_ps = p_pi + (s - n - 1) * (BK * BK) + p_kk
-            # k̂ at superblock s's start, in the products' dtype: the logits and dS y take 16-bit operands, as the
-            # forward's logits between superblocks do.
-            b_y = pair_dot(b_kh, tl.trans(tl.load(p_ps)), PAIR_PRECISION, do.dtype.element_ty)
-            b_y = b_y.to(do.dtype.element_ty)
-            b_dys = tl.zeros([BT, BK], dtype=tl.float32)
-            for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
-                b_dy, b_dv, b_dg = key_chunk_grads(
-                    xh, do, lse, delta, gcum, dgcum, dxh, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t,
-                    o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, ADD_DX,
+            for t in range(0, TPP):
+                i_m = n * R + i_u * TPP + t
+                p_m, b_kh, b_v, _, b_dkh, b_dv, b_dg = load_key_chunk(
+                    kh, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
+                )
+                b_dkh, b_dv, b_dg = sweep_pair(
+                    xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi, p_s, b_kh, b_v, b_dkh, b_dv, b_dg, t == 0, bos, L,
+                    s, R, n_tiles, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G,
+                    PRECISION, ADD_DX, PAIR_PRECISION,
                 )  # fmt: skip
-                b_dys += b_dy
-            b_dys *= scale
-            b_dkh += pair_dot(b_dys, tl.load(p_ps), PAIR_PRECISION, do.dtype.element_ty)
-            for cb in tl.static_range(BK // BC):
-                o_c = cb * BC + tl.arange(0, BC)
-                b_kc = tl.load(kh + p_m[:, None] * (H * K) + i_h * K + o_c[None, :], mask=(o_c < K)[None, :], other=0.0)
-                b_kc = b_kc.to(tl.float32)
-                b_e = pair_dot(tl.trans(b_dys), b_kc, PAIR_PRECISION, do.dtype.element_ty)
-                p_c = p_s + o_k[:, None] * BK + o_c[None, :]
-                if t > 0:
-                    b_e += tl.load(p_c)
-                tl.store(p_c, b_e)
-        store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
-        tl.debug_barrier()  # the next tile reads the E slots this one wrote
+                store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
+                tl.debug_barrier()  # the next tile reads the E slot this one wrote
+            if s + 1 < n_sb:  # Π ← Σ_sᵀ Π
+                b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + p_kk)
+                b_pi = tl.dot(tl.trans(b_sig), tl.load(p_pi), input_precision=CARRY_PRECISION)
+                tl.debug_barrier()  # every thread has read the slot before it is overwritten
+                tl.store(p_pi, b_pi)
+                tl.debug_barrier()
+    else:
+        p_pi = rows_pi + p_slots
+        # Π_{n,s} for every later superblock s, once for the program's key tiles (Π ← Σ_sᵀ Π, one K × K product a
+        # step), into the program's own slots, which every tile then reads: recomputed per tile, the chain cost R K³
+        # carries a step, as much as a superblock's pairs at K = 128.
+        b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
+        for s in range(n + 1, n_sb):
+            tl.store(p_pi + (s - n - 1) * (BK * BK) + p_kk, b_pi)
+            if s + 1 < n_sb:
+                b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + p_kk)
+                b_pi = tl.dot(tl.trans(b_sig), b_pi, input_precision=CARRY_PRECISION)
+        tl.debug_barrier()  # the tiles read the slots every thread wrote
+        for t in range(0, TPP):
+            # A later superblock exists, so key tile i_m is complete.
+            i_m = n * R + i_u * TPP + t
+            p_m, b_kh, b_v, _, b_dkh, b_dv, b_dg = load_key_chunk(
+                kh, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
+            )
+            for s in range(n + 1, n_sb):
+                b_dkh, b_dv, b_dg = sweep_pair(
+                    xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi + (s - n - 1) * (BK * BK) + p_kk,
+                    p_e + (s - n - 1) * (BK * BK), b_kh, b_v, b_dkh, b_dv, b_dg, t == 0, bos, L, s, R, n_tiles, p_m,
+                    i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, ADD_DX,
+                    PAIR_PRECISION,
+                )  # fmt: skip
+            store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
+            tl.debug_barrier()  # the next tile reads the E slots this one wrote
 
 
 @triton.jit
@@ -328,14 +387,15 @@ def program_groups(tiles: int, superblocks: int, pair_bytes: int) -> int:
     return groups
 
 
-def waves(rows: int, entry_bytes: int) -> list[tuple[int, int, int]]:
+def waves(rows: int, entry_bytes: int, row_bytes: int = 0) -> list[tuple[int, int, int]]:
     """Consecutive rows ``[n0, n1)`` of the first ``rows`` key superblocks of ``rows + 1`` (row ``n`` of
-    ``rows − n`` entries, one for each later superblock), each wave's entries within ``SCRATCH_BYTES`` (at least one
-    row a wave): ``(n0, n1, entries)``. A function of the shapes alone (no device read)."""
+    ``rows − n`` entries, one for each later superblock, and ``row_bytes`` more), each wave's scratch within
+    ``SCRATCH_BYTES`` (at least one row a wave): ``(n0, n1, entries)``. A function of the shapes alone (no device
+    read)."""
     out, n0 = [], 0
     while n0 < rows:
         n1, entries = n0 + 1, rows - n0
-        while n1 < rows and (entries + rows - n1) * entry_bytes <= SCRATCH_BYTES:
+        while n1 < rows and (entries + rows - n1) * entry_bytes + (n1 + 1 - n0) * row_bytes <= SCRATCH_BYTES:
             entries += rows - n1
             n1 += 1
         out.append((n0, n1, entries))
@@ -380,7 +440,12 @@ def path_bwd_super_fn(
     tiles = length // BT  # a superblock's tiles
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     NL = triton.cdiv(longest, length)  # superblocks of the longest sequence
-    pair_bytes = 2 * N * H * BK * BK * 4  # a pair's E and Π slots, every head, one program group
+    outer = SWEEP_ORDER == "superblocks"
+    if SWEEP_ORDER not in ("tiles", "superblocks"):
+        raise ValueError(f"SWEEP_ORDER: expected 'tiles' or 'superblocks', got {SWEEP_ORDER!r}")
+    # A pair's E slot and, in the tiles' order, its Π slot, every head, one program group (the superblocks' order
+    # keeps one Π slot a program: half a slot a pair at worst, counted as one).
+    pair_bytes = 2 * N * H * BK * BK * 4
     tpp = config["tiles_per_program"] or tiles // program_groups(tiles, NL, pair_bytes)
     if tiles % tpp:
         raise ValueError(f"launch_config: {tpp} tiles a program do not divide a superblock of {tiles} tiles")
@@ -402,9 +467,10 @@ def path_bwd_super_fn(
         pair = carry if carry == "ieee" or PAIR_16BIT is None else PAIR_16BIT
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    plan = waves(NL - 1, pair_bytes * groups)
-    rows_e = torch.empty(max(e for _, _, e in plan) * N * H * groups * BK * BK, **f32)
-    rows_pi = torch.empty_like(rows_e)
+    slot = N * H * groups * BK * BK * 4  # a slot for every program of a row
+    plan = waves(NL - 1, slot, slot) if outer else waves(NL - 1, pair_bytes * groups)
+    rows_e = torch.empty(max(e for _, _, e in plan) * slot // 4, **f32)
+    rows_pi = torch.empty(max(n1 - n0 for n0, n1, _ in plan) * slot // 4, **f32) if outer else torch.empty_like(rows_e)
     shape = (cu_seqlens, sb_offsets, T, NSB, NL, tiles, groups)
     for n0, n1, entries in plan:
         path_bwd_super_kv_kernel[((n1 - n0) * groups, N * H)](
@@ -412,7 +478,7 @@ def path_bwd_super_fn(
             HQ=HQ, H=H,
             K=K, V=V, BK=BK, BV=BV, BT=BT, BG=triton.next_power_of_2(HQ // H), TPP=tpp, USE_G=gcum is not None,
             IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, ADD_DX=DQ_BY_ATOMICS,
-            PAIR_PRECISION=pair, **launch,
+            PAIR_PRECISION=pair, SUPERBLOCKS_OUTER=outer, **launch,
         )  # fmt: skip
         if NL < 3:  # no superblock lies between two others: Σ has no gradient here
             continue
