@@ -31,8 +31,8 @@ from benchmarks.kernel_profile import apply_setting  # noqa: E402
 NAMES = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
 # run_gpu.sh pathsmall's probes (``--list`` prints them, one a line; ``benchmarks/precompile.py --probes`` compiles
 # them): the shape that faulted (bf16 beta), the autocast model's now (float32 beta), then the faulting shape changed
-# in one thing each (V, T: one whole chunk as at 24 a single chunk, then two chunks; gates, query heads a key head, K,
-# a setting that might end the fault, the inputs' dtype).
+# in one thing each (V; T: 64, one whole chunk where 24 is one partial chunk, and 77, two chunks; gates, query heads
+# a key head, K, a setting that might end the fault, the inputs' dtype).
 LOCAL = "attnkit.ops.path.triton.local"
 FAULT = "--beta-dtype bfloat16"
 PROBES = [FAULT, ""] + [

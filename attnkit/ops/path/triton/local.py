@@ -597,7 +597,8 @@ def local_bwd_fn(
     """``(dq, dk, dw, dbeta)`` in the dtypes of ``q, k, w, beta`` from the local terms' gradients
     (:func:`path_local_bwd_kernel`; ``m``: the prepare kernel's UT matrices; ``da`` or ``dm`` with ``dw_in`` may be
     None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks into ``dv`` and ``dgcum`` in
-    place.
+    place. ``dw`` is ``dkt`` itself, overwritten, where their dtypes, shapes and strides agree: the caller reads
+    ``dkt`` no more.
 
     The kernel's products take :func:`local_precisions`: the attention products' precision (one TF32 pass for
     16-bit inputs, exact for float32 ones), and for bfloat16 inputs at ``K <= 64`` bf16 operands in the gradients'
