@@ -1091,6 +1091,47 @@ def test_bf16_small_head_dims_on_gpu(K):
         assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots need a GPU")
+@pytest.mark.parametrize("T, K, V, gate", [(24, 16, 16, False), (77, 32, 32, True), (64, 64, 16, False)])
+def test_bf16_one_query_head_a_key_head_narrow_values_on_gpu(T, K, V, gate):
+    """One query head a key head, bf16 ``q, k, v, beta`` and float32 ``w`` (a model's attention under bf16 autocast)
+    at value dims below 64: the shapes whose chunk-local adjoint read shared memory out of bounds on the H200 with a
+    16- or 32-column value block (``local.value_block``, twenty-third session); every gradient as the PyTorch
+    backend's."""
+    inputs = [
+        None if x is None else x.to(DEVICE) for x in make_inputs(2, T, 2, 2, K, V, gate=gate, dtype=torch.float32)
+    ]
+    inputs[:3] = [x.to(torch.bfloat16) for x in inputs[:3]]
+    inputs[4] = inputs[4].to(torch.bfloat16)
+    do = torch.randn(2, T, 2, V, device=DEVICE).to(torch.bfloat16)
+    actual = backend_grads(inputs, do, "triton")
+    reference = [x.float() for x in inputs[:3]] + [inputs[3], inputs[4].float(), inputs[5]]
+    expected = backend_grads(reference, do.float(), "torch")
+    assert (actual[-1] is None) == (not gate)
+    for name, a, e in zip(GRAD_NAMES, actual[:6] + actual[6:] * gate, expected):
+        assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_local_adjoint_value_block_wider_than_the_values(monkeypatch, G):
+    """The chunk-local adjoint launched with more value columns than ``v`` has (``local.value_block``'s 64 for bf16
+    products, here forced at V = 16 under exact products): the extra columns are masked, every gradient as the
+    PyTorch backend's, and the launch took the wider block."""
+    from attnkit.ops.path.triton import local
+
+    assert local.value_block(16, "bf16") == 64 and local.value_block(16, "tf32") == 16
+    assert local.value_block(96, "bf16") == 128
+    widths = []
+    monkeypatch.setattr(local, "value_block", lambda V, grads: widths.append(V) or 64)
+    inputs = [x.to(DEVICE) for x in make_inputs(2, 37, 2 * G, 2, 16, 16, gate=True, dtype=torch.float32)]
+    do = torch.randn(2, 37, 2 * G, 16, device=DEVICE)
+    actual = backend_grads(inputs, do, "triton")
+    expected = backend_grads(inputs, do, "torch")
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
+        assert_close(name, a, e, 1e-4)
+    assert widths == [16]
+
+
 @pytest.mark.parametrize("offsets", [None, [0, 40, 40, 150]], ids=["dense", "varlen"])
 def test_query_terms_carry_in_float32_and_store_the_superblock_start_in_the_inputs_dtype(offsets):
     """The queries carried to their superblock's start (the sweep between superblocks reads them as 16-bit operands)

@@ -571,6 +571,17 @@ def local_precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
     return precision, (LOCAL_GRADS_16BIT or precision) if measured_16bit(dtype, key_dim) else precision
 
 
+def value_block(value_dim: int, grads: str) -> int:
+    """The chunk-local adjoint's block of value columns: at least 64 where its gradient products take bf16 operands.
+    Compiled by Triton 3.6 for sm_90a with bf16 products, one query head a key head and a block of 16 or 32 value
+    columns against 64 key columns, the kernel read shared memory out of bounds (compute-sanitizer: "Invalid
+    __shared__ read of size 512 bytes" in the store of dβ) and faulted: bf16 PaTH at K = 16 (padded to 64) and V = 16,
+    at K = 32, V = 32 and at K = 64, V = 16, at T = 24, 64 and 77, with and without gates (run_gpu.sh pathsmall,
+    twenty-third session). The same shapes passed with V = 64, two query heads a key head, float16 inputs or the
+    products in TF32. The extra columns are masked: zeros in, nothing out."""
+    return max(block_dim(value_dim), 64) if grads == "bf16" else block_dim(value_dim)
+
+
 def local_bwd_fn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -620,7 +631,7 @@ def local_bwd_fn(
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
         cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
-        HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=block_dim(V), BT=chunk, USE_G=gcum is not None,
+        HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=value_block(V, grads), BT=chunk, USE_G=gcum is not None,
         IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precision,
         GRAD_PRECISION=grads, SOLVE=solve, **launch_config(K),
     )  # fmt: skip
