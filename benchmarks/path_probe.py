@@ -32,7 +32,9 @@ NAMES = ["o", "dq", "dk", "dv", "dw", "dbeta", "dg"]
 # run_gpu.sh pathsmall's probes (``--list`` prints them, one a line; ``benchmarks/precompile.py --probes`` compiles
 # them): the shape that faulted (bf16 beta), the autocast model's now (float32 beta), then the faulting shape changed
 # in one thing each (V; T: 64, one whole chunk where 24 is one partial chunk, and 77, two chunks; gates, query heads
-# a key head, K, a setting that might end the fault, the inputs' dtype).
+# a key head, K, the inputs' dtype, the local adjoint's settings). In the twenty-third session every bf16 probe with
+# one query head a key head and V below 64 faulted in the local adjoint, which now takes 64 value columns at least
+# (local.value_block; benchmarks/results/path_small_k_fault_session23_h200.log): the probes hold it there.
 LOCAL = "attnkit.ops.path.triton.local"
 FAULT = "--beta-dtype bfloat16"
 PROBES = [FAULT, ""] + [
@@ -40,7 +42,7 @@ PROBES = [FAULT, ""] + [
     for change in (
         "--value-dim 64", "--seq-len 64", "--seq-len 77", "--seq-len 77 --heads 4 --gate", "--gate", "--heads 4",
         "--key-dim 64 --value-dim 16", "--key-dim 64 --value-dim 64", "--key-dim 32 --value-dim 32",
-        "--dtype float16", "--dtype float32", "--set attnkit.ops.path.parallel.PAD_VALUES=True",
+        "--dtype float16", "--dtype float32",
         f"--set {LOCAL}.LOCAL_GRADS_16BIT=None", f"--set {LOCAL}.LOCAL_SOLVE=None",
     )
 ]  # fmt: skip

@@ -212,7 +212,7 @@ for step in $steps; do
             # CUDA_LAUNCH_BLOCKING=1 (a fault names its kernel and loses only that process), six at a time: the
             # autocast model's shape that faulted in the local adjoint in the twenty-first session (K = V = 16, T = 24,
             # bf16 q, k, v, beta, float32 w), the model's now (float32 beta), then that shape changed in one thing each
-            # (path_probe.PROBES: V, T, gates, query heads a key head, dtype, parallel.PAD_VALUES, the local adjoint's
+            # (path_probe.PROBES: V, T, gates, query heads a key head, dtype, the local adjoint's
             # 16-bit products); then the model and small-head-dim tests, and compute-sanitizer on the first shape
             # (PATHSMALL_SANITIZER=0 skips it)
             i=0

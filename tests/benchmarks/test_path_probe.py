@@ -24,13 +24,12 @@ def test_probe_passes_the_model_shape(interpreter, capsys):
 
 
 def test_probe_fails_where_the_kernels_are_wrong(interpreter, capsys, monkeypatch):
-    from attnkit.ops.path import parallel
     from attnkit.ops.path.triton import local
 
-    monkeypatch.setattr(parallel, "PAD_VALUES", parallel.PAD_VALUES)  # restored after the probe's --set
+    monkeypatch.setattr(local, "LOCAL_SOLVE", local.LOCAL_SOLVE)  # restored after the probe's --set
     fn = local.local_bwd_fn
     monkeypatch.setattr(local, "local_bwd_fn", lambda *args: tuple(2 * g for g in fn(*args)))  # dq, dk, dw, dβ doubled
-    assert path_probe.main(["--dtype", "float32", "--set", "attnkit.ops.path.parallel.PAD_VALUES=True"]) == 1
+    assert path_probe.main(["--dtype", "float32", "--set", "attnkit.ops.path.triton.local.LOCAL_SOLVE=None"]) == 1
     line = capsys.readouterr().out.strip()
-    assert line.startswith("FAIL B=2 T=24") and "{'attnkit.ops.path.parallel.PAD_VALUES': True}" in line, line
-    assert parallel.PAD_VALUES is True
+    assert line.startswith("FAIL B=2 T=24") and "{'attnkit.ops.path.triton.local.LOCAL_SOLVE': None}" in line, line
+    assert local.LOCAL_SOLVE is None

@@ -1044,20 +1044,20 @@ def test_small_head_dims_16bit_backward_zero_padded(monkeypatch):
     assert seen == [64, 64, 48] and parallel.PAD_BELOW == 64
 
 
-@pytest.mark.parametrize("V, local_v", [(16, 64), (32, 64), (40, 40)])
-def test_small_head_dims_16bit_backward_values_padded(monkeypatch, V, local_v):
-    """``parallel.PAD_VALUES``: where ``q, k, w`` are zero-padded (16-bit inputs at K = 16), ``v``, ``o`` and ``dO``
-    are too where their padded dim is below ``PAD_BELOW`` (V = 16 and 32: 64 columns reach the local adjoint; V = 40,
-    padded to 64 inside the kernels, as it is), ``dv`` cut back; every gradient as the PyTorch backend's, in the
-    inputs' dtypes and shapes."""
-    from attnkit.ops.path import parallel
+@pytest.mark.parametrize("V", [16, 32, 40])
+def test_small_head_dims_16bit_backward_values_unpadded(monkeypatch, V):
+    """Where ``q, k, w`` are zero-padded (16-bit inputs at K = 16), ``v``, ``o`` and ``dO`` are not: the local adjoint
+    gets ``v`` as it is (``local.value_block`` widens its block where its products are bf16); every gradient as the
+    PyTorch backend's, in the inputs' dtypes and shapes."""
     from attnkit.ops.path.triton import local
 
-    monkeypatch.setattr(parallel, "PAD_VALUES", True)
     seen, local_bwd = [], local.local_bwd_fn
-    monkeypatch.setattr(
-        local, "local_bwd_fn", lambda q, k, v, *args: seen.append(v.shape[-1]) or local_bwd(q, k, v, *args)
-    )
+
+    def recorded(q, k, v, *args):
+        seen.append((q.shape[-1], v.shape[-1]))
+        return local_bwd(q, k, v, *args)
+
+    monkeypatch.setattr(local, "local_bwd_fn", recorded)
     inputs = [x.to(DEVICE) for x in make_inputs(2, 37, 2, 1, 16, V, gate=True, dtype=torch.float32)]
     inputs[:3] = [x.to(torch.float16) for x in inputs[:3]]
     do = torch.randn(2, 37, 2, V, device=DEVICE).to(torch.float16)
@@ -1067,7 +1067,7 @@ def test_small_head_dims_16bit_backward_values_padded(monkeypatch, V, local_v):
     assert [a.dtype for a in actual] == [x.dtype for x in [inputs[2], *inputs]]
     for name, a, e in zip(GRAD_NAMES, actual, expected):
         assert_close(name, a.float(), e, 5e-3 if name == "o" else 1e-2)
-    assert seen == [local_v]
+    assert seen == [(64, V)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 dots need a GPU")

@@ -31,14 +31,6 @@ from attnkit.ops.path.triton.forward import path_fwd_fn
 # K = 32 for over 170 s (eleventh session); padded, the step runs the K = 64 kernels a D = 64 model already compiled
 # (benchmarks/results/path_h200.md). 0 turns the padding off.
 PAD_BELOW = 64
-# With it, v (and o, dO) are zero-padded to PAD_BELOW as well where their padded dim is below it, so that the local
-# adjoint runs the K = V = 64 kernels a D = 64 model runs (dv cut back). On the H200 (twenty-first session) the model
-# under bf16 autocast at D = 16 (test_autocast.py, T = 24, V = 16) hit an illegal memory access, which an H100 under
-# CUDA_LAUNCH_BLOCKING=1 put in path_local_bwd_kernel at K = 64 (padded), V = 16; under the interpreter, at the GPU's
-# chunk and precisions, the kernel's addresses are in bounds (tests/ops/test_memcheck.py), and the kernel and its
-# constexprs are those that passed test_bf16_small_head_dims_on_gpu[16] (T = 77, gates, two query heads a key head)
-# in the eleventh session. Off until a GPU shows it ends the fault (run_gpu.sh pathsmall).
-PAD_VALUES = False
 # The forward's prepare kernel (the UT solve: M, K̃, M W per chunk) kept for the backward, which then skips its own,
 # where both chunk alike and the backward does not pad (:func:`keeps_prepared`: K <= 64 on the GPU): M W and M are the
 # same numbers, and K̃ is written in float32 (the forward rounds it to k's dtype for its logits). Costs 768 bytes a
@@ -163,18 +155,13 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
        (``local.py``), which give ``dq, dk, dw, dbeta``; where :func:`local.terms_in_place`, the superblock-local
        terms' adjoint runs before the kernels between chunks, in place of ``dx̂`` and ``dk̂``.
 
-    16-bit inputs at a padded key dim below ``PAD_BELOW`` take it with ``q, k, w`` zero-padded to ``PAD_BELOW`` (and
-    ``v, o, dO`` where ``PAD_VALUES`` and their padded dim is below it).
+    16-bit inputs at a padded key dim below ``PAD_BELOW`` take it with ``q, k, w`` zero-padded to ``PAD_BELOW``.
     Buffers are dropped as soon as the last kernel that reads them has run.
     """
     B, T, HQ, K = q.shape
     if q.dtype != torch.float32 and block_dim(K) < PAD_BELOW:
         q, k, w = (torch.nn.functional.pad(t, (0, PAD_BELOW - K)) for t in (q, k, w))
-        V = v.shape[-1]
-        if PAD_VALUES and block_dim(V) < PAD_BELOW:  # zero columns of v add nothing to o, nor of o, dO to Δ
-            v, o, do = (torch.nn.functional.pad(t, (0, PAD_BELOW - V)) for t in (v, o, do))
         dq, dk, dv, dw, dbeta, dg = path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale)
-        dv = dv[..., :V].contiguous() if dv.shape[-1] != V else dv
         return dq[..., :K].contiguous(), dk[..., :K].contiguous(), dv, dw[..., :K].contiguous(), dbeta, dg
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
