@@ -1116,7 +1116,7 @@ def test_bf16_one_query_head_a_key_head_narrow_values_on_gpu(T, K, V, gate):
 def test_local_adjoint_value_block_wider_than_the_values(monkeypatch, G):
     """The chunk-local adjoint launched with more value columns than ``v`` has (``local.value_block``'s 64 for bf16
     products, here forced at V = 16 under exact products): the extra columns are masked, every gradient as the
-    PyTorch backend's, and the launch took the wider block."""
+    PyTorch backend's; the launcher asked for V = 16's block once."""
     from attnkit.ops.path.triton import local
 
     assert local.value_block(16, "bf16") == 64 and local.value_block(16, "tf32") == 16
