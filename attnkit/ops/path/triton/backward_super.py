@@ -467,8 +467,8 @@ def path_bwd_super_fn(
         pair = carry if carry == "ieee" or PAIR_16BIT is None else PAIR_16BIT
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    slot = N * H * groups * BK * BK * 4  # a slot for every program of a row
-    plan = waves(NL - 1, slot, slot) if outer else waves(NL - 1, pair_bytes * groups)
+    slot = pair_bytes // 2 * groups  # a K × K float32 slot for every program of a row
+    plan = waves(NL - 1, slot, slot) if outer else waves(NL - 1, 2 * slot)
     rows_e = torch.empty(max(e for _, _, e in plan) * slot // 4, **f32)
     rows_pi = torch.empty(max(n1 - n0 for n0, n1, _ in plan) * slot // 4, **f32) if outer else torch.empty_like(rows_e)
     shape = (cu_seqlens, sb_offsets, T, NSB, NL, tiles, groups)
