@@ -104,9 +104,11 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128 (prepare.MEASURED_DIMS; LOCAL_DIMS=128
 # ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk (local.SUPER_DA_PROJECT off; it differs at
 # K = 128 only), and at K = 128 the backward's chunks of 64 positions with the local adjoint's products in bf16
-# (chunks_of_64_at_k128); each timed forward+backward on bf16 q, k, v with float32 w, beta and g (as the layers pass
-# them) and held to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w,
-# B = 1, H = 2) at the same T, with the peak memory of one step on a GPU.
+# (chunks_of_64_at_k128), and for float32 inputs (--dtype float32; the rows above are bf16 settings) every product
+# exact, FMA-unrolled "ieee", or the products in one TF32 pass (prepare.FLOAT32_PRECISIONS; 3xTF32 the default);
+# each timed forward+backward on bf16 (--dtype) q, k, v with float32 w, beta and g (as the layers pass them) and held
+# to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the
+# same T, with the peak memory of one step on a GPU.
 # --local-pick narrows the rows to labels holding a string.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
@@ -141,6 +143,8 @@ LOCAL = [
     ("chunks of 64 at K = 128", {
         (backward, "backward_config"): chunks_of_64_at_k128, (prepare, "INNER_CARRY_16BIT"): None,
     }),
+    ("float32 inputs exact", {(prepare, "FLOAT32_PRECISIONS"): ("ieee", "ieee")}),
+    ("float32 inputs, products tf32", {(prepare, "FLOAT32_PRECISIONS"): ("tf32", "tf32x3")}),
 ]  # fmt: skip
 
 
@@ -304,7 +308,13 @@ def time_cell(
 
 
 def local_cell(
-    D: int, T: int, device: torch.device, jobs: int = 1, only: list[int] | None = None, pick: list[int] | None = None
+    D: int,
+    T: int,
+    device: torch.device,
+    jobs: int = 1,
+    only: list[int] | None = None,
+    pick: list[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     """``--local-only``: each ``LOCAL`` setting's forward+backward time (bf16, 32768 tokens) and its output's and
     gradients' error from the PyTorch backend (``errs``, path_accuracy's inputs in bf16, ``err`` the largest); on the
@@ -312,18 +322,19 @@ def local_cell(
     afresh, for minutes on the H200's host: with ``jobs`` > 1 the settings' errors and first runs go to that many
     processes at once (:func:`local_errors`), whose kernels Triton's disk cache hands to this process, which then
     times them one after another. ``only``: the settings' indices (the child processes' ``--local-settings``, which
-    compile and check but do not time); ``pick``: the settings' indices this process times (``--local-pick``)."""
+    compile and check but do not time); ``pick``: the settings' indices this process times (``--local-pick``);
+    ``dtype``: of ``q, k, v`` on a GPU (``--dtype``)."""
     H = max(1, 1024 // D) if device.type == "cuda" else 2
     B = max(1, 32768 // T) if device.type == "cuda" else 1
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 dot is wrong
+    dtype = dtype if device.type == "cuda" else torch.float32  # the interpreter's bf16 dot is wrong
     picked = only if only is not None else pick if pick is not None else list(range(len(LOCAL)))
-    errors = local_errors(D, T, device, picked, jobs)
+    errors = local_errors(D, T, device, picked, jobs, dtype)
     x = {
         n: t.to(device=device, dtype=dtype if n in ("q", "k", "v") else torch.float32)
         for n, t in make_inputs("path_fox", B, T, H, D).items()
     }
     do = torch.randn(B, T, H, D, device=device, dtype=dtype)
-    cell = dict(D=D, T=T, B=B, H=H, local=[])
+    cell = dict(D=D, T=T, B=B, H=H, dtype=str(dtype).removeprefix("torch."), local=[])
     for i in picked:
         label, settings = LOCAL[i]
         row = dict(setting=label, **errors[i])
@@ -345,7 +356,9 @@ def local_cell(
     return cell
 
 
-def local_errors(D: int, T: int, device: torch.device, picked: list[int], jobs: int) -> dict[int, dict]:
+def local_errors(
+    D: int, T: int, device: torch.device, picked: list[int], jobs: int, dtype: torch.dtype
+) -> dict[int, dict]:
     """``{setting: {error, errs, err}}`` of ``LOCAL``'s settings against the PyTorch backend, in this process
     (``jobs`` 1) or in ``jobs`` child processes at once, each running ``--local-settings`` for its share."""
     if jobs > 1 and len(picked) > 1:
@@ -355,6 +368,7 @@ def local_errors(D: int, T: int, device: torch.device, picked: list[int], jobs: 
             for j, share in enumerate(shares):
                 argv = [sys.executable, __file__, "--local-only", "--seq-lens", str(T), "--head-dims", str(D)]
                 argv += ["--device", str(device), "--out", f"{tmp}/{j}", "--local-settings", *map(str, share)]
+                argv += ["--dtype", str(dtype).removeprefix("torch.")]
                 procs.append(subprocess.Popen(argv))
             for j, (proc, share) in enumerate(zip(procs, shares)):
                 proc.wait()
@@ -367,7 +381,6 @@ def local_errors(D: int, T: int, device: torch.device, picked: list[int], jobs: 
         return rows
     from benchmarks.path_accuracy import NAMES, inputs, run
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     *xs, do = inputs(T, D, 2, device)
     xs[:3] = [t.to(dtype) for t in xs[:3]]
     ref = run([t.float() for t in xs], do, "torch")
@@ -393,7 +406,8 @@ SETTINGS = (
 def table(cells: list[dict]) -> str:
     lines = []
     for cell in cells:
-        head = f"D={cell['D']} T={cell['T']} (B={cell['B']}, H={cell['H']})"
+        dtype = f", {cell['dtype']}" if "dtype" in cell else ""
+        head = f"D={cell['D']} T={cell['T']} (B={cell['B']}, H={cell['H']}{dtype})"
         if "sdpa_fwd" in cell:
             head += f": SDPA fwd {cell['sdpa_fwd']:.3f} ms, fwd+bwd {cell['sdpa_fwdbwd']:.3f} ms"
         lines.append(head)
@@ -444,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="--local-only: processes compiling the settings at once")
     parser.add_argument("--local-settings", type=int, nargs="+", help=argparse.SUPPRESS)  # a --jobs child's share
     parser.add_argument("--local-pick", nargs="+", help="--local-only: the settings whose labels hold one of these")
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="--local-only: q, k, v's dtype on a GPU"
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -473,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if pick == []:
                     parser.error(f"--local-pick: no setting's label holds any of {args.local_pick}")
-                cells.append(local_cell(D, T, device, args.jobs, args.local_settings, pick))
+                dtype = getattr(torch, args.dtype)
+                cells.append(local_cell(D, T, device, args.jobs, args.local_settings, pick, dtype))
                 write_json(Path(args.out) / "path_tune.json", dict(environment=environment(device), cells=cells))
                 continue
             cells.append(time_cell(D, T, device, fwd, bwd, CARRY if args.carry_only else None, sup, knobs, grads))

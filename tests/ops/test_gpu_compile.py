@@ -88,6 +88,14 @@ def path_options(K):
     with path_tune.patched({**rows["memory: all three off"], **rows["superblock terms' carries in their precision"]}):
         path_step(K, True)
 
+def path_float32(K):
+    # float32 inputs, whose dots take prepare.FLOAT32_PRECISIONS (3xTF32) at K <= 64: on the tensor cores
+    from benchmarks.kernel_resources import path_step
+    H = 1024 // K
+    q, k, v, do = (torch.randn(1, 2048, H, K) for _ in range(4))
+    w = torch.nn.functional.normalize(torch.randn(1, 2048, H, K), dim=-1)
+    path_step(K, True, (q, k, v, w, torch.rand(1, 2048, H) * 2, -torch.rand(1, 2048, H), do))
+
 def path_forward(K, dtype):
     from attnkit.ops.path.triton.forward import path_fwd_fn
     q, k, v = (torch.randn(1, 64, 2, K, dtype=dtype) for _ in range(3))
@@ -101,6 +109,7 @@ steps = {
     "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
     "path_wide": [functools.partial(path_forward, 256, d) for d in (torch.float32, torch.bfloat16)],
     "path_options": [functools.partial(path_options, K) for K in (64, 128)],
+    "path_float32": [functools.partial(path_float32, 64)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
                       ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
@@ -121,6 +130,8 @@ WANTED = {
     "path_prepare": ("path_prepare_kernel",),
     "path_wide": ("path_fwd_kernel",),
     "path_options": ("path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"),
+    "path_float32": ("path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel", "path_bwd_super_kv_kernel",
+                     "path_super_terms_bwd_kernel", "path_bwd_q_kernel", "path_local_bwd_kernel"),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
     "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
@@ -140,9 +151,12 @@ for step in steps:
         if key in seen:
             continue
         seen.add(key)
-        shared = compile_report(launch["kernel"], signature, constants, warps, stages)["shared"]
+        report = compile_report(launch["kernel"], signature, constants, warps, stages)
+        shared = report["shared"]
         if shared > 227 * 1024:  # what a block may have on Hopper: the launch would fail
             raise SystemExit(f"{name} {constants}: {shared} bytes of shared memory")
+        if sys.argv[1] == "path_float32" and not report["wgmma"] + report["mma_sync"]:
+            raise SystemExit(f"{name} {constants}: no tensor-core instruction")
         print("compiled", name, shared, flush=True)
 """
 
@@ -158,6 +172,11 @@ for step in steps:
         ("path_wide", {"path_fwd_kernel"}),
         # prepare.BUFFERS_16BIT, local.SUPER_TERMS_IN_PLACE, local.TERMS_CARRY_LOW off (on by default)
         ("path_options", {"path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"}),
+        # float32 inputs at K = 64 in 3xTF32 (prepare.FLOAT32_PRECISIONS): every kernel with products on the tensor
+        # cores and within Hopper's shared memory (exact FMA dots took the local adjoint 442 s to compile)
+        ("path_float32", {"path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel",
+                          "path_bwd_super_kv_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel",
+                          "path_local_bwd_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",

@@ -250,8 +250,10 @@ def test_operator_count(shapes):
 def test_backward_in_waves(monkeypatch, chunk):
     """A scratch budget of one query chunk per launch (many waves) gives the same gradients as one wave; so does a
     backward chunk (8) other than the forward's (16): the backward recomputes its chunk-local terms."""
-    from attnkit.ops.path.triton import backward
+    from attnkit.ops.path.triton import backward, prepare
 
+    if chunk < 16:  # the GPU's tensor-core dots (3xTF32 for float32 inputs) take at least 16 rows: exact FMA dots
+        monkeypatch.setattr(prepare, "FLOAT32_PRECISIONS", ("ieee", "ieee"))
     inputs = [x.to(DEVICE) for x in make_inputs(2, 70, 2, 1, 16, 16, gate=True, dtype=torch.float32)]
     do = torch.randn(2, 70, 2, 16, device=DEVICE)
     whole = backend_grads(inputs, do, "triton")
@@ -629,16 +631,16 @@ def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize(
-    "solve, launched", [("bf16x3", "ieee"), (None, "substitution")], ids=["products", "substitution"]
+    "solve, launched", [("bf16x3", "float32"), (None, "substitution")], ids=["products", "substitution"]
 )
 @pytest.mark.parametrize(
     "offsets, beta_low", [(None, 1.99), ([0, 20, 20, 150], 1.5)], ids=["near-reflections", "varlen"]
 )
 def test_local_solve_by_products(monkeypatch, offsets, beta_low, solve, launched):
     """``local.LOCAL_SOLVE``: the UT transform's adjoint ``L⁻ᵀ dM`` as ``dM − Nᵀ (Mᵀ dM)`` (``L⁻¹ = I − M N``, the
-    default) or by the back substitution (None): the kernel is launched with it (exact ``ieee`` products for float32
-    inputs), and the forward and every gradient match the PyTorch backend (ten chunks of ``beta`` near 2; packed with
-    an empty sequence, GQA)."""
+    default) or by the back substitution (None): the kernel is launched with it (for float32 inputs the products in
+    their precision, not bf16x3: exact under the interpreter, 3xTF32 on a GPU), and the forward and every gradient
+    match the PyTorch backend (ten chunks of ``beta`` near 2; packed with an empty sequence, GQA)."""
     from attnkit.ops.path.triton import local
 
     launches = []
@@ -651,6 +653,7 @@ def test_local_solve_by_products(monkeypatch, offsets, beta_low, solve, launched
     monkeypatch.setattr(local, "path_local_bwd_kernel", Spy())
     assert local.LOCAL_SOLVE == "bf16x3"
     monkeypatch.setattr(local, "LOCAL_SOLVE", solve)
+    launched = {"float32": "ieee" if DEVICE == "cpu" else "tf32x3"}.get(launched, launched)
     T = 160 if offsets is None else offsets[-1]
     inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=beta_low)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
@@ -976,31 +979,38 @@ def test_gate_gradient_of_a_first_token_is_zero(monkeypatch, span):
 def test_carry_precisions(monkeypatch):
     """The carries' dot precision on a GPU: bfloat16 inputs at K = 64 and 128 take ``CARRY_16BIT`` (three bf16
     passes, measured there), other 16-bit inputs 3xTF32 (three bf16 passes failed a float16 forward at K = 32 on the
-    H200), float32 inputs exact; the products one TF32 pass for 16-bit inputs. Under the interpreter everything is
-    exact."""
+    H200), float32 inputs 3xTF32 at a padded K of at most 64 (``FLOAT32_PRECISIONS``) and exact above (3xTF32 wants
+    more shared memory than a Hopper block has at K = 128); the products one TF32 pass for 16-bit inputs. Under the
+    interpreter everything is exact."""
     from attnkit.ops.path.triton import prepare
 
     assert prepare.precisions(torch.bfloat16, 64) == ("tf32", "ieee")  # the interpreter has no TF32
+    assert prepare.precisions(torch.float32, 64) == ("ieee", "ieee")
     monkeypatch.setattr(prepare, "interpreting", lambda: False)
     assert prepare.CARRY_16BIT == "bf16x3"
     assert prepare.precisions(torch.bfloat16, 64) == prepare.precisions(torch.bfloat16, 100) == ("tf32", "bf16x3")
     assert prepare.precisions(torch.bfloat16, 32) == prepare.precisions(torch.bfloat16, 256) == ("tf32", "tf32x3")
     assert prepare.precisions(torch.float16, 64) == ("tf32", "tf32x3")
-    assert prepare.precisions(torch.float32, 128) == ("ieee", "ieee")
+    assert prepare.FLOAT32_PRECISIONS == ("tf32x3", "tf32x3")
+    assert prepare.precisions(torch.float32, 16) == prepare.precisions(torch.float32, 64) == ("tf32x3", "tf32x3")
+    assert prepare.precisions(torch.float32, 65) == prepare.precisions(torch.float32, 128) == ("ieee", "ieee")
 
 
 def test_local_adjoint_precisions(monkeypatch):
     """The backward's 16-bit settings on a GPU apply where they were measured (``prepare.measured_16bit``: bfloat16
     inputs at a padded K of 64 or 128): the chunk-local adjoint's gradient products on bf16 operands, the carries inside
     superblocks in one TF32 pass, the inner kernels' products on 16-bit operands; everything else keeps the attention
-    products' one TF32 pass and the carries' own precision, float32 inputs exact. Under the interpreter everything is
-    exact. (bf16 local products at K = 16 and 32 hit an illegal memory access on the H200.)"""
+    products' one TF32 pass and the carries' own precision, float32 inputs ``FLOAT32_PRECISIONS`` (its two products
+    for ``L⁻ᵀ dM`` too, not ``LOCAL_SOLVE``'s bf16x3). Under the interpreter everything is exact. (bf16 local products
+    at K = 16 and 32 hit an illegal memory access on the H200.)"""
     from attnkit.ops.path.triton import backward, local, prepare
 
     assert local.local_precisions(torch.bfloat16, 64) == ("tf32", "tf32")
+    assert local.local_solve(torch.float32, "ieee") == local.local_solve(torch.bfloat16, "tf32") == "ieee"
     assert prepare.inner_carry(torch.bfloat16, 64) == "ieee"
     assert not prepare.measured_16bit(torch.bfloat16, 64)
     monkeypatch.setattr(prepare, "interpreting", lambda: False)
+    monkeypatch.setattr(local, "interpreting", lambda: False)
     measured = [prepare.measured_16bit(torch.bfloat16, k) for k in (16, 32, 48, 64, 128)]
     assert measured == [False, False, True, True, True]
     assert not prepare.measured_16bit(torch.float16, 64) and not prepare.measured_16bit(torch.float32, 64)
@@ -1009,7 +1019,10 @@ def test_local_adjoint_precisions(monkeypatch):
     assert local.local_precisions(torch.bfloat16, 128) == ("tf32", "bf16")
     assert local.local_precisions(torch.bfloat16, 32) == local.local_precisions(torch.bfloat16, 256) == ("tf32", "tf32")
     assert local.local_precisions(torch.float16, 64) == ("tf32", "tf32")
-    assert local.local_precisions(torch.float32, 64) == ("ieee", "ieee")
+    assert local.local_precisions(torch.float32, 64) == ("tf32x3", "tf32x3")
+    assert local.local_precisions(torch.float32, 128) == ("ieee", "ieee")
+    assert local.local_solve(torch.float32, "tf32x3") == "tf32x3" and local.local_solve(torch.float32, "ieee") == "ieee"
+    assert local.local_solve(torch.bfloat16, "tf32") == local.LOCAL_SOLVE == "bf16x3"
     monkeypatch.setattr(local, "LOCAL_GRADS_16BIT", None)
     assert local.local_precisions(torch.bfloat16, 64) == ("tf32", "tf32")
     assert prepare.INNER_CARRY_16BIT == "tf32"
@@ -1018,7 +1031,7 @@ def test_local_adjoint_precisions(monkeypatch):
     assert prepare.inner_carry(torch.bfloat16, 128) == "tf32"
     monkeypatch.setattr(prepare, "INNER_CARRY_16BIT", None)
     assert prepare.inner_carry(torch.bfloat16, 64) == prepare.inner_carry(torch.bfloat16, 128) == "bf16x3"
-    assert prepare.inner_carry(torch.float32, 64) == "ieee"
+    assert prepare.inner_carry(torch.float32, 64) == "tf32x3" and prepare.inner_carry(torch.float32, 128) == "ieee"
 
 
 def test_small_head_dims_16bit_backward_zero_padded(monkeypatch):
@@ -1047,7 +1060,7 @@ def test_small_head_dims_16bit_backward_zero_padded(monkeypatch):
 @pytest.mark.parametrize("V", [16, 32, 40])
 def test_small_head_dims_16bit_backward_values_unpadded(monkeypatch, V):
     """Where ``q, k, w`` are zero-padded (16-bit inputs at K = 16), ``v``, ``o`` and ``dO`` are not: the local adjoint
-    gets ``v`` as it is (``local.value_block`` widens its block where its products are bf16); every gradient as the
+    gets ``v`` as it is (``local.value_block`` widens its block for 16-bit inputs); every gradient as the
     PyTorch backend's, in the inputs' dtypes and shapes."""
     from attnkit.ops.path.triton import local
 
@@ -1112,15 +1125,15 @@ def test_bf16_one_query_head_a_key_head_narrow_values_on_gpu(T, K, V, gate):
 
 @pytest.mark.parametrize("G", [1, 2])
 def test_local_adjoint_value_block_wider_than_the_values(monkeypatch, G):
-    """The chunk-local adjoint launched with more value columns than ``v`` has (``local.value_block``'s 64 for bf16
-    products, here forced at V = 16 under exact products): the extra columns are masked, every gradient as the
-    PyTorch backend's; the launcher asked for V = 16's block once."""
+    """The chunk-local adjoint launched with more value columns than ``v`` has (``local.value_block``'s 64 for 16-bit
+    inputs, here forced at V = 16 on float32 ones): the extra columns are masked, every gradient as the PyTorch
+    backend's; the launcher asked for V = 16's block once."""
     from attnkit.ops.path.triton import local
 
-    assert local.value_block(16, "bf16") == 64 and local.value_block(16, "tf32") == 16
-    assert local.value_block(96, "bf16") == 128
+    assert local.value_block(16, torch.bfloat16) == 64 and local.value_block(32, torch.float16) == 64
+    assert local.value_block(16, torch.float32) == 16 and local.value_block(96, torch.bfloat16) == 128
     widths = []
-    monkeypatch.setattr(local, "value_block", lambda V, grads: widths.append(V) or 64)
+    monkeypatch.setattr(local, "value_block", lambda V, dtype: widths.append(V) or 64)
     inputs = [x.to(DEVICE) for x in make_inputs(2, 37, 2 * G, 2, 16, 16, gate=True, dtype=torch.float32)]
     do = torch.randn(2, 37, 2 * G, 16, device=DEVICE)
     actual = backend_grads(inputs, do, "triton")

@@ -54,15 +54,15 @@ SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (fl
 # E_{n,s} += dYᵀ k̂. None: the carries' precision (three bf16 passes); "tf32": one pass, slower on the H200 (PaTH-FoX,
 # T = 4k, D = 64: 21.47 ms against the default's 20.13; ninth session, benchmarks/path_tune.py --local-only); "16bit":
 # one pass on operands rounded to the inputs' dtype (y is rounded to it for the logits anyway, and FlashAttention
-# takes its dK, dQ products so), a third of the default's tensor-core passes; not yet timed. The chain Π ← Σᵀ Π, which
-# compounds over the superblocks, keeps the carries'.
+# takes its dK, dQ products so), a third of the default's tensor-core passes; on an H100 15.97 ms against 15.25 (24th
+# session, path_local_session24_h100.json), errors unchanged. The chain Π ← Σᵀ Π keeps the carries'.
 PAIR_16BIT: str | None = None
 # The sweep's loop order. "tiles": a program takes each of its key tiles in turn through every later superblock, with
-# Π_{n,s} of every s kept in its slots (a row of them beside the row of E); "superblocks": every later superblock in
-# turn through each of its tiles, with Π_{n,s} in one slot a program, the tiles' dk̂ and dV added a pair at a time (a
-# load and a store of both tiles a pair, the values that the other order keeps in registers), so that a wave's
-# scratch is E's row alone: at 32k, D = 64, half the waves for the same budget, or half the scratch (2 bf16
-# [B, T, H·D] units) for the same waves. Not yet timed.
+# Π_{n,s} of every s in its slots (a row of them beside E's); "superblocks": every later superblock in turn through
+# each of its tiles, with Π_{n,s} in one slot a program, the tiles' dk̂ and dV added a pair at a time, so that a wave's
+# scratch is E's row alone. Slower on an H100 (D = 64, 24th session, path_local_session24_h100.json): 16.35 ms against
+# 15.25 at 4k (peak 1464 MiB against 1548); at 32k 110.6 ms against 101.2, peak unchanged (with a 128 MiB budget
+# 116.1 ms and 1452 MiB against 1578).
 SWEEP_ORDER = "tiles"
 
 
@@ -463,8 +463,8 @@ def path_bwd_super_fn(
     precision, carry = precisions(v.dtype, K)
     if PAIR_16BIT == "16bit" and v.dtype != torch.float32:  # 16-bit operands: under the interpreter too (fp16)
         pair = PAIR_16BIT
-    else:  # exact inputs, the interpreter: exact
-        pair = carry if carry == "ieee" or PAIR_16BIT is None else PAIR_16BIT
+    else:  # float32 inputs and the interpreter: the carries' own
+        pair = carry if carry == "ieee" or v.dtype == torch.float32 or PAIR_16BIT is None else PAIR_16BIT
     varlen = cu_seqlens is not None
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     slot = pair_bytes // 2 * groups  # a K × K float32 slot for every program of a row

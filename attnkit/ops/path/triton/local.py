@@ -55,8 +55,8 @@ LOCAL_GRADS_16BIT: str | None = "bf16"
 # The UT transform's adjoint needs Q = L⁻ᵀ dM (L = I + diag(β) N, N = strict_tril(W Wᵀ)). None: a back substitution,
 # BT dependent steps with two cross-thread reductions each over the [BT, BT] tile (latency the kernel cannot hide:
 # one or two programs an SM). A precision ("bf16x3", "tf32"): two products from L⁻¹ = I − M N (L⁻¹ L = I; M = L⁻¹
-# diag(β) is the prepare kernel's), Q = dM − Nᵀ (Mᵀ dM), in that precision (exact for float32 inputs and under the
-# interpreter). In one TF32 pass, or in bf16, a float64 emulation on nearly parallel w with beta in (1.5, 2) (cond(L)
+# diag(β) is the prepare kernel's), Q = dM − Nᵀ (Mᵀ dM), in that precision (float32 inputs: their products', see
+# local_solve). In one TF32 pass, or in bf16, a float64 emulation on nearly parallel w with beta in (1.5, 2) (cond(L)
 # 136–641) put Q, dβ and dN 1.8e-3 to 2.8e-2 off (path_h200.md, eighth session); bf16x3 keeps about 16 bits of each
 # operand. Compiled for sm_90a (Triton 3.6, K = 64, bf16 inputs, this file's defaults) the kernel keeps its 112 KB of
 # shared memory (two programs an SM; 128 KB before Mᵀ was loaded transposed for the first product) and goes from about
@@ -425,8 +425,8 @@ def path_local_bwd_kernel(
         b_p = tl.where(causal, tl.exp(b_s - b_lse[:, None]), 0.0)
         b_do = load_rows(do, p_t, i_hq, o_v, m_t, HQ * V, V)
         b_vv = load_rows(v, p_t, i_h, o_v, m_t, H * V, V)
-        b_ds = b_p * (tl.dot(b_do, tl.trans(b_vv), input_precision="ieee").to(tl.float32) - b_delta[:, None])
-        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision="ieee")  # exact for float32 inputs
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_vv), input_precision=PRECISION).to(tl.float32) - b_delta[:, None])
+        b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)  # the logits' precision
         if USE_G:
             p_g = dgcum + p_t * HQ + i_hq
             tl.store(p_g, tl.load(p_g, mask=m_t, other=0.0) + tl.sum(b_ds, 1) - tl.sum(b_ds, 0), mask=m_t)
@@ -571,15 +571,22 @@ def local_precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
     return precision, (LOCAL_GRADS_16BIT or precision) if measured_16bit(dtype, key_dim) else precision
 
 
-def value_block(value_dim: int, grads: str) -> int:
-    """The chunk-local adjoint's block of value columns: at least 64 where its gradient products take bf16 operands.
-    Compiled by Triton 3.6 for sm_90a with bf16 products, one query head a key head and a block of 16 or 32 value
-    columns against 64 key columns, the kernel read shared memory out of bounds (compute-sanitizer: "Invalid
-    __shared__ read of size 512 bytes" in the store of dβ) and faulted: bf16 PaTH at K = 16 (padded to 64) and V = 16,
-    at K = 32, V = 32 and at K = 64, V = 16, at T = 24, 64 and 77, with and without gates (run_gpu.sh pathsmall,
-    twenty-third session). The same shapes passed with V = 64, two query heads a key head, float16 inputs or the
-    products in TF32. The extra columns are masked: zeros in, nothing out."""
-    return max(block_dim(value_dim), 64) if grads == "bf16" else block_dim(value_dim)
+def value_block(value_dim: int, dtype: torch.dtype) -> int:
+    """The chunk-local adjoint's block of value columns: at least 64 for 16-bit inputs. Compiled by Triton 3.6 for
+    sm_90a with a block of 16 or 32 value columns against 64 key columns, bf16 products and one query head a key
+    head, the kernel read shared memory out of bounds (compute-sanitizer: "Invalid __shared__ read of size 512 bytes"
+    in the store of dβ) and faulted: bf16 PaTH at K = 16 (padded to 64) and V = 16, at K = 32, V = 32 and at
+    K = 64, V = 16, at T = 24, 64 and 77, with and without gates (run_gpu.sh pathsmall, twenty-third session). Float16
+    inputs at K = V = 16 unpadded, two query heads a key head, faulted the same way on an H100 (the gate-gradient
+    test, twenty-fourth session) and pass with 64 columns. The extra columns are masked: zeros in, nothing out."""
+    return max(block_dim(value_dim), 64) if dtype != torch.float32 else block_dim(value_dim)
+
+
+def local_solve(dtype: torch.dtype, precision: str) -> str:
+    """The precision of the local adjoint's two products for ``L⁻ᵀ dM`` where ``LOCAL_SOLVE`` sets one: the attention
+    products' ``precision`` for float32 inputs (``prepare.FLOAT32_PRECISIONS``), exact under the interpreter, which
+    knows no bf16x3, else ``LOCAL_SOLVE``."""
+    return "ieee" if interpreting() else precision if dtype == torch.float32 else LOCAL_SOLVE
 
 
 def local_bwd_fn(
@@ -626,12 +633,11 @@ def local_bwd_fn(
     reuse = w.dtype == dkt.dtype and w.shape == dkt.shape and w.stride() == dkt.stride()
     dw = dkt if reuse else torch.empty_like(w)
     precision, grads = local_precisions(q.dtype, K)
-    exact = precision == "ieee" or interpreting()  # the interpreter knows no bf16x3
-    solve = "substitution" if LOCAL_SOLVE is None else ("ieee" if exact else LOCAL_SOLVE)
+    solve = "substitution" if LOCAL_SOLVE is None else local_solve(q.dtype, precision)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
         cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
-        HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=value_block(V, grads), BT=chunk, USE_G=gcum is not None,
+        HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=value_block(V, v.dtype), BT=chunk, USE_G=gcum is not None,
         IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precision,
         GRAD_PRECISION=grads, SOLVE=solve, **launch_config(K),
     )  # fmt: skip

@@ -229,6 +229,20 @@ def solve_rows(chunk: int) -> int:
 CARRY_16BIT = "bf16x3"  # the carries' precision for bfloat16 inputs (benchmarks/path_tune.py --carry-only times others)
 
 
+# The dots' precisions for float32 inputs on a GPU, ``(products, carries)``: 3xTF32 (three TF32 passes of a hi/lo
+# split, on the tensor cores). Exact "ieee", the default before the twenty-fourth session, Triton emits as unrolled
+# FMAs: no tensor-core instruction in the PTX, and at K = 64 a local adjoint that took 442 s to compile for sm_90a on a
+# 2-core host and spilled 222 KB a thread (44 s and 8.8 KB in 3xTF32; Triton 3.6). On an H100 (T = 4k, D = 64, 32768
+# tokens, PaTH-FoX) forward+backward in 3xTF32 took 73.6 ms (bf16: 15.3) and stayed 2.0e-5 from the PyTorch backend in
+# float32 (o 1.2e-5 from float64, as the PyTorch backend's own), 1.6e-4 at 32k; the exact kernels did not compile and
+# time within 239 s; the products in one TF32 pass ("tf32", 37.4 ms) were 5.2e-3 off, over float32's 1e-3 bar
+# (benchmarks/results/path_float32_session24_h100.log). Only at a padded K of at most 64: at K = 128, 3xTF32 wants
+# 352 KB of shared memory in the sweep's path_bwd_super_kv_kernel, over the 227 KB a Hopper block may have, so K = 128
+# stays exact. The dots need 16 rows: chunks of at least 16 positions, as every GPU launcher picks. The interpreter
+# stays exact. `path_tune.py --local-only --dtype float32` times the settings.
+FLOAT32_PRECISIONS: tuple[str, str] = ("tf32x3", "tf32x3")
+
+
 def precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
     """``input_precision`` of the PaTH kernels' dots for inputs of ``dtype`` and head dim ``key_dim``: ``(products,
     carries)``. The attention products run in the inputs' precision (one TF32 pass for float32 operands holding
@@ -236,11 +250,13 @@ def precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
     (three bf16 passes of a hi/lo split: 3e-4 from 3×TF32 at T = 32k with ``beta ∈ (1.5, 2)`` on the H200, 1.3×
     faster forward+backward); other 16-bit inputs 3×TF32: with three bf16 passes a float16 forward at T = 70,
     K = 32 (two chunks, the first case that carries) missed by 0.21 on the H200, its cause not yet found, and the
-    bf16 passes have been measured at K = 64 and 128 only. Exact ``ieee`` for float32 inputs and under the
-    interpreter, which has no TF32."""
-    exact = dtype == torch.float32
+    bf16 passes have been measured at K = 64 and 128 only. Float32 inputs take ``FLOAT32_PRECISIONS`` on a GPU at
+    a padded ``K`` of at most 64, else exact ``ieee``; the interpreter, which has no TF32, takes ``ieee`` for float32
+    inputs and carries."""
+    if dtype == torch.float32:
+        return ("ieee", "ieee") if interpreting() or block_dim(key_dim) > 64 else FLOAT32_PRECISIONS
     carry = CARRY_16BIT if dtype == torch.bfloat16 and block_dim(key_dim) in (64, 128) else "tf32x3"
-    return ("ieee" if exact else "tf32"), ("ieee" if exact or interpreting() else carry)
+    return "tf32", ("ieee" if interpreting() else carry)
 
 
 # The backward's carries inside a superblock (at most SUPERBLOCK positions, so their rounding does not accumulate over
