@@ -247,8 +247,9 @@ for step in $steps; do
             # products of the kernels inside superblocks, the sweep's pair products, the 16-bit settings off and
             # 64-position chunks at K = 128): time and error from the PyTorch backend at 4k, D = 64 (LOCAL_DIMS=128
             # for D = 128, one call each). The settings compile in one process each, at once (serially each took
-            # minutes on the H200, 2026-12-02), then this process times them. LOCAL_PICK narrows them: label fragments separated by `;`
-            # (e.g. LOCAL_PICK="default;dA as K"), path_tune.py's --local-pick; LOCAL_DTYPE=float32 times float32 inputs
+            # minutes on the H200, 2026-12-02), then this process checks them against one reference and times them.
+            # LOCAL_PICK narrows them: label fragments separated by `;` (e.g. LOCAL_PICK="default;dA as K"),
+            # path_tune.py's --local-pick; LOCAL_DTYPE=float32 times float32 inputs
             pick=(); [ -n "${LOCAL_PICK:-}" ] && IFS=';' read -ra pick <<< "$LOCAL_PICK"
             timeout ${LOCAL_LIMIT:-480} python3 benchmarks/path_tune.py --local-only --jobs 8 --seq-lens ${LOCAL_SEQ_LENS:-4096} \
                 --head-dims ${LOCAL_DIMS:-64} ${pick[0]:+--local-pick "${pick[@]}"} --dtype ${LOCAL_DTYPE:-bfloat16} \

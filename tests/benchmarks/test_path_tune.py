@@ -82,9 +82,9 @@ def test_span_only_on_cpu(tmp_path, capsys):
 
 
 def test_local_only_on_cpu(tmp_path, capsys):
-    """--local-only: forward+backward with each local-adjoint and inner-carry precision, every output and gradient held
-    to the PyTorch backend (under the interpreter every setting is exact) in two child processes (--jobs 2), timed
-    here, and the settings put back."""
+    """--local-only: forward+backward with each local-adjoint and inner-carry precision, compiled in two child
+    processes (--jobs 2), then here every output and gradient held to the PyTorch backend (under the interpreter every
+    setting is exact) and timed, and the settings put back."""
     argv = ["--device", "cpu", "--local-only", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
     argv += ["--jobs", "2"]
     assert path_tune.main(argv) == 0
@@ -106,6 +106,20 @@ def test_local_only_on_cpu(tmp_path, capsys):
 
     assert backward_super.PAIR_16BIT is None
     assert "fwd+bwd local setting=local solve by substitution:" in capsys.readouterr().out
+
+
+def test_local_errors_without_a_check_build_no_reference(monkeypatch):
+    """A child process of --jobs (``check`` False) runs each setting's kernels and keeps its failure, and builds no
+    PyTorch reference (at T = 32k four children's references filled an 80 GB GPU)."""
+    from benchmarks import path_accuracy
+
+    backends = []
+    run = path_accuracy.run
+    monkeypatch.setattr(path_accuracy, "run", lambda xs, do, backend: backends.append(backend) or run(xs, do, backend))
+    rows = path_tune.local_errors(16, 40, torch.device("cpu"), [0, 1], 1, torch.float32, check=False)
+    assert rows == {0: dict(error=None), 1: dict(error=None)} and backends == ["triton", "triton"]
+    rows = path_tune.local_errors(16, 40, torch.device("cpu"), [0], 1, torch.float32)
+    assert backends[2:] == ["torch", "triton"] and rows[0]["err"] < 1e-4
 
 
 def test_local_pick_narrows_the_rows(tmp_path):
