@@ -88,11 +88,12 @@ def path_options(K):
     with path_tune.patched({**rows["memory: all three off"], **rows["superblock terms' carries in their precision"]}):
         path_step(K, True)
 
-def path_float32(K):
-    # float32 inputs, whose dots take prepare.FLOAT32_PRECISIONS (3xTF32) at K <= 64: on the tensor cores
+def path_float32(K, V):
+    # float32 inputs, whose dots take prepare.FLOAT32_PRECISIONS (3xTF32) at K, V <= 64: on the tensor cores
     from benchmarks.kernel_resources import path_step
     H = 1024 // K
-    q, k, v, do = (torch.randn(1, 2048, H, K) for _ in range(4))
+    q, k = (torch.randn(1, 2048, H, K) for _ in range(2))
+    v, do = (torch.randn(1, 2048, H, V) for _ in range(2))
     w = torch.nn.functional.normalize(torch.randn(1, 2048, H, K), dim=-1)
     path_step(K, True, (q, k, v, w, torch.rand(1, 2048, H) * 2, -torch.rand(1, 2048, H), do))
 
@@ -109,7 +110,8 @@ steps = {
     "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
     "path_wide": [functools.partial(path_forward, 256, d) for d in (torch.float32, torch.bfloat16)],
     "path_options": [functools.partial(path_options, K) for K in (64, 128)],
-    "path_float32": [functools.partial(path_float32, 64)],
+    "path_float32": [functools.partial(path_float32, 64, 64)],
+    "path_float32_wide": [functools.partial(path_float32, 64, 128)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
                       ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
@@ -132,6 +134,7 @@ WANTED = {
     "path_options": ("path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"),
     "path_float32": ("path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel", "path_bwd_super_kv_kernel",
                      "path_super_terms_bwd_kernel", "path_bwd_q_kernel", "path_local_bwd_kernel"),
+    "path_float32_wide": ("path_bwd_super_kv_kernel",),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
     "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
@@ -177,6 +180,8 @@ for step in steps:
         ("path_float32", {"path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel",
                           "path_bwd_super_kv_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel",
                           "path_local_bwd_kernel"}),
+        # and at V = 128 exact (3xTF32 wanted 256 KB of shared memory in the sweep's kernel): within it
+        ("path_float32_wide", {"path_bwd_super_kv_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",

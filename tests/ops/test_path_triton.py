@@ -994,6 +994,8 @@ def test_carry_precisions(monkeypatch):
     assert prepare.FLOAT32_PRECISIONS == ("tf32x3", "tf32x3")
     assert prepare.precisions(torch.float32, 16) == prepare.precisions(torch.float32, 64) == ("tf32x3", "tf32x3")
     assert prepare.precisions(torch.float32, 65) == prepare.precisions(torch.float32, 128) == ("ieee", "ieee")
+    assert prepare.precisions(torch.float32, 64, 64) == ("tf32x3", "tf32x3")
+    assert prepare.precisions(torch.float32, 64, 80) == ("ieee", "ieee")  # value tiles of 128: exact
 
 
 def test_local_adjoint_precisions(monkeypatch):
@@ -1020,7 +1022,8 @@ def test_local_adjoint_precisions(monkeypatch):
     assert local.local_precisions(torch.bfloat16, 32) == local.local_precisions(torch.bfloat16, 256) == ("tf32", "tf32")
     assert local.local_precisions(torch.float16, 64) == ("tf32", "tf32")
     assert local.local_precisions(torch.float32, 64) == ("tf32x3", "tf32x3")
-    assert local.local_precisions(torch.float32, 128) == ("ieee", "ieee")
+    exact = ("ieee", "ieee")
+    assert local.local_precisions(torch.float32, 128) == local.local_precisions(torch.float32, 64, 128) == exact
     assert local.local_solve(torch.float32, "tf32x3") == "tf32x3" and local.local_solve(torch.float32, "ieee") == "ieee"
     assert local.local_solve(torch.bfloat16, "tf32") == local.LOCAL_SOLVE == "bf16x3"
     monkeypatch.setattr(local, "LOCAL_GRADS_16BIT", None)

@@ -590,7 +590,7 @@ def path_bwd_between_fn(
     n_long = triton.cdiv(longest, BT)
     if n_long < 2:
         return dkt, dv, dx, dw, dm, da, dgcum
-    precision, carry = precisions(v.dtype, K)
+    precision, carry = precisions(v.dtype, K, V)
     carry = carry_precision or carry
     launch = dict(num_warps=backward_config(K)[1], num_stages=INNER_STAGES)
     common = dict(HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=cu_seqlens is not None,

@@ -460,7 +460,7 @@ def path_bwd_super_fn(
     dgcum = torch.zeros(B, T, HQ, **f32) if dgcum is None else dgcum
     if NL < 2:
         return dxh, dkh, dv, dsig, dgcum
-    precision, carry = precisions(v.dtype, K)
+    precision, carry = precisions(v.dtype, K, V)
     if PAIR_16BIT == "16bit" and v.dtype != torch.float32:  # 16-bit operands: under the interpreter too (fp16)
         pair = PAIR_16BIT
     else:  # float32 inputs and the interpreter: the carries' own

@@ -209,7 +209,7 @@ def path_fwd_fn(
     offsets = chunk_offsets(cu_seqlens, BT)
     NC = triton.cdiv(T, BT)
     chunks = B * NC if cu_seqlens is None else NC + N
-    precision, carry = precisions(q.dtype, K)
+    precision, carry = precisions(q.dtype, K, V)
     o = torch.empty(B, T, HQ, V, dtype=v.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     # Packed, m has a row for every chunk T allows and the sequences use fewer: zeros there when it is returned.

@@ -564,10 +564,11 @@ def super_terms_bwd_fn(
         )  # fmt: skip
 
 
-def local_precisions(dtype: torch.dtype, key_dim: int) -> tuple[str, str]:
+def local_precisions(dtype: torch.dtype, key_dim: int, value_dim: int = 0) -> tuple[str, str]:
     """``(logits, gradients)``: the chunk-local adjoint's products' precisions for inputs of ``dtype`` (module
-    comment of ``LOCAL_GRADS_16BIT``). Exact for float32 inputs and under the interpreter, whose bf16 dot is wrong."""
-    precision = precisions(dtype, key_dim)[0]
+    comment of ``LOCAL_GRADS_16BIT``). ``prepare.precisions``' for float32 inputs; exact under the interpreter, whose
+    bf16 dot is wrong."""
+    precision = precisions(dtype, key_dim, value_dim)[0]
     return precision, (LOCAL_GRADS_16BIT or precision) if measured_16bit(dtype, key_dim) else precision
 
 
@@ -632,7 +633,7 @@ def local_bwd_fn(
     # dK̃ before anything else and writes the same rows of dw last, and no other program touches them.
     reuse = w.dtype == dkt.dtype and w.shape == dkt.shape and w.stride() == dkt.stride()
     dw = dkt if reuse else torch.empty_like(w)
-    precision, grads = local_precisions(q.dtype, K)
+    precision, grads = local_precisions(q.dtype, K, V)
     solve = "substitution" if LOCAL_SOLVE is None else local_solve(q.dtype, precision)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
