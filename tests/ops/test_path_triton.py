@@ -979,9 +979,9 @@ def test_gate_gradient_of_a_first_token_is_zero(monkeypatch, span):
 def test_carry_precisions(monkeypatch):
     """The carries' dot precision on a GPU: bfloat16 inputs at K = 64 and 128 take ``CARRY_16BIT`` (three bf16
     passes, measured there), other 16-bit inputs 3xTF32 (three bf16 passes failed a float16 forward at K = 32 on the
-    H200), float32 inputs 3xTF32 at a padded K of at most 64 (``FLOAT32_PRECISIONS``) and exact above (3xTF32 wants
-    more shared memory than a Hopper block has at K = 128); the products one TF32 pass for 16-bit inputs. Under the
-    interpreter everything is exact."""
+    H200), float32 inputs 3xTF32 at padded K and V of at most 64 (``FLOAT32_PRECISIONS``) and exact above (3xTF32
+    wants more shared memory than a Hopper block has in the sweep at K = 128, and at V = 128); the products one TF32
+    pass for 16-bit inputs. Under the interpreter everything is exact."""
     from attnkit.ops.path.triton import prepare
 
     assert prepare.precisions(torch.bfloat16, 64) == ("tf32", "ieee")  # the interpreter has no TF32
