@@ -631,7 +631,9 @@ def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize(
-    "solve, launched", [("bf16x3", "float32"), (None, "substitution")], ids=["products", "substitution"]
+    "solve, launched",
+    [("bf16x3", "ieee" if DEVICE == "cpu" else "tf32x3"), (None, "substitution")],
+    ids=["products", "substitution"],
 )
 @pytest.mark.parametrize(
     "offsets, beta_low", [(None, 1.99), ([0, 20, 20, 150], 1.5)], ids=["near-reflections", "varlen"]
@@ -653,7 +655,6 @@ def test_local_solve_by_products(monkeypatch, offsets, beta_low, solve, launched
     monkeypatch.setattr(local, "path_local_bwd_kernel", Spy())
     assert local.LOCAL_SOLVE == "bf16x3"
     monkeypatch.setattr(local, "LOCAL_SOLVE", solve)
-    launched = {"float32": "ieee" if DEVICE == "cpu" else "tf32x3"}.get(launched, launched)
     T = 160 if offsets is None else offsets[-1]
     inputs = [x.to(DEVICE) for x in make_inputs(1, T, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=beta_low)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
