@@ -2,11 +2,16 @@
 num_stages)``, each timed against SDPA (flash, no gate) in one run, with its error from the default launch.
 
     python benchmarks/fox_tune.py [--seq-lens 8192] [--head-dims 64] [--out DIR]
+    python benchmarks/fox_tune.py --float32 [--seq-lens 4096] [--head-dims 64 128] [--out DIR]
 
 bf16, causal, 32768 tokens a batch, H·D = 1024, gates ``logsigmoid(N(0, 1) + 2)`` as ``benchmarks/ops.py`` makes
 them. The forward's rows vary its launch alone; the backward's rows vary one kernel's launch (dK/dV or dQ) with the
 other's default, so a winner of each combines. Prints a table per cell (fastest first) and writes
 ``fox_tune.json``; the chosen launches live in ``fwd_config`` / ``bwd_config``.
+
+``--float32``: float32 inputs instead, forward+backward (default launches) under each ``forward.FLOAT32_PRECISION``
+(exact ``ieee`` and 3×TF32), timed against SDPA in float32, with each one's largest error (output and gradients, by
+``rel_rms``) from the PyTorch backend in float64 on one sequence of two heads; writes ``fox_float32.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attnkit.experiments.output import write_json  # noqa: E402
+from attnkit.ops.baselines.fox.triton import forward as fox_forward  # noqa: E402
 from attnkit.ops.baselines.fox.triton.backward import bwd_config, fox_bwd_fn  # noqa: E402
 from attnkit.ops.baselines.fox.triton.forward import fox_fwd_fn, fwd_config  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
@@ -87,6 +93,55 @@ def time_cell(D: int, T: int) -> dict:
     return cell
 
 
+FLOAT32_PRECISIONS = ("ieee", "tf32x3")
+
+
+def float32_cell(D: int, T: int) -> dict:
+    """Float32 FoX forward+backward under each of ``FLOAT32_PRECISIONS``, with SDPA (float32) as the yardstick."""
+    from attnkit.ops.baselines.softmax import softmax_attention
+
+    H, B = 1024 // D, max(1, 32768 // T)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", generator=gen) for _ in range(4))
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 2)
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
+    cell = dict(D=D, T=T, B=B, H=H, sdpa_fwdbwd=bench(lambda: sdpa().backward(do.transpose(1, 2))), rows=[])
+    small = [x[:1, :, :2].detach() for x in (q, k, v, g, do)]  # one sequence, two heads: the float64 reference
+
+    def grads(backend, dtype, xs):
+        leaves = [x.to(dtype).requires_grad_() for x in xs[:4]]
+        out = softmax_attention(*leaves[:3], g=leaves[3], backend=backend)
+        out.backward(xs[4].to(dtype))
+        return [out.detach(), *(x.grad for x in leaves)]
+
+    reference = grads("torch", torch.float64, small)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
+    default = fox_forward.FLOAT32_PRECISION
+    try:
+        for prec in FLOAT32_PRECISIONS:
+            fox_forward.FLOAT32_PRECISION = prec
+
+            def step() -> bool:
+                softmax_attention(*leaves[:3], g=leaves[3], backend="triton").backward(do)
+                return True
+
+            row = dict(precision=prec, ms=float("nan"))
+            if attempt(step, f"float32 {prec}"):  # compiles; a launch that does not fit is a row
+                actual = grads("triton", torch.float32, small)
+                row["errors"] = {n: rel_rms(a.double(), b) for n, a, b in zip(NAMES, actual, reference)}
+                row["ms"] = bench(step)
+                row["ratio"] = row["ms"] / cell["sdpa_fwdbwd"]
+            cell["rows"].append(row)
+            print(f"  D={D} T={T} float32 {prec}: {row['ms']:.3f} ms, errors {row.get('errors')}")
+    finally:
+        fox_forward.FLOAT32_PRECISION = default
+    return cell
+
+
+NAMES = ("o", "dq", "dk", "dv", "dg")
+
+
 def table(cells: list[dict]) -> str:
     lines = []
     for cell in cells:
@@ -110,10 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64])
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--float32", action="store_true", help="float32 inputs: exact against 3xTF32 products")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("fox_tune.py times the kernels on a CUDA GPU")
     cells, env = [], environment(torch.device("cuda"))
+    if args.float32:
+        for T in args.seq_lens:
+            for D in args.head_dims:
+                cells.append(float32_cell(D, T))
+                write_json(Path(args.out) / "fox_float32.json", dict(environment=env, cells=cells))
+        for cell in cells:
+            for row in cell["rows"]:
+                worst = max(row.get("errors", {}).values(), default=float("nan"))
+                print(
+                    f"D={cell['D']} T={cell['T']} float32 {row['precision']}: {row['ms']:.3f} ms, "
+                    f"{row.get('ratio', float('nan')):.2f}x SDPA (float32), largest error {worst:.1e}"
+                )
+        return 0
     for T in args.seq_lens:
         for D in args.head_dims:
             cells.append(time_cell(D, T))

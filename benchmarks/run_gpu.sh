@@ -311,8 +311,15 @@ for step in $steps; do
             # finished ones (after a crash too). It all comes back as $OUT/reproduce_<paper>.tgz: here,
             # `tar xzf reproduce_vla.tgz -C reports`, then commit reports/<paper>/. Kept models of chained cells
             # (TAPA, PaTH) stay behind: a later call reruns a parent only for a child still to run. REPRO_CELLS
-            # narrows the cells (a --cells pattern).
+            # narrows the cells (a --cells pattern). REPRO_MPS=1 runs them under the CUDA Multi-Process Service
+            # (a daemon this step starts and stops; the card's settings are untouched), so that the processes'
+            # small kernels share the GPU at once instead of by time slices (benchmarks/repro_throughput.py).
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
+            mps=0
+            if [ "${REPRO_MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
+                export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+                mkdir -p /tmp/mps /tmp/mps_log && nvidia-cuda-mps-control -d && mps=1 && echo "MPS started"
+            fi
             [ -n "${REPRO_CACHE:-}" ] && mkdir -p reports && tar xzf "$REPRO_CACHE" -C reports --skip-old-files
             start=$(( limit > 2 * drain ? limit - drain : limit / 2 ))
             repro=(python3 -m attnkit reproduce "$papers" --scale full --out reports --resume
@@ -321,6 +328,10 @@ for step in $steps; do
             timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
                 >> "$OUT/reproduce.log" 2>&1
             echo "== attnkit reproduce exited $? (124: killed at $limit s)" >> "$OUT/reproduce.log"
+            if [ "$mps" = 1 ]; then
+                echo quit | nvidia-cuda-mps-control
+                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+            fi
             if ! grep -qE '^attnkit reproduce: [0-9]+ s$' "$OUT/reproduce.log"; then  # killed or crashed: no report
                 timeout 120 "${repro[@]}" --report-only >> "$OUT/reproduce.log" 2>&1
             fi

@@ -312,6 +312,19 @@ def test_bad_input_names_backend(make_bad, match):
         softmax_attention(q, k, v, g, backend="flash")
 
 
+def test_float32_precision_is_exact_under_the_interpreter_and_the_setting_on_a_gpu(monkeypatch):
+    """Float32 dots take ``FLOAT32_PRECISION`` on a GPU, except at a padded head dim of 128 (its tiles would not fit
+    shared memory); the interpreter has no TF32, so it stays exact there."""
+    from attnkit.ops.baselines.fox.triton import forward
+
+    monkeypatch.setattr(forward, "FLOAT32_PRECISION", "tf32x3")
+    monkeypatch.setattr(forward, "interpreting", lambda: True)
+    assert forward.precision(torch.float32, 64) == "ieee"
+    monkeypatch.setattr(forward, "interpreting", lambda: False)
+    assert [forward.precision(torch.float32, w) for w in (16, 64, 128, 256)] == ["tf32x3"] * 2 + ["ieee", "tf32x3"]
+    assert forward.precision(torch.bfloat16, 64) == forward.precision(torch.float16, 128) == "tf32"
+
+
 def test_cpu_triton_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, g, _ = make(1, 4, 1, 1, 16, 16, device="cpu")

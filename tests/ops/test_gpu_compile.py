@@ -97,6 +97,16 @@ def path_float32(K, V):
     w = torch.nn.functional.normalize(torch.randn(1, 2048, H, K), dim=-1)
     path_step(K, True, (q, k, v, w, torch.rand(1, 2048, H) * 2, -torch.rand(1, 2048, H), do))
 
+def fox_float32(K):
+    # float32 FoX in 3xTF32 (forward.FLOAT32_PRECISION), exact at a padded head dim of 128
+    from attnkit.ops.baselines.fox.triton import forward
+    from attnkit.ops.baselines.fox.triton.backward import fox_bwd_fn
+    forward.FLOAT32_PRECISION = "tf32x3"
+    q, k, v, do = (torch.randn(1, 256, 1024 // K, K) for _ in range(4))
+    g = -torch.rand(1, 256, 1024 // K)
+    o, lse = forward.fox_fwd_fn(q, k, v, g, None, K**-0.5)
+    fox_bwd_fn(do, q, k, v, g, o, lse, None, K**-0.5)
+
 def path_forward(K, dtype):
     from attnkit.ops.path.triton.forward import path_fwd_fn
     q, k, v = (torch.randn(1, 64, 2, K, dtype=dtype) for _ in range(3))
@@ -112,6 +122,7 @@ steps = {
     "path_options": [functools.partial(path_options, K) for K in (64, 128)],
     "path_float32": [functools.partial(path_float32, 64, 64)],
     "path_float32_wide": [functools.partial(path_float32, 64, 128)],
+    "fox_float32": [functools.partial(fox_float32, K) for K in (64, 128, 256)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
                       ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
@@ -135,6 +146,7 @@ WANTED = {
     "path_float32": ("path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel", "path_bwd_super_kv_kernel",
                      "path_super_terms_bwd_kernel", "path_bwd_q_kernel", "path_local_bwd_kernel"),
     "path_float32_wide": ("path_bwd_super_kv_kernel",),
+    "fox_float32": ("fox_fwd_kernel", "fox_bwd_dkdv_kernel", "fox_bwd_dq_kernel"),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
     "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
@@ -158,7 +170,8 @@ for step in steps:
         shared = report["shared"]
         if shared > 227 * 1024:  # what a block may have on Hopper: the launch would fail
             raise SystemExit(f"{name} {constants}: {shared} bytes of shared memory")
-        if sys.argv[1] == "path_float32" and not report["wgmma"] + report["mma_sync"]:
+        exact = sys.argv[1] == "fox_float32" and constants.get("PRECISION") == "ieee"
+        if sys.argv[1] in ("path_float32", "fox_float32") and not exact and not report["wgmma"] + report["mma_sync"]:
             raise SystemExit(f"{name} {constants}: no tensor-core instruction")
         print("compiled", name, shared, flush=True)
 """
@@ -182,6 +195,9 @@ for step in steps:
                           "path_local_bwd_kernel"}),
         # and at V = 128 exact (3xTF32 wanted 256 KB of shared memory in the sweep's kernel): within it
         ("path_float32_wide", {"path_bwd_super_kv_kernel"}),
+        # FoX's float32 option, 3xTF32 (forward.FLOAT32_PRECISION): on the tensor cores and within shared memory at
+        # K = 64 and 256, exact at 128 (3xTF32 there wanted 262-328 KB)
+        ("fox_float32", {"fox_fwd_kernel", "fox_bwd_dkdv_kernel", "fox_bwd_dq_kernel"}),
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",

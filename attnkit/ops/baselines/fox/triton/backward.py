@@ -223,8 +223,9 @@ def fox_bwd_fn(
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
     common = dict(
-        HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=is_varlen, HAS_GATE=has_gate, PRECISION=precision(q.dtype)
-    )
+        HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, IS_VARLEN=is_varlen, HAS_GATE=has_gate,
+        PRECISION=precision(q.dtype, max(BK, BV)),
+    )  # fmt: skip
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dgc = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device) if has_gate else None

@@ -149,9 +149,20 @@ def fwd_config(width: int) -> tuple[int, int, int, int]:
     return 32, 32, 4, 2
 
 
-def precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s precision: IEEE float32 for float32 inputs (no tf32), the tensor cores' own for 16-bit ones."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+# ``tl.dot``'s precision for float32 inputs on a GPU: "ieee" (exact, unrolled FMAs: no tensor cores) or "tf32x3"
+# (three TF32 passes on the tensor cores, about float32's accuracy). Not at a padded head dim of 128, where the
+# default tiles in 3xTF32 want 262-328 KB of shared memory (Hopper's block has 227; exact: 165-180 KB; compiled for
+# sm_90a with Triton 3.6, tests/ops/test_gpu_compile.py's fox_float32 group).
+FLOAT32_PRECISION = "ieee"
+
+
+def precision(dtype: torch.dtype, width: int) -> str:
+    """``tl.dot``'s precision for inputs of ``dtype`` at the padded head dim ``width`` (``max(BK, BV)``):
+    ``FLOAT32_PRECISION`` for float32 inputs except at width 128 and under the interpreter (which has no TF32), where
+    it is exact; the tensor cores' own for 16-bit ones."""
+    if dtype != torch.float32:
+        return "tf32"
+    return "ieee" if interpreting() or width == 128 else FLOAT32_PRECISION
 
 
 def fox_fwd_fn(
@@ -177,6 +188,6 @@ def fox_fwd_fn(
     fox_fwd_kernel[grid](
         q, k, v, gc, o, lse, cu_seqlens, offsets, T, N, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(),
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BM=BM, BN=BN, LOG_N=log_n, IS_VARLEN=cu_seqlens is not None,
-        HAS_GATE=g is not None, PRECISION=precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        HAS_GATE=g is not None, PRECISION=precision(q.dtype, max(BK, BV)), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return o, lse

@@ -1,0 +1,31 @@
+"""benchmarks/repro_throughput.py on the CPU: a finished cell's config trains for a few steps, alone and two at once."""
+
+import json
+import sys
+from pathlib import Path
+
+from benchmarks import repro_throughput
+
+ROOT = Path(__file__).resolve().parents[2]
+CELL = next((ROOT / "reports" / "vla" / "cells").glob("mqar-softmax_n4_lr=0.001_s0-*.json"))
+
+
+def test_config_keeps_the_cell_and_times_its_last_third():
+    config = repro_throughput._config(str(CELL), steps=30)
+    cell = json.loads(CELL.read_text())["params"]["config"]
+    assert {k: config[k] for k in ("task", "mixer", "hidden_size", "batch_size", "lr")} == {
+        k: cell[k] for k in ("task", "mixer", "hidden_size", "batch_size", "lr")
+    }
+    assert config["steps"] == 30 and config["log_every"] == 10 and config["warmup_steps"] <= 30
+
+
+def test_runs_processes_at_once_on_the_cpu(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "rt.json"
+    argv = ["repro_throughput.py", str(CELL), "--steps", "3", "--procs", "1", "2", "--device", "cpu", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    repro_throughput.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["procs"] for r in rows] == [1, 2]
+    assert all(not r["errors"] and len(r["ms_a_step"]) == r["procs"] for r in rows)
+    assert all(ms > 0 for r in rows for ms in r["ms_a_step"])
+    assert " 2 processes: median" in capsys.readouterr().out
