@@ -311,12 +311,15 @@ for step in $steps; do
             # finished ones (after a crash too). It all comes back as $OUT/reproduce_<paper>.tgz: here,
             # `tar xzf reproduce_vla.tgz -C reports`, then commit reports/<paper>/. Kept models of chained cells
             # (TAPA, PaTH) stay behind: a later call reruns a parent only for a child still to run. REPRO_CELLS
-            # narrows the cells (a --cells pattern). REPRO_MPS=1 runs them under the CUDA Multi-Process Service
-            # (a daemon this step starts and stops; the card's settings are untouched), so that the processes'
-            # small kernels share the GPU at once instead of by time slices (benchmarks/repro_throughput.py).
+            # narrows the cells (a --cells pattern). The cells run under the CUDA Multi-Process Service (a daemon
+            # this step starts and stops; the card's settings are untouched; REPRO_MPS=0 leaves it out), so that the
+            # processes' small kernels share the GPU at once instead of by time slices: 16 processes of MQAR cells
+            # made 957 steps/s with it against 720 without (benchmarks/repro_throughput.py, an H100, twenty-fifth
+            # session). On a machine still warm from an earlier call of this step, name that call's tarball in
+            # REPRO_CACHE (or unpack it here first): the tree sent with the call replaces the cells it wrote.
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
             mps=0
-            if [ "${REPRO_MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
+            if [ "${REPRO_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
                 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
                 mkdir -p /tmp/mps /tmp/mps_log && nvidia-cuda-mps-control -d && mps=1 && echo "MPS started"
             fi
