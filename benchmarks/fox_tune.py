@@ -96,6 +96,18 @@ def time_cell(D: int, T: int) -> dict:
 FLOAT32_PRECISIONS = ("ieee", "tf32x3")
 
 
+def output_and_grads(backend: str, dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """FoX's output and ``dq, dk, dv, dg`` for ``xs = (q, k, v, g, do)`` in ``dtype`` through ``backend``, on fresh
+    leaves: ``.to`` of a tensor already in ``dtype`` is the tensor itself, whose ``.grad`` would sum over calls (the
+    twenty-fifth session's first measurement summed the 3xTF32 row's gradients onto the exact row's)."""
+    from attnkit.ops.baselines.softmax import softmax_attention
+
+    leaves = [x.detach().to(dtype, copy=True).requires_grad_() for x in xs[:4]]
+    out = softmax_attention(*leaves[:3], g=leaves[3], backend=backend)
+    out.backward(xs[4].to(dtype))
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
 def float32_cell(D: int, T: int) -> dict:
     """Float32 FoX forward+backward under each of ``FLOAT32_PRECISIONS``, with SDPA (float32) as the yardstick."""
     from attnkit.ops.baselines.softmax import softmax_attention
@@ -108,14 +120,7 @@ def float32_cell(D: int, T: int) -> dict:
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, qt, kt, vt, is_causal=True)
     cell = dict(D=D, T=T, B=B, H=H, sdpa_fwdbwd=bench(lambda: sdpa().backward(do.transpose(1, 2))), rows=[])
     small = [x[:1, :, :2].detach() for x in (q, k, v, g, do)]  # one sequence, two heads: the float64 reference
-
-    def grads(backend, dtype, xs):
-        leaves = [x.to(dtype).requires_grad_() for x in xs[:4]]
-        out = softmax_attention(*leaves[:3], g=leaves[3], backend=backend)
-        out.backward(xs[4].to(dtype))
-        return [out.detach(), *(x.grad for x in leaves)]
-
-    reference = grads("torch", torch.float64, small)
+    reference = output_and_grads("torch", torch.float64, small)
     leaves = [x.detach().requires_grad_() for x in (q, k, v, g)]
     default = fox_forward.FLOAT32_PRECISION
     try:
@@ -128,7 +133,7 @@ def float32_cell(D: int, T: int) -> dict:
 
             row = dict(precision=prec, ms=float("nan"))
             if attempt(step, f"float32 {prec}"):  # compiles; a launch that does not fit is a row
-                actual = grads("triton", torch.float32, small)
+                actual = output_and_grads("triton", torch.float32, small)
                 row["errors"] = {n: rel_rms(a.double(), b) for n, a, b in zip(NAMES, actual, reference)}
                 row["ms"] = bench(step)
                 row["ratio"] = row["ms"] / cell["sdpa_fwdbwd"]

@@ -29,3 +29,15 @@ def test_refuses_without_cuda(capsys):
     with pytest.raises(SystemExit):
         fox_tune.main(["--seq-lens", "64"])
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_output_and_grads_takes_fresh_leaves_each_call():
+    """Two calls on the same float32 inputs give the same gradients: they do not sum onto the inputs' ``.grad``."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 12, 2, 8, generator=gen) for _ in range(4))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 12, 2, generator=gen))
+    first = fox_tune.output_and_grads("torch", torch.float32, [q, k, v, g, do])
+    second = fox_tune.output_and_grads("torch", torch.float32, [q, k, v, g, do])
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(x.grad is None for x in (q, k, v, g))
+    assert [t.shape for t in first] == [v.shape, q.shape, k.shape, v.shape, g.shape]

