@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 def _config(cell_file: str, steps: int) -> dict:
     record = json.loads(Path(cell_file).read_text())
     config = dict(record["params"]["config"])
-    config.update(steps=steps, warmup_steps=min(config.get("warmup_steps", 0), steps), eval_every=10**9)
+    config.update(steps=steps, warmup_steps=min(config.get("warmup_steps") or 0, steps), eval_every=10**9)
     config.update(log_every=max(steps // 3, 1), checkpoint_every=0)
     return config
 
