@@ -439,7 +439,30 @@ def train(config: TrainConfig) -> TrainResult:
     timings = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "log_checkpoint": 0.0, "eval": 0.0}
     tokens_since, t_log = 0, time.perf_counter()
     t_start = time.perf_counter()
-    loss_value = float("nan")
+    loss_value = norm_value = float("nan")
+    unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, gradient norm) not yet on the host
+
+    def must_read(done: int) -> bool:
+        saves = bool(ckpt_path) and bool(config.checkpoint_every) and done % config.checkpoint_every == 0
+        evaluates = bool(config.eval_every) and done % config.eval_every == 0
+        return not config.quiet or done % config.log_every == 0 or done == end or saves or evaluates
+
+    def read_unread() -> tuple[float, float]:
+        """The last unread step's loss and gradient norm, after checking every unread step's (one sync)."""
+        losses, norms = (torch.stack([entry[i] for entry in unread]).float() for i in (1, 2))
+        values = torch.stack([losses, norms], 1).tolist()
+        steps = [s for s, _, _ in unread]
+        unread.clear()
+        for done, (loss_at, norm_at) in zip(steps, values):
+            if not (math.isfinite(loss_at) and math.isfinite(norm_at)):
+                kept = f"step {last_good} at {ckpt_path}" if last_good is not None else "none written yet"
+                what = "loss" if not math.isfinite(loss_at) else "gradient norm"
+                raise NonFiniteLossError(
+                    f"step {done}: non-finite {what} (loss={loss_at}, grad_norm={norm_at}); "
+                    f"stopped without saving. Last good checkpoint: {kept}"
+                )
+        return values[-1][0], values[-1][1]
+
     raw_model.train()
     for step in range(start_step, end):
         t0 = time.perf_counter()
@@ -463,14 +486,12 @@ def train(config: TrainConfig) -> TrainResult:
         step_loss = loss / world
         if info.enabled:
             dist.all_reduce(step_loss)
-        loss_value, norm_value = step_loss.item(), float(grad_norm)
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            kept = f"step {last_good} at {ckpt_path}" if last_good is not None else "none written yet"
-            what = "loss" if not math.isfinite(loss_value) else "gradient norm"
-            raise NonFiniteLossError(
-                f"step {step + 1}: non-finite {what} (loss={loss_value}, grad_norm={norm_value}); "
-                f"stopped without saving. Last good checkpoint: {kept}"
-            )
+        # The loss and the gradient norm are read on the host (a sync) only where a step needs them: at every step
+        # while progress shows on stderr, else at the steps that log, checkpoint or evaluate, and at the last. The
+        # steps between are checked there, so a non-finite one still stops the run before anything is saved.
+        unread.append((step + 1, step_loss.detach(), grad_norm.detach()))
+        if must_read(step + 1):
+            loss_value, norm_value = read_unread()
         lr_now = scheduler.get_last_lr()[0]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -218,6 +218,44 @@ def test_nan_guard_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     assert [f for f in os.listdir(config.out) if f.endswith(".tmp")] == []
 
 
+@pytest.mark.parametrize("nan_from, checkpoint_every, last_good", [(5, 3, "step 3"), (2, 0, "none written yet")])
+def test_quiet_run_reads_losses_where_needed_and_still_stops_at_the_first_non_finite_step(
+    tmp_path, monkeypatch, nan_from, checkpoint_every, last_good
+):
+    """A quiet run reads its losses on the host only at the steps that log, checkpoint or evaluate (and the last):
+    the steps between are checked there, so the error names the first non-finite step and no checkpoint holds it."""
+    build, reads = trainer.build_model, []
+    real_tolist = torch.Tensor.tolist
+
+    def poisoned_build(*args, **kwargs):
+        model = build(*args, **kwargs)
+        calls = {"n": 0}
+
+        def hook(module, inputs, output):
+            calls["n"] += 1
+            return output * float("nan") if calls["n"] >= nan_from else output
+
+        model.lm_head.register_forward_hook(hook)
+        return model
+
+    def counting_tolist(self):
+        reads.append(self.shape)
+        return real_tolist(self)
+
+    monkeypatch.setattr(trainer, "build_model", poisoned_build)
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    config = tiny(tmp_path, "nan_quiet", steps=10, log_every=7, checkpoint_every=checkpoint_every, quiet=True)
+    expected = rf"step {nan_from}: non-finite loss.*Last good checkpoint: {last_good}"
+    with pytest.raises(NonFiniteLossError, match=expected):
+        train(config)
+    # read at step 3 (checkpoint) and 6 (checkpoint: steps 4-6 at once), or once at step 7 (log: steps 1-7 at once)
+    assert [shape[0] for shape in reads if len(shape) == 2] == ([3, 3] if checkpoint_every else [7])
+    if checkpoint_every:
+        ckpt = load_checkpoint(os.path.join(config.out, "checkpoint.pt"))
+        assert ckpt["step"] == 3 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    assert not os.path.exists(os.path.join(config.out, "final.json"))
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     real_save, saves = torch.save, []
 
