@@ -469,7 +469,10 @@ def train(config: TrainConfig) -> TrainResult:
         input_ids, labels = task.sample(config.batch_size, batch_generator(config.seed, step))
         n_scored = int((labels != IGNORE_INDEX).sum())
         rows = slice(rank * local_batch, (rank + 1) * local_batch)
-        x, y = input_ids[rows].to(device, non_blocking=True), labels[rows].to(device, non_blocking=True)
+        x, y = input_ids[rows], labels[rows]
+        if device.type == "cuda":  # a copy from pageable memory would first wait for the GPU's queued work
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if config.profile:
             sync()
         t1 = time.perf_counter()
