@@ -304,8 +304,12 @@ for step in $steps; do
         reproduce)  # issue 20: `attnkit reproduce ${REPRO_PAPERS:-vla} --scale full`, a piece a call. Its cells (a
             # JSON file each) and report live in reports/<paper>/, which travels with the tree; REPRO_CACHE names a
             # tarball this step returned, unpacked there first when the tree lacks it. The models are tiny and
-            # launch-bound, so REPRO_JOBS (default: one a core) processes share the GPU, each on one CPU thread
-            # (run_cells gives each cpu_count() // jobs). No cell starts after REPRO_LIMIT - REPRO_DRAIN seconds
+            # launch-bound, so REPRO_JOBS processes share the GPU, each on one CPU thread (run_cells gives each
+            # cpu_count() // jobs): by default one a core for VLA (its MQAR cells took 50-100 s each at 16 under MPS)
+            # and 4 for TAPA and PaTH, whose cells train 100-160M tokens each (6000 x 32 x 512, 5000 x 64 x 512): a
+            # cell cannot outlive a call (a killed one starts over in the next: its checkpoint, some 40 MB with the
+            # optimizer's state, would not fit what a call returns), and the more share the GPU, the longer each
+            # takes. Untimed: read the cells' times in reproduce.log and set REPRO_JOBS and REPRO_DRAIN from them. No cell starts after REPRO_LIMIT - REPRO_DRAIN seconds
             # (the drain: a cell's time, so the running ones finish); the limit kills what still runs, which loses
             # only those cells (a record is written by a rename), and --report-only then writes the report from the
             # finished ones (after a crash too). It all comes back as $OUT/reproduce_<paper>.tgz: here,
@@ -328,7 +332,7 @@ for step in $steps; do
             [ -n "${REPRO_CACHE:-}" ] && mkdir -p reports && tar xzf "$REPRO_CACHE" -C reports --skip-old-files
             start=$(( limit > 2 * drain ? limit - drain : limit / 2 ))
             repro=(python3 -m attnkit reproduce "$papers" --scale full --out reports --resume
-                   --jobs "${REPRO_JOBS:-$(nproc)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"})
+                   --jobs "${REPRO_JOBS:-$([ "$papers" = vla ] && nproc || echo 4)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"})
             : > "$OUT/reproduce.log"  # then appended to: the killed run's stragglers write on at their own offset
             timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
                 >> "$OUT/reproduce.log" 2>&1
