@@ -1,9 +1,11 @@
 """How fast `attnkit reproduce` cells train on one GPU, alone and several at once (issue 20's budget).
 
-    python benchmarks/repro_throughput.py CELL.json [CELL.json ...] [--steps 300] [--procs 1 8 16] [--profile]
+    python benchmarks/repro_throughput.py CELL [CELL ...] [--steps 300] [--procs 1 8 16] [--profile]
         [--compile] [--out FILE]
 
-Each CELL.json is a finished cell record (``reports/<paper>/cells/``): its training config is rerun for ``--steps``
+Each CELL is a finished cell record (``reports/<paper>/cells/*.json``) or ``PAPER:PATTERN``, the first full-scale
+training cell of ``attnkit reproduce PAPER`` whose name matches the fnmatch ``PATTERN`` (``tapa:zero_shot-tapa_*``),
+finished or not, so that a paper's cells can be timed before any has run: its training config is rerun for ``--steps``
 steps, with no evaluation until the end, in ``P`` processes at once (each on one CPU thread, as ``run_cells`` gives
 them), for each ``P`` of ``--procs``; the cells are dealt round-robin to the processes. It prints each process's
 milliseconds a step and the steps a second of all of them together, which divides a call's time into cells.
@@ -26,9 +28,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _config(cell_file: str, steps: int) -> dict:
-    record = json.loads(Path(cell_file).read_text())
-    config = dict(record["params"]["config"])
+def _declared(spec: str) -> tuple[str, dict]:
+    """``PAPER:PATTERN`` -> the name and params of the first full-scale training cell of ``PAPER`` that matches."""
+    import fnmatch
+
+    from attnkit.experiments.reproduce.command import declared, declared_cells
+
+    paper, pattern = spec.split(":", 1)
+    with tempfile.TemporaryDirectory(prefix="repro-throughput-") as tmp:
+        cells, _ = declared_cells(declared(paper, "full"), tmp)
+    for cell in cells:
+        if cell.kind == "train" and "config" in cell.params and fnmatch.fnmatch(cell.name, pattern):
+            return cell.name, cell.params
+    raise SystemExit(f"{spec}: no full-scale training cell of {paper} matches {pattern!r}")
+
+
+def _config(cell: str, steps: int) -> dict:
+    """The training config of ``cell`` (a record's path or ``PAPER:PATTERN``), set to run ``steps`` steps."""
+    params = (
+        _declared(cell)[1] if ":" in cell and not Path(cell).exists() else json.loads(Path(cell).read_text())["params"]
+    )
+    config = dict(params["config"])
     config.update(steps=steps, warmup_steps=min(config.get("warmup_steps") or 0, steps), eval_every=10**9)
     config.update(log_every=max(steps // 3, 1), checkpoint_every=0)
     return config
@@ -81,7 +101,7 @@ def _profile(config: dict, device: str, steps: int = 20) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("cells", nargs="+", help="finished cell records (JSON)")
+    parser.add_argument("cells", nargs="+", help="finished cell records (JSON), or PAPER:PATTERN")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--procs", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--device", default="cuda")

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import repro_throughput
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,6 +19,15 @@ def test_config_keeps_the_cell_and_times_its_last_third():
         k: cell[k] for k in ("task", "mixer", "hidden_size", "batch_size", "lr")
     }
     assert config["steps"] == 30 and config["log_every"] == 10 and config["warmup_steps"] <= 30
+
+
+def test_a_declared_cell_is_named_by_paper_and_pattern():
+    """``PAPER:PATTERN`` takes the first full-scale training cell that matches, finished or not."""
+    config = repro_throughput._config("vla:mqar-vla_n24_lr=0.001_s1-*", steps=30)
+    assert (config["task"], config["mixer"], config["lr"], config["seed"]) == ("mqar_vla", "vla", 0.001, 1)
+    assert config["task_options"]["num_kv_pairs"] == 24 and config["steps"] == 30
+    with pytest.raises(SystemExit, match="no full-scale training cell"):
+        repro_throughput._config("vla:no-such-cell-*", steps=30)
 
 
 def test_runs_processes_at_once_on_the_cpu(tmp_path, monkeypatch, capsys):
