@@ -10,7 +10,9 @@ steps, with no evaluation until the end, in ``P`` processes at once (each on one
 them), for each ``P`` of ``--procs``; the cells are dealt round-robin to the processes. It prints each process's
 milliseconds a step and the steps a second of all of them together, which divides a call's time into cells.
 ``--profile`` first runs each cell alone under ``torch.profiler`` and prints its CUDA kernels a step and their summed
-time a step: the GPU's floor for that step when nothing else shares the GPU. ``--compile`` trains every config
+time a step (the difference of a run of 20 steps and one of 40, so that the run's fixed costs cancel): the GPU's
+floor for that step when nothing else shares the GPU (the twenty-fifth session's numbers, from one run of 20 steps,
+include the final evaluation's kernels). ``--compile`` trains every config
 under ``torch.compile`` (``TrainConfig.compile``; its compile is in the untimed warm-up).
 """
 
@@ -84,19 +86,24 @@ def _child(config: dict, device: str, start, queue) -> None:
 
 
 def _profile(config: dict, device: str, steps: int = 20) -> dict:
+    """CUDA kernels and their summed time a step: runs of ``steps`` and ``2 * steps`` steps profiled, and their
+    difference divided by ``steps``, so that the run's fixed costs (its final evaluation, its checkpoint) cancel."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from attnkit.train import TrainConfig, train
 
     _train({**config, "steps": 2}, device)
-    with tempfile.TemporaryDirectory(prefix="repro-throughput-") as tmp:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            train(TrainConfig(**{**config, "steps": steps}, device=device, out=tmp + "/p", quiet=True))
-            torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    busy_us = sum(e.device_time for e in kernels)
-    return {"kernels_a_step": len(kernels) / steps, "gpu_ms_a_step": busy_us / steps / 1e3}
+    counts = []
+    for n in (steps, 2 * steps):
+        with tempfile.TemporaryDirectory(prefix="repro-throughput-") as tmp:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                train(TrainConfig(**{**config, "steps": n}, device=device, out=tmp + "/p", quiet=True))
+                torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        counts.append((len(kernels), sum(e.device_time for e in kernels)))
+    (n1, us1), (n2, us2) = counts
+    return {"kernels_a_step": (n2 - n1) / steps, "gpu_ms_a_step": (us2 - us1) / steps / 1e3}
 
 
 def main() -> None:
