@@ -442,11 +442,6 @@ def train(config: TrainConfig) -> TrainResult:
     loss_value = norm_value = float("nan")
     unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, gradient norm) not yet on the host
 
-    def must_read(done: int) -> bool:
-        saves = bool(ckpt_path) and bool(config.checkpoint_every) and done % config.checkpoint_every == 0
-        evaluates = bool(config.eval_every) and done % config.eval_every == 0
-        return not config.quiet or done % config.log_every == 0 or done == end or saves or evaluates
-
     def read_unread() -> tuple[float, float]:
         """The last unread step's loss and gradient norm, after checking every unread step's (one sync)."""
         losses, norms = (torch.stack([entry[i] for entry in unread]).float() for i in (1, 2))
@@ -489,11 +484,15 @@ def train(config: TrainConfig) -> TrainResult:
         step_loss = loss / world
         if info.enabled:
             dist.all_reduce(step_loss)
+        done = step + 1
+        logs = done % config.log_every == 0 or done == end
+        saves = bool(ckpt_path) and bool(config.checkpoint_every) and done % config.checkpoint_every == 0
+        evaluates = bool(config.eval_every) and done % config.eval_every == 0 and done != end
         # The loss and the gradient norm are read on the host (a sync) only where a step needs them: at every step
-        # while progress shows on stderr, else at the steps that log, checkpoint or evaluate, and at the last. The
-        # steps between are checked there, so a non-finite one still stops the run before anything is saved.
-        unread.append((step + 1, step_loss.detach(), grad_norm.detach()))
-        if must_read(step + 1):
+        # while progress shows on stderr, else at the steps that log (the last among them), checkpoint or evaluate.
+        # The steps between are checked there, so a non-finite one still stops the run before anything is saved.
+        unread.append((done, step_loss.detach(), grad_norm.detach()))
+        if not config.quiet or logs or saves or evaluates:
             loss_value, norm_value = read_unread()
         lr_now = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -503,10 +502,9 @@ def train(config: TrainConfig) -> TrainResult:
             sync()
         t3 = time.perf_counter()
 
-        done = step + 1
         progress.step(done, loss_value, lr_now)
         tokens_since += int(input_ids.numel())
-        if done % config.log_every == 0 or done == end:
+        if logs:
             now = time.perf_counter()
             tps = tokens_since / max(now - t_log, 1e-9)
             tokens_since, t_log = 0, now
@@ -521,10 +519,10 @@ def train(config: TrainConfig) -> TrainResult:
                 }
             )
             progress.log(done, loss_value, lr_now, tps)
-        if ckpt_path and config.checkpoint_every and done % config.checkpoint_every == 0:
+        if saves:
             save(done)
         t4 = time.perf_counter()
-        if config.eval_every and done % config.eval_every == 0 and done != end:
+        if evaluates:
             # during training only the validation split is scored: the test sets are for the end
             log({"event": "eval", "split": "validation", "step": done, **evaluate(done, "validation")})
         t5 = time.perf_counter()
