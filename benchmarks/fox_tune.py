@@ -94,6 +94,7 @@ def time_cell(D: int, T: int) -> dict:
 
 
 FLOAT32_PRECISIONS = ("ieee", "tf32x3")
+NAMES = ("o", "dq", "dk", "dv", "dg")  # output_and_grads' tensors
 
 
 def output_and_grads(backend: str, dtype: torch.dtype, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -142,9 +143,6 @@ def float32_cell(D: int, T: int) -> dict:
     finally:
         fox_forward.FLOAT32_PRECISION = default
     return cell
-
-
-NAMES = ("o", "dq", "dk", "dv", "dg")
 
 
 def table(cells: list[dict]) -> str:
