@@ -86,30 +86,30 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
     return (64, 8) if block_dim(key_dim) == 128 and not interpreting() else default(key_dim)
 
 
-# --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 and
-# 128 the chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass
-# and the inner kernels' products on 16-bit operands, the forward's and the superblock-local terms' carries inside
-# superblocks on 16-bit operands, the backward's working copies K̃, x, k̂ in float16; and everywhere the local
-# adjoint's L⁻ᵀ dM by two products in bf16x3, the superblock terms' adjoint first and in place, its scratch at 64 MiB),
-# then each of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the back
-# substitution for local.LOCAL_SOLVE), the inner query kernel checkpointing its carried queries instead of
-# recomputing them (backward.INNER_RECOMPUTE off; with INNER_EVERY = 1 every one kept), its carries on float32
-# operands (backward.INNER_CARRY_LOW off), the forward's carries inside superblocks in their precision
-# (forward.INNER_CARRY_LOW off), the working copies in float32 (prepare.BUFFERS_16BIT off), the superblock terms'
-# scratch at 256 MiB (local.SCRATCH_BYTES), and both, the superblock terms' adjoint after the kernels between chunks
-# (local.SUPER_TERMS_IN_PLACE off), the superblock-local terms' carries in their precision (local.TERMS_CARRY_LOW
-# off), the three memory settings undone at once (the nineteenth session's default; each of these five was timed
-# against it in the twentieth, path_local_session20_h200_d{64,128}.json), the two products in one TF32 pass, the
-# sweep's products a (key tile, superblock) pair in one TF32 pass or in one pass on 16-bit operands
-# (backward_super.PAIR_16BIT), the backward's 16-bit settings off at K = 128 (prepare.MEASURED_DIMS; LOCAL_DIMS=128
-# ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk (local.SUPER_DA_PROJECT off; it differs at
-# K = 128 only), and at K = 128 the backward's chunks of 64 positions with the local adjoint's products in bf16
-# (chunks_of_64_at_k128), and for float32 inputs (--dtype float32; the rows above are bf16 settings) every product
-# exact, FMA-unrolled "ieee", or the products in one TF32 pass (prepare.FLOAT32_PRECISIONS; 3xTF32 the default);
-# each timed forward+backward on bf16 (--dtype) q, k, v with float32 w, beta and g (as the layers pass them) and held
-# to the PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the
-# same T, with the peak memory of one step on a GPU.
-# --local-pick narrows the rows to labels holding a string.
+# --local-only: (label, {(module, attribute): value}) — the defaults (prepare.measured_16bit: for bf16 at K = 64 and 128
+# the chunk-local adjoint's gradient products in bf16, the backward's carries inside superblocks in one TF32 pass and
+# the inner kernels' products on 16-bit operands, the forward's and the superblock-local terms' carries inside
+# superblocks on 16-bit operands, the backward's working copies K̃, x, k̂ in float16; and everywhere the local adjoint's
+# L⁻ᵀ dM by two products in bf16x3, the superblock terms' adjoint first and in place, its scratch at 64 MiB), then each
+# of them undone (local.LOCAL_GRADS_16BIT, prepare.INNER_CARRY_16BIT, backward.INNER_LOW_GRAD, the back substitution for
+# local.LOCAL_SOLVE), the inner query kernel checkpointing its carried queries instead of recomputing them
+# (backward.INNER_RECOMPUTE off; with INNER_EVERY = 1 every one kept), its carries on float32 operands
+# (backward.INNER_CARRY_LOW off), the forward's carries inside superblocks in their precision (forward.INNER_CARRY_LOW
+# off), the working copies in float32 (prepare.BUFFERS_16BIT off), the superblock terms' scratch at 256 MiB
+# (local.SCRATCH_BYTES), and both, the superblock terms' adjoint after the kernels between chunks
+# (local.SUPER_TERMS_IN_PLACE off), the superblock-local terms' carries in their precision (local.TERMS_CARRY_LOW off),
+# the three memory settings undone at once (the nineteenth session's default; each of these five was timed against it in
+# the twentieth, path_local_session20_h200_d{64,128}.json), the two products in one TF32 pass, the sweep's products a
+# (key tile, superblock) pair in one TF32 pass or in one pass on 16-bit operands (backward_super.PAIR_16BIT), the
+# sweep's dq̂ by its query-major kernel instead of atomics (DQ_BY_ATOMICS; the atomics are a third of FlashAttention's
+# backward loop alone, tile_probe.py), the backward's 16-bit settings off at K = 128 (prepare.MEASURED_DIMS;
+# LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk (local.SUPER_DA_PROJECT off;
+# it differs at K = 128 only), and at K = 128 the backward's chunks of 64 positions with the local adjoint's products in
+# bf16 (chunks_of_64_at_k128), and for float32 inputs (--dtype float32; the rows above are bf16 settings) every product
+# exact, FMA-unrolled "ieee", or the products in one TF32 pass (prepare.FLOAT32_PRECISIONS; 3xTF32 the default); each
+# timed forward+backward on bf16 (--dtype) q, k, v with float32 w, beta and g (as the layers pass them) and held to the
+# PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T,
+# with the peak memory of one step on a GPU. --local-pick narrows the rows to labels holding a string.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
@@ -135,6 +135,7 @@ LOCAL = [
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
     ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
     ("sweep superblocks outer", {(backward_super, "SWEEP_ORDER"): "superblocks"}),
+    ("sweep dq query-major, no atomics", {(backward_super, "DQ_BY_ATOMICS"): False}),
     ("sweep superblocks outer, 128 MiB", {
         (backward_super, "SWEEP_ORDER"): "superblocks", (backward_super, "SCRATCH_BYTES"): 1 << 27,
     }),
