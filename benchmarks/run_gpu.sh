@@ -310,7 +310,10 @@ for step in $steps; do
             # cell cannot outlive a call (a killed one starts over in the next: its checkpoint, some 40 MB with the
             # optimizer's state, would not fit what a call returns), and the more share the GPU, the longer each
             # takes. Untimed: read the cells' times in reproduce.log and set REPRO_JOBS and REPRO_DRAIN from them. No cell starts after REPRO_LIMIT - REPRO_DRAIN seconds
-            # (the drain: a cell's time, so the running ones finish); the limit kills what still runs, which loses
+            # (the drain: a cell's time, so the running ones finish), nor one whose finished siblings (the same model
+            # and setting at another learning rate or seed) took longer than what is left of REPRO_LIMIT
+            # (--stop-minutes: in the twenty-sixth session's call, with a 100 s drain and cells of 85-120 s, 24 cells
+            # finished and the limit killed those still running at 290 s); the limit kills what still runs, which loses
             # only those cells (a record is written by a rename), and --report-only then writes the report from the
             # finished ones (after a crash too). It all comes back as $OUT/reproduce_<paper>.tgz: here,
             # `tar xzf reproduce_vla.tgz -C reports`, then commit reports/<paper>/. Kept models of chained cells
@@ -335,7 +338,7 @@ for step in $steps; do
                    --jobs "${REPRO_JOBS:-$([ "$papers" = vla ] && nproc || echo 4)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"})
             : > "$OUT/reproduce.log"  # then appended to: the killed run's stragglers write on at their own offset
             timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
-                >> "$OUT/reproduce.log" 2>&1
+                --stop-minutes "$(awk "BEGIN { print $limit / 60 }")" >> "$OUT/reproduce.log" 2>&1
             echo "== attnkit reproduce exited $? (124: killed at $limit s)" >> "$OUT/reproduce.log"
             if [ "$mps" = 1 ]; then
                 echo quit | nvidia-cuda-mps-control

@@ -148,6 +148,28 @@ def test_run_cells_caches_and_never_reruns(tmp_path):
         cells_mod.run_cells(cells, str(tmp_path), jobs=0)
 
 
+def test_run_cells_starts_no_cell_its_siblings_say_will_not_finish(tmp_path):
+    """``stop_at``: a cell whose finished siblings (same model and setting, another learning rate or seed) took longer
+    than what is left is skipped, with its children; a cell with no finished sibling still runs, and so do the
+    siblings when enough time is left."""
+    sweep = tiny_sweep(seeds=(0,), lrs=(1e-3, 3e-3, 1e-2))
+    cells = sweep.cells()
+    a = [c for c in cells if c.label.startswith("a ")]
+    b = [c for c in cells if c.label.startswith("b ")]
+    assert cells_mod.sibling_key(a[0]) == cells_mod.sibling_key(a[1]) != cells_mod.sibling_key(b[0])
+    cells_mod.run_cells(a[:1], str(tmp_path))
+    path = cells_mod.cell_path(str(tmp_path), a[0])
+    with open(path) as f:
+        record = json.load(f)
+    record["wall_s"] = 1000.0  # a sibling that took longer than the 100 s left
+    with open(path, "w") as f:
+        json.dump(record, f)
+    summary = cells_mod.run_cells(a[:2] + b[:1], str(tmp_path), stop_at=time.time() + 100, log=lambda line: None)
+    assert summary.cached == [a[0].name] and summary.skipped == [a[1].name] and summary.ran == [b[0].name]
+    summary = cells_mod.run_cells(a[:2], str(tmp_path), stop_at=time.time() + 2000, log=lambda line: None)
+    assert summary.ran == [a[1].name] and not summary.skipped
+
+
 def claims_table(report: str) -> dict[str, str]:
     """``{claim id: verdict cell}`` from the claims table of report.md."""
     section = report.split("## Claims", 1)[1].split("\n## ", 1)[0]

@@ -330,6 +330,7 @@ def run_cells(
     device: str = "auto",
     deadline: float | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    stop_at: float | None = None,
 ) -> RunSummary:
     """Run every cell of ``cells`` that has not finished in ``cells_dir``, each after its parent.
 
@@ -338,6 +339,11 @@ def run_cells(
     ``failed`` (or ``skipped``) with it when it fails (or is skipped).
     ``jobs > 1`` runs that many worker processes (spawned, each with ``cpu_count() // jobs`` torch threads);
     ``deadline`` (a ``time.time()``) stops starting new cells once passed (the unstarted ones are ``skipped``).
+    ``stop_at`` (a ``time.time()``): when the caller will stop the run, killing what still runs. A cell starts only if
+    its siblings' longest wall time (:func:`sibling_key`: the same experiment, kind, model and setting at another
+    learning rate or seed, finished before or during this run), with a tenth more, fits before it; else it is
+    ``skipped``, so that no call spends its end on cells it will kill. A cell with no finished sibling is left to
+    ``deadline``.
     A cell that raises is reported in ``failed`` and left unfinished; the others go on.
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -361,6 +367,21 @@ def run_cells(
             need(cell)
     summary.cached = [cell.name for cell in cells if cell.name not in unfinished]
     total, waiting = len(todo), list(todo)
+    longest: dict[tuple[str, str, str], float] = {}  # sibling_key -> the longest finished wall time
+
+    def timed(cell: Cell, record: dict | None) -> None:
+        if record is not None and "wall_s" in record:
+            key = sibling_key(cell)
+            longest[key] = max(longest.get(key, 0.0), float(record["wall_s"]))
+
+    if stop_at is not None:
+        for cell in cells:
+            if cell.name not in unfinished:
+                timed(cell, load_cell(cells_dir, cell))
+
+    def fits(cell: Cell) -> bool:
+        estimate = longest.get(sibling_key(cell))
+        return stop_at is None or estimate is None or time.time() + 1.1 * estimate <= stop_at
 
     def done(cell: Cell, record: dict) -> None:
         unfinished.discard(cell.name)
@@ -370,6 +391,7 @@ def run_cells(
             log(record["error"])
             return
         summary.ran.append(cell.name)
+        timed(cell, record)
         log(f"[{len(summary.ran) + len(summary.failed)}/{total}] {cell.experiment} {cell.label}: {brief(record)}")
 
     def drop_orphans() -> None:
@@ -380,7 +402,7 @@ def run_cells(
             changed = False
             for cell in list(waiting):
                 parent = cell.parent.name if cell.parent is not None else None
-                if past or parent in summary.skipped:
+                if past or parent in summary.skipped or not fits(cell):
                     waiting.remove(cell)
                     unfinished.discard(cell.name)
                     summary.skipped.append(cell.name)
@@ -392,7 +414,7 @@ def run_cells(
 
     def next_ready() -> Cell | None:
         for cell in waiting:
-            if cell.parent is None or cell.parent.name not in unfinished:
+            if (cell.parent is None or cell.parent.name not in unfinished) and fits(cell):
                 waiting.remove(cell)
                 return cell
         return None
@@ -420,6 +442,12 @@ def run_cells(
                     done(running.pop(future), future.result())
     summary.wall_s = time.perf_counter() - t0
     return summary
+
+
+def sibling_key(cell: Cell) -> tuple[str, str, str]:
+    """What a cell shares with the cells whose wall time predicts its own: its experiment, kind, and label without the
+    learning rate and seed that sweeps append (``"{model} {setting} lr=… s…"``)."""
+    return cell.experiment, cell.kind, re.sub(r" lr=\S+ s\d+$", "", cell.label)
 
 
 def brief(record: dict) -> str:

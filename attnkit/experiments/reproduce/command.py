@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-minutes", type=float, default=0.0, help="start no cell after this many minutes (0: no limit)"
     )
+    parser.add_argument(
+        "--stop-minutes",
+        type=float,
+        default=0.0,
+        help="the run will be stopped after this many minutes: start no cell whose siblings took longer than what is "
+        "left (0: no such limit)",
+    )
     parser.add_argument("--list", action="store_true", help="list the cells and whether each has finished; run none")
     parser.add_argument(
         "--report-only",
@@ -66,6 +73,10 @@ def command_line(args: argparse.Namespace) -> str:
         words += ["--device", args.device]
     if args.resume:
         words.append("--resume")
+    if args.max_minutes > 0:
+        words += ["--max-minutes", f"{args.max_minutes:g}"]
+    if args.stop_minutes > 0:
+        words += ["--stop-minutes", f"{args.stop_minutes:g}"]
     if args.report_only:
         words.append("--report-only")
     return " ".join(shlex.quote(w) for w in words)
@@ -154,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     t0 = time.time()
     deadline = t0 + 60 * args.max_minutes if args.max_minutes > 0 else None
+    stop_at = t0 + 60 * args.stop_minutes if args.stop_minutes > 0 else None
     if args.report_only:  # a deadline already past: no cell starts, and the unfinished ones are left for later
         deadline = 0.0
     failed = 0
@@ -173,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
                 + (f" ({waiting} more wait for the cells they follow)" if waiting else ""),
                 file=sys.stderr,
             )
-            summary.merge(run_cells(new, cells_dir, args.jobs, args.device, deadline))
+            summary.merge(run_cells(new, cells_dir, args.jobs, args.device, deadline, stop_at=stop_at))
         failed += len(summary.failed)
         cells, records = declared_cells(experiments, cells_dir)
         results = {
