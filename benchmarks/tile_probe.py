@@ -14,7 +14,10 @@ backward), bf16 operands and float32 accumulation, at each launch of :data:`FWD`
 - backward: a program per (key tile of ``BN`` rows, head) walks the query tiles (``BM`` rows): ``P`` from the saved
   log-sum-exp, ``dS = P (dP − Δ)``, ``dV``, ``dK`` kept, ``dQ`` by float32 atomic adds (FlashAttention-2's, and the
   sweep's); query-major (``S`` as ``BM × BN``, the sweep's orientation today) or key-major (``Sᵀ`` as ``BN × BM``,
-  FlashAttention-2's Triton orientation, no transposes for ``dV`` and ``dK``).
+  FlashAttention-2's Triton orientation, no transposes for ``dV`` and ``dK``);
+- the backward's ``dQ`` alone (:data:`DQ`): a program per (query tile, head) walks the key tiles with ``S`` and ``dP``
+  recomputed and no atomics (FlashAttention-2's Triton ``dQ`` kernel), which with a "no dQ" row is the other way to
+  the gradient.
 
 Each launch is first held to a float32 PyTorch reference at a small size, then timed by ``do_bench`` (median) with
 SDPA (flash) on the same shapes in the same run. Prints a table (TFLOP/s, fastest first) and writes JSON.
@@ -52,6 +55,10 @@ BWD = [
     (False, 64, 64, 4, 1, False), (True, 64, 64, 4, 2, False), (True, 128, 64, 8, 2, False),
     (True, 128, 32, 4, 2, False),
 ]  # fmt: skip
+# (BM query rows, BN key rows, num_warps, num_stages) of the backward's dQ alone, query-major, no atomics
+# (FlashAttention-2's Triton dQ kernel: S and dP recomputed, three products a pair): with a "no dQ" row of BWD, the
+# other way to the gradient than the atomics
+DQ = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2), (128, 32, 4, 2)]
 
 
 @triton.jit
@@ -123,6 +130,31 @@ def bwd_probe_kernel(
     tl.store(dv + p_cols, b_dv)
 
 
+@triton.jit
+def dq_probe_kernel(
+    q, k, v, do, lse, delta, dq, T, scale, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr
+):  # fmt: skip
+    """One (query tile, head) of the attention backward's ``dq`` (float32, written), walking the key tiles."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_d = tl.arange(0, D)
+    rows = i_b.to(tl.int64) * T + i_m * BM + tl.arange(0, BM)
+    p_rows = rows[:, None] * (H * D) + i_h * D + o_d[None, :]
+    b_q = tl.load(q + p_rows)
+    b_do = tl.load(do + p_rows)
+    b_lse = tl.load(lse + rows * H + i_h)
+    b_delta = tl.load(delta + rows * H + i_h)
+    b_dq = tl.zeros([BM, D], dtype=tl.float32)
+    for j in range(0, T, BN):
+        cols = i_b.to(tl.int64) * T + j + tl.arange(0, BN)
+        b_k = tl.load(k + cols[:, None] * (H * D) + i_h * D + o_d[None, :])
+        b_v = tl.load(v + cols[:, None] * (H * D) + i_h * D + o_d[None, :])
+        b_p = tl.exp(tl.dot(b_q, tl.trans(b_k)) * scale - b_lse[:, None])
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v)) - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    tl.store(dq + p_rows, b_dq * scale)
+
+
 def inputs(B: int, T: int, H: int, D: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(0)
     x = {n: (torch.randn(B, T, H, D, generator=g) * (0.5 if n in "qk" else 1.0)) for n in ("q", "k", "v", "do")}
@@ -165,6 +197,16 @@ def run_bwd(x, lse, delta, scale, key_major, BN, BM, warps, stages, atomics):
     return dq, dk, dv
 
 
+def run_dq(x, lse, delta, scale, BM, BN, warps, stages):
+    B, T, H, D = x["q"].shape
+    dq = torch.empty(x["q"].shape, dtype=torch.float32, device=x["q"].device)
+    dq_probe_kernel[(T // BM, B * H)](
+        x["q"], x["k"], x["v"], x["do"], lse, delta, dq, T, scale, H=H, D=D, BM=BM, BN=BN, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return dq
+
+
 def check(device: str, dtype: torch.dtype, T: int, H: int, D: int) -> dict[str, float]:
     """Largest error of each launch from the float32 reference at ``B = 1``: ``{label: error}``."""
     x = inputs(1, T, H, D, device, dtype)
@@ -177,11 +219,17 @@ def check(device: str, dtype: torch.dtype, T: int, H: int, D: int) -> dict[str, 
         dq, dk, dv = run_bwd(x, ref["lse"], ref["delta"], scale, key_major, BN, BM, warps, stages, atomics)
         errs = [rel_rms(dk, ref["dk"]), rel_rms(dv, ref["dv"])] + ([rel_rms(dq, ref["dq"])] if atomics else [])
         errors[bwd_label(key_major, BN, BM, warps, stages, atomics)] = max(errs)
+    for launch in DQ:
+        errors[dq_label(*launch)] = rel_rms(run_dq(x, ref["lse"], ref["delta"], scale, *launch), ref["dq"])
     return errors
 
 
 def fwd_label(BM, BN, warps, stages) -> str:
     return f"fwd BM={BM} BN={BN} warps={warps} stages={stages}"
+
+
+def dq_label(BM, BN, warps, stages) -> str:
+    return f"bwd dQ alone BM={BM} BN={BN} warps={warps} stages={stages}"
 
 
 def bwd_label(key_major, BN, BM, warps, stages, atomics) -> str:
@@ -248,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     for key_major, BN, BM, warps, stages, atomics in BWD:
         launch = (key_major, BN, BM, warps, stages, atomics)
         timed(bwd_label(*launch), lambda launch=launch: run_bwd(x, lse, delta, scale, *launch), 2.5 * flops)
+    for launch in DQ:  # three of the backward's five products: 1.5 forward's FLOPs
+        timed(dq_label(*launch), lambda launch=launch: run_dq(x, lse, delta, scale, *launch), 1.5 * flops)
     result.update(environment=environment(torch.device(device)), shape=dict(B=B, T=T, H=H, D=D), rows=rows)
     if args.out:
         write_json(args.out, result)

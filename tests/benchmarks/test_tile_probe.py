@@ -12,6 +12,7 @@ from benchmarks import tile_probe
 def test_every_launch_matches_the_reference():
     result = tile_probe.main(["--device", "cpu"])
     labels = [tile_probe.fwd_label(*row) for row in tile_probe.FWD] + [tile_probe.bwd_label(*r) for r in tile_probe.BWD]
+    labels += [tile_probe.dq_label(*row) for row in tile_probe.DQ]
     assert sorted(result["errors"]) == sorted(labels)
     assert all(error < 2e-3 for error in result["errors"].values()), result["errors"]
 
