@@ -9,13 +9,14 @@
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [prepare] [deltastate] [foxtune]
-#                              [pathsmall]
+#                              [pathsmall] [tileprobe]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
 #   `pathcarry pathprof`; `pathsolve pathgrid`; `pathspan pathvs`; `pathtune vlalong`; `vlalong pathprof decode`;
 #   `pathacc pathsuper`; `pathvs` alone;
-#   `pathgrid` alone; `train` alone; `pathsmall` alone; `foxtests fox`; `lineartests linear`; `prepare`; `deltastate`
+#   `pathgrid` alone; `train` alone; `pathsmall` alone; `tileprobe pathlocal` (LOCAL_PICK="default;sweep dq");
+#   `foxtests fox`; `lineartests linear`; `prepare`; `deltastate`
 #   (TRAIN_SEQ_LENS=4096 for one length).
 #
 # Wheels the machine lacks travel in .whl/ (see the device README): transformers >= 5.24 for `import attnkit`,
@@ -158,6 +159,10 @@ for step in $steps; do
             # the forward took 1.6x SDPA's time in the thirteenth session)
             timeout ${FOXTUNE_LIMIT:-240} python3 benchmarks/fox_tune.py --seq-lens ${FOXTUNE_SEQ_LENS:-8192} \
                 --head-dims ${FOXTUNE_DIMS:-64} --out "$OUT" > "$OUT/foxtune.log" 2>&1 ;;
+        tileprobe)  # FlashAttention's forward and backward loops alone at each tile shape, warps and stages, and the
+            # backward's dQ alone, against SDPA flash (the twenty-sixth session's H100 run: tile_probe_session26_h100)
+            timeout ${TILEPROBE_LIMIT:-200} python3 benchmarks/tile_probe.py --seq-len ${TILEPROBE_SEQ_LEN:-4096} \
+                --head-dim ${TILEPROBE_DIM:-64} --out "$OUT/tile_probe.json" > "$OUT/tileprobe.log" 2>&1 ;;
         fox)  # FoX forward and forward+backward against SDPA and FLA's parallel_forgetting_attn (issue 17's bar)
             timeout 300 python3 benchmarks/ops.py --ops fox --impls sdpa fox_triton fla_parallel_forgetting_attn \
                 --seq-lens 2048 8192 32768 --out "$OUT" --name ops_fox_h200 > "$OUT/fox.log" 2>&1 ;;
@@ -381,7 +386,7 @@ else
     du -ch "$OUT"/triton_cache.tar.* | tail -1
 fi
 rm -f "$CACHE_MARK"
-for log in fox foxtune linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
+for log in tileprobe fox foxtune linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
     pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
