@@ -246,6 +246,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    # the kernels take whole tiles, unmasked: every length a multiple of the widest tile
+    widest = max(max(row[0], row[1]) for row in FWD + DQ)
+    if args.seq_len < widest or args.seq_len % widest:
+        parser.error(f"--seq-len: expected a positive multiple of {widest}, got {args.seq_len}")
+    if args.head_dim < 16 or args.head_dim & (args.head_dim - 1):
+        parser.error(f"--head-dim: expected a power of two from 16, got {args.head_dim}")
+    if args.batch < 1 or args.heads < 1:
+        parser.error(f"--batch, --heads: expected positive integers, got {args.batch}, {args.heads}")
     device = args.device
     if device == "cpu" and not interpreting():
         parser.error("--device cpu runs the kernels under TRITON_INTERPRET=1")

@@ -25,3 +25,13 @@ def test_reference_gradients_are_autograds():
     p = torch.exp(q @ k.transpose(-1, -2) * 0.5 - ref["lse"].transpose(1, 2)[..., None])
     ds = p * (do @ v.transpose(-1, -2) - ref["delta"].transpose(1, 2)[..., None])
     torch.testing.assert_close((ds.transpose(-1, -2) @ q * 0.5).transpose(1, 2), ref["dk"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--seq-len", "100"], "--seq-len"), (["--head-dim", "48"], "--head-dim"), (["--heads", "0"], "--heads")],
+)
+def test_shapes_the_unmasked_kernels_cannot_take_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tile_probe.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
