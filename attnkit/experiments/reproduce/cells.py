@@ -360,24 +360,23 @@ def run_cells(
         unfinished.add(cell.name)
         todo.append(cell)
 
-    unfinished: set[str] = set()
-    cells = list(cells)
-    for cell in cells:
-        if not is_finished(cells_dir, cell):
-            need(cell)
-    summary.cached = [cell.name for cell in cells if cell.name not in unfinished]
-    total, waiting = len(todo), list(todo)
     longest: dict[tuple[str, str, str], float] = {}  # sibling_key -> the longest finished wall time
 
-    def timed(cell: Cell, record: dict | None) -> None:
-        if record is not None and "wall_s" in record:
+    def timed(cell: Cell, record: dict) -> None:
+        if "wall_s" in record:
             key = sibling_key(cell)
             longest[key] = max(longest.get(key, 0.0), float(record["wall_s"]))
 
-    if stop_at is not None:
-        for cell in cells:
-            if cell.name not in unfinished:
-                timed(cell, load_cell(cells_dir, cell))
+    unfinished: set[str] = set()
+    cells = list(cells)
+    for cell in cells:
+        record = load_cell(cells_dir, cell)  # is_finished's read, kept for the siblings' wall times
+        if record is None:
+            need(cell)
+        else:
+            timed(cell, record)
+    summary.cached = [cell.name for cell in cells if cell.name not in unfinished]
+    total, waiting = len(todo), list(todo)
 
     def fits(cell: Cell) -> bool:
         estimate = longest.get(sibling_key(cell))
