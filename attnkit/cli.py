@@ -118,6 +118,7 @@ def _add_train_arguments(p: argparse.ArgumentParser, single_mixer: bool) -> None
     add("--no-bf16", action="store_true", help="float32 on GPU: no bf16 autocast (nor FSDP2's bf16 parameters)")
     add("--distributed", choices=["ddp", "fsdp"], help="mode under torchrun", default=d.distributed)
     add("--compile", action="store_true", help="torch.compile the model for the training steps")
+    add("--cuda-graph", action="store_true", help="on GPU: replay forward+backward as CUDA graphs (small models)")
     add("--grad-checkpointing", action="store_true", help="recompute activations in the backward (less memory)")
     add("--eval-every", type=int, help="evaluate every N steps (0: at the end)", default=d.eval_every)
     add("--eval-batch-size", type=int, help="evaluation chunk size", default=d.eval_batch_size)

@@ -1,7 +1,7 @@
 """How fast `attnkit reproduce` cells train on one GPU, alone and several at once (issue 20's budget).
 
     python benchmarks/repro_throughput.py CELL [CELL ...] [--steps 300] [--procs 1 8 16] [--profile]
-        [--compile] [--out FILE]
+        [--compile] [--cuda-graph] [--out FILE]
 
 Each CELL is a finished cell record (``reports/<paper>/cells/*.json``) or ``PAPER:PATTERN``, the first full-scale
 training cell of ``attnkit reproduce PAPER`` whose name matches the fnmatch ``PATTERN`` (``tapa:zero_shot-tapa_*``),
@@ -13,7 +13,8 @@ milliseconds a step and the steps a second of all of them together, which divide
 time a step (the difference of a run of 20 steps and one of 40, so that the run's fixed costs cancel): the GPU's
 floor for that step when nothing else shares the GPU (the twenty-fifth session's numbers, from one run of 20 steps,
 include the final evaluation's kernels). ``--compile`` trains every config
-under ``torch.compile`` (``TrainConfig.compile``; its compile is in the untimed warm-up).
+under ``torch.compile`` (``TrainConfig.compile``; its compile is in the untimed warm-up), ``--cuda-graph`` with its
+forward and backward replayed as CUDA graphs (``TrainConfig.cuda_graph``; captured at each run's first step).
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile each model")
+    parser.add_argument("--cuda-graph", action="store_true", help="forward+backward as CUDA graphs (TrainConfig)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    configs = [(Path(c).name, {**_config(c, args.steps), "compile": args.compile}) for c in args.cells]
+    options = {"compile": args.compile, "cuda_graph": args.cuda_graph}
+    configs = [(Path(c).name, {**_config(c, args.steps), **options}) for c in args.cells]
     rows = []
     if args.profile:
         for name, config in configs:
@@ -160,6 +163,7 @@ def main() -> None:
                 {
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     "torch": torch.__version__,
+                    "options": options,
                     "rows": rows,
                 },
                 indent=2,

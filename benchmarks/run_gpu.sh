@@ -9,7 +9,7 @@
 #                              [vlaacc] [vlaprof] [path] [pathgrid] [pathacc] [pathbwd] [pathsuper] [pathprof] [pathtune] [pathcarry]
 #                              [pathlocal] [pathvs] [pathsolve] [pathspan] [train] [decode] [tune] [foxtests] [fox] [tapaseries]
 #                              [reproduce] [mixertests] [pathcheck] [lineartests] [linear] [prepare] [deltastate] [foxtune]
-#                              [pathsmall] [tileprobe]
+#                              [pathsmall] [tileprobe] [graphs]
 #   (default: vlatests vlaprof vla vlaacc). Calls that fit 10 minutes: `flex` alone; `vlatests vlaprof vla vlaacc`;
 #   `tests vlaseq decode`; `tapa tapaacc tune`; `tapaseries` alone; `path` alone; `pathtests` alone; `reproduce` alone
 #   (issue 20's full-scale reports, a piece a call: see the step);
@@ -306,6 +306,23 @@ for step in $steps; do
             timeout 90 python3 benchmarks/decode.py --out "$OUT" --name decode_h200 > "$OUT/decode.log" 2>&1 ;;
         tune)
             timeout 400 python3 benchmarks/tapa_tune.py --out "$OUT" > "$OUT/tune.log" 2>&1 ;;
+        graphs)  # issue 20: training steps replayed as CUDA graphs (TrainConfig.cuda_graph): their GPU test, then three
+            # reproduction cells' steps with and without graphs, in 1 and 16 processes under MPS (as `reproduce` runs
+            # them; the twenty-fifth session's eager steps: 10.8 ms alone, 957 steps/s in 16 processes)
+            timeout ${GRAPHS_TEST_LIMIT:-200} python3 -m pytest -v -x tests/train/test_cuda_graph.py \
+                > "$OUT/graphs_tests.log" 2>&1
+            echo "== pytest exited $?" >> "$OUT/graphs_tests.log"
+            grep -E "PASSED|FAILED|ERROR|passed|failed|exited" "$OUT/graphs_tests.log" | tail -14
+            cells=(reports/vla/cells/mqar-vla_n8_lr=0.01_s1-*.json reports/vla/cells/mqar-softmax_n4_lr=0.001_s0-*.json
+                   reports/vla/cells/mqar-deltanet_n4_lr=0.01_s0-*.json)
+            export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+            mkdir -p /tmp/mps /tmp/mps_log && nvidia-cuda-mps-control -d && echo "MPS started" >> "$OUT/graphs.log"
+            for graph in "" --cuda-graph; do
+                timeout ${GRAPHS_LIMIT:-150} python3 benchmarks/repro_throughput.py "${cells[@]}" --procs ${GRAPHS_PROCS:-1 16} \
+                    $graph --out "$OUT/repro_throughput${graph:+_graphs}.json" >> "$OUT/graphs.log" 2>&1
+            done
+            echo quit | nvidia-cuda-mps-control
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
         reproduce)  # issue 20: `attnkit reproduce ${REPRO_PAPERS:-vla} --scale full`, a piece a call. Its cells (a
             # JSON file each) and report live in reports/<paper>/, which travels with the tree; REPRO_CACHE names a
             # tarball this step returned, unpacked there first when the tree lacks it. The models are tiny and
@@ -387,7 +404,7 @@ else
 fi
 rm -f "$CACHE_MARK"
 for log in tileprobe fox foxtune linear tapa tapaacc vlaprof vla vlalong vlaseq vlaacc path pathvs pathgrid pathacc pathbwd pathsuper pathprof pathtune \
-    pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce; do
+    pathlocal pathcarry pathsolve pathspan train flex decode tune tapaseries reproduce graphs; do
     [ -f "$OUT/$log.log" ] && { echo "== $log"; tail -45 "$OUT/$log.log"; }
 done
 exit 0

@@ -39,6 +39,7 @@ class TrainConfig:
     distributed: str = "ddp"  # "ddp" or "fsdp" when launched by torchrun
     init_from: str | None = None  # start from this saved attnkit model folder (a run folder, a from_llama save)
     compile: bool = False  # torch.compile the model for the training steps
+    cuda_graph: bool = False  # on GPU: forward+backward replayed as CUDA graphs (fixed shapes; not under torchrun)
     grad_checkpointing: bool = False  # recompute activations in the backward pass (less memory, same gradients)
     eval_every: int = 0  # 0: evaluate at the end only
     eval_batch_size: int = 64
@@ -98,6 +99,7 @@ RESUMABLE_FIELDS = frozenset(
         "quiet",
         "grad_accum",  # the global batch, and so the gradient, stays the same
         "compile",
+        "cuda_graph",  # replays the same kernels
         "grad_checkpointing",  # recomputes the same activations
         "tensorboard",
     }
@@ -210,7 +212,8 @@ def _validate(c: TrainConfig) -> None:
     _int("log_every", c.log_every, 1)
     _int("checkpoint_every", c.checkpoint_every, 0, note=" (0: at the end only)")
     _int("stop_at", c.stop_at, 0, c.steps, note=" (0: run to steps)")
-    for name in ("bf16", "resume", "overwrite", "profile", "quiet", "compile", "grad_checkpointing", "tensorboard"):
+    flags = ("bf16", "resume", "overwrite", "profile", "quiet", "compile", "cuda_graph", "grad_checkpointing")
+    for name in (*flags, "tensorboard"):
         if not isinstance(getattr(c, name), bool):
             raise ValueError(f"{name}: expected True or False, got {getattr(c, name)!r}")
     if c.out is not None and (not isinstance(c.out, str) or not c.out):
@@ -220,6 +223,9 @@ def _validate(c: TrainConfig) -> None:
 
         if not AttnKitForCausalLM.supports_gradient_checkpointing:
             raise ValueError("grad_checkpointing: this version of the attnkit model does not support it")
+    if c.cuda_graph and (c.compile or c.grad_checkpointing or c.grad_accum != 1):
+        other = "compile" if c.compile else "grad_checkpointing" if c.grad_checkpointing else "grad_accum > 1"
+        raise ValueError(f"cuda_graph: not with {other} (a graphed step is one micro-batch, captured eagerly)")
     if c.tensorboard and c.out is None:
         raise ValueError("tensorboard: needs a run folder (out) to write its event files into")
     if c.tensorboard and importlib.util.find_spec("tensorboard") is None:

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -35,6 +36,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig, resume_mismatches
 from .distributed import setup_distributed
+from .graphed import graphed_loss_sum
 from .hf_folder import RUN_CONFIG_NAME, load_saved_model, saved_model_config, write_hf_config, write_hf_model
 from .progress import RunProgress, format_profile
 from .sharded import load_sharded, save_sharded
@@ -231,12 +233,14 @@ def forward_backward(
     grad_accum: int = 1,
     autocast: contextlib.AbstractContextManager | None = None,
     sync_model: torch.nn.Module | None = None,
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one rank's batch ``x, y [b, T]`` in ``grad_accum`` equal micro-batches.
 
     The loss of a micro-batch is ``loss_scale`` times the sum of its token losses, so the accumulated
     gradient is the one of the whole batch. Under DDP or FSDP (``sync_model``, the wrapped model; ``forward``
-    may be its compiled form) only the last backward all-reduces. Returns the detached total loss (float32).
+    may be its compiled form) only the last backward all-reduces. ``loss_sum`` (``graphed.graphed_loss_sum``)
+    replaces the forward and the summed loss of a micro-batch. Returns the detached total loss (float32).
     """
     if x.shape[0] % grad_accum:
         raise ValueError(f"grad_accum: {grad_accum} micro-batches do not divide a rank's batch of {x.shape[0]}")
@@ -246,9 +250,14 @@ def forward_backward(
         rows = slice(i * micro, (i + 1) * micro)
         with _gradient_sync(sync_model or forward, i == grad_accum - 1):
             with autocast or contextlib.nullcontext():
-                logits = forward(input_ids=x[rows], use_cache=False).logits
-            flat = logits.float().flatten(0, 1)
-            loss = F.cross_entropy(flat, y[rows].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") * loss_scale
+                if loss_sum is not None:
+                    summed = loss_sum(x[rows], y[rows])
+                else:
+                    logits = forward(input_ids=x[rows], use_cache=False).logits
+            if loss_sum is None:
+                flat = logits.float().flatten(0, 1)
+                summed = F.cross_entropy(flat, y[rows].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = summed * loss_scale
             loss.backward()
         total += loss.detach()
     return total
@@ -315,7 +324,12 @@ def train(config: TrainConfig) -> TrainResult:
         betas=(0.9, 0.95),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
+    graphs = config.cuda_graph and device.type == "cuda"
+    if graphs and info.enabled:
+        raise ValueError("cuda_graph: not under torchrun (DDP and FSDP2 all-reduce inside the backward)")
+    # make_graphed_callables captures under autocast only without its cache of cast weights
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=not graphs)
+    loss_sum = None  # the graphed forward and loss (graphed.py), captured at the first step's batch
 
     out = config.out
     if out and info.is_main:
@@ -472,7 +486,11 @@ def train(config: TrainConfig) -> TrainResult:
             sync()
         t1 = time.perf_counter()
 
-        loss = forward_backward(forward, x, y, world / max(n_scored, 1), config.grad_accum, autocast, model)
+        if graphs and loss_sum is None:
+            loss_sum = graphed_loss_sum(raw_model, x, y, autocast)
+        loss = forward_backward(
+            forward, x, y, world / max(n_scored, 1), config.grad_accum, autocast, model, loss_sum=loss_sum
+        )
         if config.profile:
             sync()
         t2 = time.perf_counter()

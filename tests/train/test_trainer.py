@@ -157,6 +157,7 @@ BAD_VALUES = {
     "distributed": ["deepspeed"],
     "init_from": ["", 3, "/no/such/folder", "."],  # "." holds no config.json
     "compile": ["yes"],
+    "cuda_graph": ["yes", 1],
     "grad_checkpointing": [1],
     "eval_every": [-1],
     "eval_batch_size": [0, -1],

@@ -197,9 +197,13 @@ def _keep_model(run_dir: str, target: str) -> None:
     os.replace(tmp, target)
 
 
-def _run_train(params: dict, device: str, init_from: str | None = None, keep: str | None = None) -> dict:
+def _run_train(
+    params: dict, device: str, init_from: str | None = None, keep: str | None = None, cuda_graph: bool = False
+) -> dict:
     """Train and evaluate ``params["config"]``, starting from the model saved in ``init_from`` (converted first
-    when ``params["convert"]`` names another mixer) and keeping the final model in ``keep``."""
+    when ``params["convert"]`` names another mixer) and keeping the final model in ``keep``; ``cuda_graph``: its
+    steps as CUDA graphs where the config allows them (``TrainConfig.cuda_graph``: the same training, faster for
+    the small models; not part of the cell's identity)."""
     from ...tasks import get_task
     from ...train import NonFiniteLossError, TrainConfig, train
 
@@ -216,7 +220,9 @@ def _run_train(params: dict, device: str, init_from: str | None = None, keep: st
             converted = os.path.join(tmp, "converted")
             fresh = convert_model(init_from, converted, seed=params["config"]["seed"], **params["convert"])
             init_from, extra["converted"] = converted, {**params["convert"], "fresh": fresh}
-        config = TrainConfig(**params["config"], init_from=init_from, device=device, out=run_dir, quiet=True)
+        asked = params["config"]
+        graphs = cuda_graph and str(device).startswith("cuda") and graphable(asked)
+        config = TrainConfig(**asked, init_from=init_from, device=device, out=run_dir, quiet=True, cuda_graph=graphs)
         try:
             result = train(config)
         except NonFiniteLossError as err:
@@ -242,13 +248,20 @@ def _run_train(params: dict, device: str, init_from: str | None = None, keep: st
         "train_wall_s": result.wall_time_s,
         "tokens_per_s": result.tokens_per_s,
         "parameters": sum(p.numel() for p in result.model.parameters()),
+        "cuda_graph": graphs,
         **extra,
     }
 
 
-def run_cell(cell: Cell, cells_dir: str, device: str = "auto") -> dict:
+def graphable(config: dict) -> bool:
+    """Whether a training config can take ``cuda_graph`` (``TrainConfig``'s refusals)."""
+    return not config.get("compile") and not config.get("grad_checkpointing") and config.get("grad_accum", 1) == 1
+
+
+def run_cell(cell: Cell, cells_dir: str, device: str = "auto", cuda_graph: bool = False) -> dict:
     """Run ``cell`` and write its record to ``cells_dir``; returns the record. A cell with a parent starts from the
-    parent's kept model, which must be there; a cell that keeps its model writes it before its record."""
+    parent's kept model, which must be there; a cell that keeps its model writes it before its record.
+    ``cuda_graph``: a training cell's steps as CUDA graphs on a GPU (:func:`_run_train`)."""
     from ...train.distributed import resolve_device
     from .probes import PROBES
 
@@ -264,7 +277,8 @@ def run_cell(cell: Cell, cells_dir: str, device: str = "auto") -> dict:
         identity["parent"] = {"name": cell.parent.name, "key": cell.parent.key}
     if cell.kind == "train":
         parent = model_dir(cells_dir, cell.parent) if cell.parent is not None else None
-        result = _run_train(cell.params, device, parent, model_dir(cells_dir, cell) if cell.keep else None)
+        keep = model_dir(cells_dir, cell) if cell.keep else None
+        result = _run_train(cell.params, device, parent, keep, cuda_graph)
     elif cell.kind in PROBES:
         result = {"status": "ok", **PROBES[cell.kind](**cell.params)}
     else:
@@ -295,9 +309,9 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _worker(cell: Cell, cells_dir: str, device: str) -> dict:
+def _worker(cell: Cell, cells_dir: str, device: str, cuda_graph: bool = False) -> dict:
     try:
-        return run_cell(cell, cells_dir, device)
+        return run_cell(cell, cells_dir, device, cuda_graph)
     except Exception:  # reported by the parent; the cell stays unfinished
         return {"error": traceback.format_exc(limit=4)}
 
@@ -331,6 +345,7 @@ def run_cells(
     deadline: float | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     stop_at: float | None = None,
+    cuda_graph: bool = False,
 ) -> RunSummary:
     """Run every cell of ``cells`` that has not finished in ``cells_dir``, each after its parent.
 
@@ -339,6 +354,7 @@ def run_cells(
     ``failed`` (or ``skipped``) with it when it fails (or is skipped).
     ``jobs > 1`` runs that many worker processes (spawned, each with ``cpu_count() // jobs`` torch threads);
     ``deadline`` (a ``time.time()``) stops starting new cells once passed (the unstarted ones are ``skipped``).
+    ``cuda_graph``: training cells replay their steps as CUDA graphs on a GPU (:func:`run_cell`).
     ``stop_at`` (a ``time.time()``): when the caller will stop the run, killing what still runs. A cell starts only if
     its siblings' longest wall time (:func:`sibling_key`: the same experiment, kind, model and setting at another
     learning rate or seed, finished before or during this run), with a tenth more, fits before it; else it is
@@ -424,7 +440,7 @@ def run_cells(
             cell = next_ready()
             if cell is None:
                 break
-            done(cell, _worker(cell, cells_dir, device))
+            done(cell, _worker(cell, cells_dir, device, cuda_graph))
     else:
         threads = max(1, cpu_count() // jobs)
         context = multiprocessing.get_context("spawn")
@@ -433,7 +449,7 @@ def run_cells(
             while waiting or running:
                 drop_orphans()
                 while len(running) < jobs and (cell := next_ready()) is not None:
-                    running[pool.submit(_worker, cell, cells_dir, device)] = cell
+                    running[pool.submit(_worker, cell, cells_dir, device, cuda_graph)] = cell
                 if not running:
                     break
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)

@@ -215,8 +215,11 @@ def check_rows_have_slots(name: str, empty_rows: int, what: str = "real slot") -
 
 def reads_data() -> bool:
     """Whether checks of preconditions on data (which read the device) run: in eager mode, yes; under
-    ``torch.compile`` they would break the graph (and CUDA graphs), so compiled callers are trusted."""
-    return not torch.compiler.is_compiling()
+    ``torch.compile`` they would break the graph, and while a CUDA graph is captured a read is an error, so compiled
+    and captured callers are trusted (``make_graphed_callables`` runs them eagerly, checked, before it captures)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 _DATA_CHECKED = contextvars.ContextVar("attnkit_data_checked", default=False)

@@ -1,0 +1,87 @@
+"""``TrainConfig.cuda_graph``: the forward and the summed loss replayed as CUDA graphs train what eager steps train.
+
+On a CPU the option changes nothing (graphs are a GPU's); the graphed step's split of the loss (``loss_sum``) is held
+to the trainer's own on any device, and the graphs themselves to eager steps on a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnkit.experiments.reproduce.cells import graphable
+from attnkit.train import TrainConfig, train
+from attnkit.train.graphed import _LossSum, graphed_loss_sum
+from attnkit.train.trainer import build_model, forward_backward
+
+from .test_trainer import params, tiny
+
+
+@pytest.mark.parametrize(
+    "other,named", [({"compile": True}, "compile"), ({"grad_checkpointing": True}, "grad_checkpointing"),
+                    ({"grad_accum": 2}, "grad_accum")],
+)  # fmt: skip
+def test_cuda_graph_refuses_what_a_graphed_step_cannot_hold(other, named):
+    with pytest.raises(ValueError, match=f"cuda_graph: not with {named}"):
+        TrainConfig(cuda_graph=True, **other)
+
+
+def test_reproduce_graphs_only_the_configs_that_allow_it():
+    assert graphable({"lr": 1e-3, "grad_accum": 1})
+    assert not graphable({"grad_accum": 2}) and not graphable({"compile": True})
+    assert not graphable({"grad_checkpointing": True})
+
+
+def test_loss_sum_gives_the_trainers_loss_and_gradients():
+    config = TrainConfig(task="flipflop", task_options={"seq_len": 16}, mixer="rope", hidden_size=16, num_heads=2)
+    torch.manual_seed(0)
+    model = build_model(config, vocab_size=8, max_len=16)
+    x = torch.randint(0, 8, (4, 16))
+    y = torch.where(torch.rand(4, 16) < 0.5, -100, torch.randint(0, 8, (4, 16)))
+    loss = forward_backward(model, x, y, 0.25)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    split = forward_backward(model, x, y, 0.25, loss_sum=_LossSum(model))
+    assert split.item() == pytest.approx(loss.item(), rel=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-6, atol=1e-7)
+
+
+def test_cuda_graph_is_a_no_op_on_a_cpu(tmp_path):
+    eager = train(tiny(tmp_path, "eager", steps=3))
+    graphed = train(tiny(tmp_path, "graphed", steps=3, cuda_graph=True))
+    assert graphed.loss == eager.loss
+    for k, v in params(eager.model).items():
+        assert torch.equal(params(graphed.model)[k], v)
+
+
+def test_graphed_loss_sum_needs_a_gpu_batch():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="cuda_graph: the batch is on cpu"):
+        graphed_loss_sum(model, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize(
+    "mixer,bf16", [("rope", True), ("rope", False), ("linear", True), ("deltanet", True), ("deltanet", False),
+                   ("vla", True), ("vla", False), ("path", True)],
+)  # fmt: skip
+def test_graphed_steps_train_what_eager_steps_train(tmp_path, mixer, bf16):
+    # MQAR in the VLA form, the reproduction's cells at a tenth of their width; the kernels' atomics may reorder sums,
+    # so the losses agree to rounding, step by step
+    def run(name: str, **graph):
+        config = tiny(tmp_path, name, task="mqar_vla", task_options={"num_kv_pairs": 4, "test_size": 64,
+                      "validation_size": 32}, mixer=mixer, hidden_size=64, num_layers=2, num_heads=4, steps=8,
+                      batch_size=32, lr=3e-3, device="cuda", bf16=bf16, **graph)  # fmt: skip
+        result = train(config)
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            losses = [e["loss"] for e in map(json.loads, f) if e["event"] == "train"]
+        return result, losses
+
+    eager, eager_losses = run("eager")
+    graphed, graphed_losses = run("graphed", cuda_graph=True)
+    assert len(graphed_losses) == 8
+    torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=2e-3, atol=0)
+    for k, v in params(eager.model).items():
+        torch.testing.assert_close(params(graphed.model)[k], v, rtol=2e-2, atol=2e-3)
