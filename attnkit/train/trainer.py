@@ -294,6 +294,8 @@ def train(config: TrainConfig) -> TrainResult:
     ranks do not split the batch.
     """
     # --- set-up: processes, device, task, model, optimizer -------------------------------------------------
+    if config.cuda_graph and (dist.is_initialized() or os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1")):
+        raise ValueError("cuda_graph: not under torchrun (DDP and FSDP2 all-reduce inside the backward)")
     owns_group = not dist.is_initialized()
     info = setup_distributed(config.device, config.batch_size, config.grad_accum)
     device, world, rank, local_batch = info.device, info.world_size, info.rank, info.local_batch
@@ -325,8 +327,6 @@ def train(config: TrainConfig) -> TrainResult:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
     graphs = config.cuda_graph and device.type == "cuda"
-    if graphs and info.enabled:
-        raise ValueError("cuda_graph: not under torchrun (DDP and FSDP2 all-reduce inside the backward)")
     # make_graphed_callables captures under autocast only without its cache of cast weights
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=not graphs)
     loss_sum = None  # the graphed forward and loss (graphed.py), captured at the first step's batch

@@ -85,3 +85,21 @@ def test_graphed_steps_train_what_eager_steps_train(tmp_path, mixer, bf16):
     torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=2e-3, atol=0)
     for k, v in params(eager.model).items():
         torch.testing.assert_close(params(graphed.model)[k], v, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_loss_sum_refuses_a_batch_of_another_shape():
+    config = TrainConfig(task="flipflop", task_options={"seq_len": 16}, mixer="rope", hidden_size=16, num_heads=2)
+    model = build_model(config, vocab_size=8, max_len=16).cuda()
+    x = torch.randint(0, 8, (4, 16), device="cuda")
+    loss_sum = graphed_loss_sum(model, x, x.clone(), torch.autocast("cuda", enabled=False, cache_enabled=False))
+    assert torch.isfinite(loss_sum(x, x))
+    with pytest.raises(ValueError, match=r"cuda_graph: a batch of shape \[2, 16\]"):
+        loss_sum(x[:2], x[:2])
+
+
+def test_cuda_graph_is_refused_under_torchrun_before_the_run_folder_is_touched(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="cuda_graph: not under torchrun"):
+        train(tiny(tmp_path, "run", cuda_graph=True))
+    assert not (tmp_path / "run").exists()
