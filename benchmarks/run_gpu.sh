@@ -319,6 +319,7 @@ for step in $steps; do
             mkdir -p /tmp/mps /tmp/mps_log && nvidia-cuda-mps-control -d && echo "MPS started" >> "$OUT/graphs.log"
             for graph in "" --cuda-graph; do
                 timeout ${GRAPHS_LIMIT:-150} python3 benchmarks/repro_throughput.py "${cells[@]}" --procs ${GRAPHS_PROCS:-1 16} \
+                    --steps ${GRAPHS_STEPS:-300} \
                     $graph --out "$OUT/repro_throughput${graph:+_graphs}.json" >> "$OUT/graphs.log" 2>&1
             done
             echo quit | nvidia-cuda-mps-control
