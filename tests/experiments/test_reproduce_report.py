@@ -135,3 +135,31 @@ def test_a_passkey_grid_is_tabled_by_length_and_depth():
     assert rows[0].endswith("| 0 | 0.1 | 0.2 | 0.3 | 0.4 | 0.5 | 0.6 | 0.7 | 0.8 | 0.9 | 1 |")
     assert rows[3].endswith(" | 0" * 11 + " |")
     assert not report._grid_lines(summarise(next(e for e in tapa.experiments("smoke") if e.name == "zero_shot"), {}))
+
+
+class _Table:
+    """A summarised MQAR sweep stand-in: ``stat(model, "n<N>")`` from ``means[model][N]`` with a spread."""
+
+    def __init__(self, means: dict[str, dict[int, float]], spread: float = 0.01):
+        self.means, self.spread = means, spread
+
+    def stat(self, model: str, setting: str) -> Stat:
+        return Stat(self.means[model][int(setting[1:])], self.spread, 2)
+
+
+def test_mqar_claims_say_where_ours_differ_from_the_repository_table_and_which_way():
+    ns = (4, 8, 12, 16, 24)
+    published = {m: dict(zip(ns, v)) for m, v in vla.MQAR_REPOSITORY.items()}
+    claims = {c.id: c for c in vla.CLAIMS}
+    agree = {"mqar": _Table(published)}
+    assert claims["V1"].differs(agree) == "" and claims["V2"].differs(agree) == ""
+    deltanet = {**published["deltanet"], 8: 0.18, 24: 0.10}  # below at n8, above at n24
+    note = claims["V2"].differs({"mqar": _Table({**published, "deltanet": deltanet})})
+    assert "above the repository's table at n24 0.10 against 0.01" in note and vla.MQAR_CAUSE in note
+    assert "below it at n8 0.18 against 0.73" in note and vla.MQAR_BELOW in note and "n4" not in note
+    # within the spread is agreement
+    wide = {**published, "deltanet": {**published["deltanet"], 8: 0.5}}
+    assert claims["V2"].differs({"mqar": _Table(wide, spread=0.3)}) == ""
+    outcome_row = report._difference(claims["V1"], agree)
+    assert outcome_row == ". Ours agree with the published numbers"
+    assert report._difference(claims["V1"], {}).startswith(". Where ours differ from the published numbers: ")

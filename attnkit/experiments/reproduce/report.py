@@ -18,8 +18,8 @@ import torch
 from ..output import write_json
 from .cells import cpu_count
 from .probes import ProbeResult
-from .sweep import Missing, Stat, SweepResult
-from .verdicts import Outcome
+from .sweep import Diverged, Missing, Stat, SweepResult
+from .verdicts import Claim, Outcome
 
 
 def environment() -> dict[str, Any]:
@@ -322,6 +322,21 @@ def _stat_json(obj: Any) -> Any:
     return obj
 
 
+def _difference(claim: Claim, results: dict[str, SweepResult | ProbeResult]) -> str:
+    """The sentence after a decided claim's verdict: where ours differ from the published numbers and why
+    (``claim.differs``, which holds ours to a published table, else ``claim.cause``), or that they agree."""
+    if claim.differs is not None:
+        try:
+            where = claim.differs(results)
+        except (Missing, Diverged, KeyError):  # a cell it reads has not run, or diverged: the general cause
+            where = None
+        if where == "":
+            return ". Ours agree with the published numbers"
+        if where:
+            return f". Ours differ from the published numbers: {where}"
+    return f". Where ours differ from the published numbers: {claim.cause}" if claim.cause else ""
+
+
 def write_report(
     folder: str,
     paper: Any,
@@ -359,8 +374,8 @@ def write_report(
         budget = "; ".join(budgets[e] for e in claim.experiments if e in budgets)
         ours = o.ours + (f" ({budget})" if budget and o.ours != "—" else "")
         verdict = f"**{o.verdict}**: {o.reason}"
-        if o.verdict != "NOT RUN" and claim.cause:
-            verdict += f". Where ours differ from the published numbers: {claim.cause}"
+        if o.verdict != "NOT RUN":
+            verdict += _difference(claim, results)
         lines.append(
             f"| {claim.id} | {_cell(claim.claim)} | {_cell(claim.published)} | {_cell(ours)} | {_cell(verdict)} |"
         )

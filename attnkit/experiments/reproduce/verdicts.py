@@ -30,7 +30,10 @@ Decision = tuple[str, str, str]  # verdict, reason, ours
 class Claim:
     """One published claim. ``experiments``: the experiments ``decide`` reads (their budgets are shown beside our
     numbers); ``decide=None`` with ``not_run`` (the reason) for a claim we cannot run; ``trained``: the numbers
-    come from trained models (so the seed rule applies); ``cause``: the likely cause when ours differ."""
+    come from trained models (so the seed rule applies); ``cause``: the likely cause when ours differ; ``differs``,
+    where the published numbers are a table ours can be held to: ``differs(results)`` is ``""`` where ours agree
+    with it, else a sentence naming where they differ and the likely cause (the report then shows it in place of
+    ``cause``)."""
 
     id: str
     claim: str
@@ -41,6 +44,7 @@ class Claim:
     not_run: str = ""
     trained: bool = True
     cause: str = ""
+    differs: Callable[[dict[str, Any]], str] | None = None
 
     def __post_init__(self) -> None:
         if self.decide is None and not self.not_run:
