@@ -223,8 +223,8 @@ def _validate(c: TrainConfig) -> None:
 
         if not AttnKitForCausalLM.supports_gradient_checkpointing:
             raise ValueError("grad_checkpointing: this version of the attnkit model does not support it")
-    if c.cuda_graph and (c.compile or c.grad_checkpointing or c.grad_accum != 1):
-        other = "compile" if c.compile else "grad_checkpointing" if c.grad_checkpointing else "grad_accum > 1"
+    other = cuda_graph_conflict(vars(c))
+    if c.cuda_graph and other:
         raise ValueError(f"cuda_graph: not with {other} (a graphed step is one micro-batch, captured eagerly)")
     if c.tensorboard and c.out is None:
         raise ValueError("tensorboard: needs a run folder (out) to write its event files into")
@@ -234,6 +234,15 @@ def _validate(c: TrainConfig) -> None:
         raise ValueError(f"{'resume' if c.resume else 'overwrite'}: needs a run folder (out)")
     if c.resume and c.overwrite:
         raise ValueError("resume, overwrite: pass one of them, not both")
+
+
+def cuda_graph_conflict(config: dict[str, Any]) -> str | None:
+    """The setting of a config (TrainConfig's fields, or some of them) that ``cuda_graph`` cannot take, if any."""
+    if config.get("compile"):
+        return "compile"
+    if config.get("grad_checkpointing"):
+        return "grad_checkpointing"
+    return "grad_accum > 1" if config.get("grad_accum", 1) != 1 else None
 
 
 def _cuda_available() -> bool:

@@ -51,6 +51,11 @@ def _env_int(name: str, default: int, low: int) -> int:
     return value
 
 
+def world_size_from_env() -> int:
+    """torchrun's ``WORLD_SIZE`` (1 when unset; ``LaunchError`` when it is no integer >= 1)."""
+    return _env_int("WORLD_SIZE", 1, 1)
+
+
 def local_batch_size(batch_size: int, world_size: int, grad_accum: int = 1) -> int:
     """The rows of the global batch ``batch_size`` that each of ``world_size`` ranks takes; a world size that does
     not divide the global batch is refused (the ranks would train on a different batch than one process does), as
@@ -76,7 +81,7 @@ def setup_distributed(device: str, batch_size: int, grad_accum: int = 1) -> Dist
     ``grad_accum`` micro-batches (:func:`local_batch_size`), which is checked, with torchrun's variables, before
     any process group is joined: ``LaunchError`` (a ``ValueError``) otherwise."""
     kind = resolve_device(device)
-    world_size = _env_int("WORLD_SIZE", 1, 1)
+    world_size = world_size_from_env()
     rank = _env_int("RANK", 0, 0)
     local_rank = _env_int("LOCAL_RANK", 0, 0)
     if rank >= world_size:

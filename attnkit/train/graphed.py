@@ -11,11 +11,19 @@ computes what an eager run computes; it only needs the step's shapes to stay fix
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..tasks import IGNORE_INDEX
+
+
+def token_loss_sum(forward: Callable[..., Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The summed loss of the scored tokens of a batch ``x, y [b, T]`` (float32) under the model ``forward``: the
+    trainer's loss, eager or in a graph."""
+    logits = forward(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class _LossSum(torch.nn.Module):
@@ -26,8 +34,7 @@ class _LossSum(torch.nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=x, use_cache=False).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return token_loss_sum(self.model, x, y)
 
 
 def graphed_loss_sum(

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..tasks import IGNORE_INDEX, get_task, make_generator
 from .checkpoint import (
@@ -35,8 +34,8 @@ from .checkpoint import (
     write_text_atomic,
 )
 from .config import TrainConfig, resume_mismatches
-from .distributed import setup_distributed
-from .graphed import graphed_loss_sum
+from .distributed import setup_distributed, world_size_from_env
+from .graphed import graphed_loss_sum, token_loss_sum
 from .hf_folder import RUN_CONFIG_NAME, load_saved_model, saved_model_config, write_hf_config, write_hf_model
 from .progress import RunProgress, format_profile
 from .sharded import load_sharded, save_sharded
@@ -253,10 +252,7 @@ def forward_backward(
                 if loss_sum is not None:
                     summed = loss_sum(x[rows], y[rows])
                 else:
-                    logits = forward(input_ids=x[rows], use_cache=False).logits
-            if loss_sum is None:
-                flat = logits.float().flatten(0, 1)
-                summed = F.cross_entropy(flat, y[rows].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+                    summed = token_loss_sum(forward, x[rows], y[rows])
             loss = summed * loss_scale
             loss.backward()
         total += loss.detach()
@@ -294,7 +290,7 @@ def train(config: TrainConfig) -> TrainResult:
     ranks do not split the batch.
     """
     # --- set-up: processes, device, task, model, optimizer -------------------------------------------------
-    if config.cuda_graph and (dist.is_initialized() or os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1")):
+    if config.cuda_graph and (dist.is_initialized() or world_size_from_env() > 1):
         raise ValueError("cuda_graph: not under torchrun (DDP and FSDP2 all-reduce inside the backward)")
     owns_group = not dist.is_initialized()
     info = setup_distributed(config.device, config.batch_size, config.grad_accum)

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from attnkit.experiments.reproduce.cells import graphable
 from attnkit.train import TrainConfig, train
+from attnkit.train.config import cuda_graph_conflict
 from attnkit.train.graphed import _LossSum, graphed_loss_sum
 from attnkit.train.trainer import build_model, forward_backward
 
@@ -28,9 +28,9 @@ def test_cuda_graph_refuses_what_a_graphed_step_cannot_hold(other, named):
 
 
 def test_reproduce_graphs_only_the_configs_that_allow_it():
-    assert graphable({"lr": 1e-3, "grad_accum": 1})
-    assert not graphable({"grad_accum": 2}) and not graphable({"compile": True})
-    assert not graphable({"grad_checkpointing": True})
+    assert cuda_graph_conflict({"lr": 1e-3, "grad_accum": 1}) is None
+    assert cuda_graph_conflict({"grad_accum": 2}) and cuda_graph_conflict({"compile": True})
+    assert cuda_graph_conflict({"grad_checkpointing": True})
 
 
 def test_loss_sum_gives_the_trainers_loss_and_gradients():

@@ -206,6 +206,7 @@ def _run_train(
     the small models; not part of the cell's identity)."""
     from ...tasks import get_task
     from ...train import NonFiniteLossError, TrainConfig, train
+    from ...train.config import cuda_graph_conflict
 
     if "convert" in params and init_from is None:
         raise ValueError("convert: a cell converts its parent's model, and this one has no parent")
@@ -221,7 +222,7 @@ def _run_train(
             fresh = convert_model(init_from, converted, seed=params["config"]["seed"], **params["convert"])
             init_from, extra["converted"] = converted, {**params["convert"], "fresh": fresh}
         asked = params["config"]
-        graphs = cuda_graph and str(device).startswith("cuda") and graphable(asked)
+        graphs = cuda_graph and str(device).startswith("cuda") and cuda_graph_conflict(asked) is None
         config = TrainConfig(**asked, init_from=init_from, device=device, out=run_dir, quiet=True, cuda_graph=graphs)
         try:
             result = train(config)
@@ -251,11 +252,6 @@ def _run_train(
         "cuda_graph": graphs,
         **extra,
     }
-
-
-def graphable(config: dict) -> bool:
-    """Whether a training config can take ``cuda_graph`` (``TrainConfig``'s refusals)."""
-    return not config.get("compile") and not config.get("grad_checkpointing") and config.get("grad_accum", 1) == 1
 
 
 def run_cell(cell: Cell, cells_dir: str, device: str = "auto", cuda_graph: bool = False) -> dict:
