@@ -67,6 +67,20 @@ touch "$CACHE_MARK"
 # a step cut by its time limit loses pytest's summary, and with it the tracebacks (seventeenth session).
 export ATTNKIT_FAILURE_LOG=$OUT/failures.log
 steps=${*:-vlatests vlaprof vla vlaacc}
+# The CUDA Multi-Process Service, for steps whose processes share the GPU at once (the card's settings untouched):
+# mps_start sets mps=1 where the daemon started; mps_stop stops it again.
+mps_start() {
+    mps=0
+    if command -v nvidia-cuda-mps-control > /dev/null; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+        mkdir -p /tmp/mps /tmp/mps_log && nvidia-cuda-mps-control -d && mps=1 && echo "MPS started"
+    fi
+}
+mps_stop() {
+    [ "$mps" = 1 ] && echo quit | nvidia-cuda-mps-control
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    mps=0
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 
 for step in $steps; do
@@ -315,15 +329,13 @@ for step in $steps; do
             grep -E "PASSED|FAILED|ERROR|passed|failed|exited" "$OUT/graphs_tests.log" | tail -14
             cells=(reports/vla/cells/mqar-vla_n8_lr=0.01_s1-*.json reports/vla/cells/mqar-softmax_n4_lr=0.001_s0-*.json
                    reports/vla/cells/mqar-deltanet_n4_lr=0.01_s0-*.json)
-            export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
-            mkdir -p /tmp/mps /tmp/mps_log && nvidia-cuda-mps-control -d && echo "MPS started" >> "$OUT/graphs.log"
+            mps_start >> "$OUT/graphs.log"
             for graph in "" --cuda-graph; do
                 timeout ${GRAPHS_LIMIT:-150} python3 benchmarks/repro_throughput.py "${cells[@]}" --procs ${GRAPHS_PROCS:-1 16} \
                     --steps ${GRAPHS_STEPS:-300} \
                     $graph --out "$OUT/repro_throughput${graph:+_graphs}.json" >> "$OUT/graphs.log" 2>&1
             done
-            echo quit | nvidia-cuda-mps-control
-            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+            mps_stop ;;
         reproduce)  # issue 20: `attnkit reproduce ${REPRO_PAPERS:-vla} --scale full`, a piece a call. Its cells (a
             # JSON file each) and report live in reports/<paper>/, which travels with the tree; REPRO_CACHE names a
             # tarball this step returned, unpacked there first when the tree lacks it. The models are tiny and
@@ -357,10 +369,7 @@ for step in $steps; do
             # finished none (the first wave's cells outlived it): give a call's cells two of their times.
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
             mps=0
-            if [ "${REPRO_MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control > /dev/null; then
-                export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
-                mkdir -p /tmp/mps /tmp/mps_log && nvidia-cuda-mps-control -d && mps=1 && echo "MPS started"
-            fi
+            [ "${REPRO_MPS:-1}" = 1 ] && mps_start
             [ -n "${REPRO_CACHE:-}" ] && mkdir -p reports && tar xzf "$REPRO_CACHE" -C reports --skip-old-files
             start=$(( limit > 2 * drain ? limit - drain : limit / 2 ))
             repro=(python3 -m attnkit reproduce "$papers" --scale full --out reports --resume
@@ -370,10 +379,7 @@ for step in $steps; do
             timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
                 --stop-minutes "$(awk "BEGIN { print $limit / 60 }")" >> "$OUT/reproduce.log" 2>&1
             echo "== attnkit reproduce exited $? (124: killed at $limit s)" >> "$OUT/reproduce.log"
-            if [ "$mps" = 1 ]; then
-                echo quit | nvidia-cuda-mps-control
-                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-            fi
+            mps_stop
             if ! grep -qE '^attnkit reproduce: [0-9]+ s$' "$OUT/reproduce.log"; then  # killed or crashed: no report
                 timeout 120 "${repro[@]}" --report-only >> "$OUT/reproduce.log" 2>&1
             fi
