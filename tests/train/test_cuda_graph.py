@@ -62,15 +62,50 @@ def test_graphed_loss_sum_needs_a_gpu_batch():
         graphed_loss_sum(model, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), None)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize(
+MIXERS = pytest.mark.parametrize(
     "mixer,bf16", [("rope", True), ("rope", False), ("linear", True), ("deltanet", True), ("deltanet", False),
                    ("vla", True), ("vla", False), ("path", True), ("path_fox", True), ("fox", True), ("tapa", True),
                    ("stickbreaking", True), ("nope", True)],
 )  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@MIXERS
+def test_a_graph_replay_gives_the_eager_gradients(mixer, bf16):
+    # captured on one batch, replayed on another: the replay's loss and gradients are the eager step's on that batch,
+    # to the rounding of a different order of float32 sums (make_graphed_callables takes the gradients in one
+    # autograd.grad call) and of the bf16 casts they feed
+    config = TrainConfig(mixer=mixer, hidden_size=64, num_layers=2, num_heads=4, bf16=bf16)
+    torch.manual_seed(0)
+    model = build_model(config, vocab_size=64, max_len=32).cuda()
+    batches = [torch.randint(0, 64, (16, 32), device="cuda") for _ in range(2)]
+    x, y = batches[1], torch.where(torch.rand(16, 32, device="cuda") < 0.5, -100, batches[0])
+    scale = 1 / int((y != -100).sum())
+
+    def autocast(cache: bool) -> torch.autocast:
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=cache)
+
+    eager_loss = forward_backward(model, x, y, scale, autocast=autocast(True))
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss_sum = graphed_loss_sum(model, batches[0], batches[1], autocast(False))
+    assert all(p.grad is None for p in model.parameters())  # the capture's warm-up leaves .grad alone
+    graphed_loss = forward_backward(model, x, y, scale, autocast=autocast(False), loss_sum=loss_sum)
+    assert graphed_loss.item() == pytest.approx(eager_loss.item(), rel=1e-5)
+    for n, p in model.named_parameters():
+        g = eager[n]
+        torch.testing.assert_close(p.grad, g, rtol=2e-2, atol=1e-2 * g.abs().max().item(), msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@MIXERS
 def test_graphed_steps_train_what_eager_steps_train(tmp_path, mixer, bf16):
-    # MQAR in the VLA form, the reproduction's cells at a tenth of their width; the kernels' atomics may reorder sums,
-    # so the losses agree to rounding, step by step
+    # MQAR in the VLA form, the reproduction's cells at a tenth of their width. The graphed gradients are the eager
+    # ones to rounding (test above), so the losses agree to rounding, step by step. So do the parameters, but for the
+    # few elements whose gradient is near zero: AdamW moves an element by about ±lr a step whatever its gradient's
+    # size, so a rounding-level difference of sign there becomes an lr-sized one (an H100, twenty-eighth session,
+    # benchmarks/graph_noise.py: eager runs agree bit for bit, the graphed PaTH-FoX run differs by up to 2.4 lr in
+    # 6 of 8192 embedding elements and by under the tolerance in the rest; FoX up to 1.7 lr in 4)
     def run(name: str, **graph):
         config = tiny(tmp_path, name, task="mqar_vla", task_options={"num_kv_pairs": 4, "test_size": 64,
                       "validation_size": 32}, mixer=mixer, hidden_size=64, num_layers=2, num_heads=4, steps=8,
@@ -84,8 +119,12 @@ def test_graphed_steps_train_what_eager_steps_train(tmp_path, mixer, bf16):
     graphed, graphed_losses = run("graphed", cuda_graph=True)
     assert len(graphed_losses) == 8
     torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(eager_losses), rtol=2e-3, atol=0)
+    lr, steps = 3e-3, 8
     for k, v in params(eager.model).items():
-        torch.testing.assert_close(params(graphed.model)[k], v, rtol=2e-2, atol=2e-3)
+        diff = (params(graphed.model)[k] - v).abs()
+        past = diff > 2e-3 + 2e-2 * v.abs()
+        assert int(past.sum()) <= max(1, v.numel() // 1000), f"{k}: {int(past.sum())} of {v.numel()} elements differ"
+        assert diff.max().item() <= steps * lr, k  # at most 8 steps of AdamW's ±lr apart
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -324,7 +324,13 @@ def _stat_json(obj: Any) -> Any:
 
 def _difference(claim: Claim, results: dict[str, SweepResult | ProbeResult]) -> str:
     """The sentence after a decided claim's verdict: where ours differ from the published numbers and why
-    (``claim.differs``, which holds ours to a published table, else ``claim.cause``), or that they agree."""
+    (``claim.differs``, which holds ours to a published table, else ``claim.cause``), or that they agree; for a
+    claim with no published numbers, what ours show (``claim.observe``)."""
+    if claim.observe is not None:
+        try:
+            return f". {claim.observe(results)}"
+        except (Missing, Diverged, KeyError):  # a cell it reads has not run, or diverged
+            pass
     if claim.differs is not None:
         try:
             where = claim.differs(results)

@@ -33,7 +33,8 @@ class Claim:
     come from trained models (so the seed rule applies); ``cause``: the likely cause when ours differ; ``differs``,
     where the published numbers are a table ours can be held to: ``differs(results)`` is ``""`` where ours agree
     with it, else a sentence naming where they differ and the likely cause (the report then shows it in place of
-    ``cause``)."""
+    ``cause``); ``observe``, for a claim with no published numbers: ``observe(results)`` is a sentence on what ours
+    show beyond the verdict (the report shows it in place of ``cause``)."""
 
     id: str
     claim: str
@@ -45,6 +46,7 @@ class Claim:
     trained: bool = True
     cause: str = ""
     differs: Callable[[dict[str, Any]], str] | None = None
+    observe: Callable[[dict[str, Any]], str] | None = None
 
     def __post_init__(self) -> None:
         if self.decide is None and not self.not_run:

@@ -374,6 +374,35 @@ def _copying(results: dict[str, Any]) -> Decision:
     return "PARTIAL", f"VLA {vla:.3g} vs best rival {rivals:.3g}; falls off at 4×: {falls}", ours
 
 
+def _copying_observed(results: dict[str, Any]) -> str:
+    """``Claim.observe`` for copying: VLA's exact match at the training length against the best fixed-state rival's,
+    whether the gap is within the rival's spread over seeds, and how far past the training length any model copies."""
+    r = results["copying"]
+    setting = _settings(r)[0]
+    max_len = r.sweep.settings[setting]["max_len"]
+    train_set = f"len{max_len}"
+    vla = r.stat("vla", setting, train_set)
+    rival = max(("deltanet", "linear"), key=lambda m: r.stat(m, setting, train_set).mean)
+    other = r.stat(rival, setting, train_set)
+    gap = other.mean - vla.mean
+    sentence = (
+        f"At {train_set} VLA makes {vla.mean:.2f} ± {vla.spread:.2f} against {rival}'s {other.mean:.2f} ± "
+        f"{other.spread:.2f}: a gap of {gap:+.2f}, "
+        + ("within" if abs(gap) <= other.spread else "beyond")
+        + f" {rival}'s spread over seeds."
+    )
+    past = sorted(n for n in (int(name[3:]) for name in r.choice("vla", setting).test) if n > max_len)
+    best = {n: max(r.stat(m, setting, f"len{n}").mean for m in r.sweep.models) for n in past}
+    if any(best.values()):
+        return (
+            sentence
+            + " Past the training length the best model makes "
+            + ", ".join(f"{best[n]:.2f} at len{n}" for n in past)
+            + "."
+        )
+    return sentence + f" No model, softmax included, copies a whole string past the training length (len{past[0]} on)."
+
+
 MQAR_PUBLISHED = (
     "repository table (n = 4/8/12/16/24): VLA 1.00 everywhere; DeltaNet 0.99/0.73/0.10/0.04/0.01; "
     "linear 0.26/0.14/0.11/0.10/0.08; softmax 0.26/0.15/0.11/0.10/0.07. Paper text (n = 24, d_h = 32): "
@@ -523,7 +552,7 @@ CLAIMS = [
         "otherwise.",
         experiments=("copying",),
         decide=_copying,
-        cause=SHORT_BUDGET,
+        observe=_copying_observed,
     ),
     Claim(
         id="V10",
