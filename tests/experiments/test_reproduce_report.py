@@ -201,3 +201,20 @@ def test_the_copying_claim_says_whether_the_gap_is_within_the_seeds_and_how_far_
     assert "a gap of +0.40, beyond deltanet's spread over seeds" in note
     assert note.endswith("Past the training length the best model makes 0.50 at len16, 0.00 at len32.")
     assert report._difference(claim, {}) == ""  # no cells yet: nothing to say
+
+
+def test_the_capacity_claim_says_how_far_each_model_falls_past_one_heads_capacity():
+    """V6 is qualitative: the sentence after its verdict gives each model's accuracy at the last n within d_h = 32 and
+    at the largest n (smoke scale: n = 16 and 40, VLA and linear attention)."""
+    claim = next(c for c in vla.CLAIMS if c.id == "V6")
+    sweep, records = next(e for e in vla.experiments("smoke") if e.name == "capacity"), {}
+    accuracy = {("vla", 16): 1.0, ("vla", 40): 0.75, ("linear", 16): 0.5, ("linear", 40): 0.125}
+    pairs = {name: sweep.settings[name]["num_kv_pairs"] for name in sweep.settings}
+    fill(sweep, records, lambda model, set_name, seed: 0.0)
+    for cell in sweep.cells(records):  # fill's test metric does not know the setting: set it per cell
+        model, setting = cell.label.split()[:2]
+        for metrics in records[cell.name]["result"]["test"].values():
+            metrics[sweep.metric] = accuracy[(model, pairs[setting])]
+    note = report._difference(claim, {"capacity": summarise(sweep, records)})
+    assert note == ". From n16 to n40: vla 1.00 → 0.75, linear 0.50 → 0.12."
+    assert report._difference(claim, {}) == ""

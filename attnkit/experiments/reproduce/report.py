@@ -328,9 +328,10 @@ def _difference(claim: Claim, results: dict[str, SweepResult | ProbeResult]) -> 
     claim with no published numbers, what ours show (``claim.observe``)."""
     if claim.observe is not None:
         try:
-            return f". {claim.observe(results)}"
+            seen = claim.observe(results)
         except (Missing, Diverged, KeyError):  # a cell it reads has not run, or diverged
-            pass
+            seen = ""
+        return f". {seen}" if seen else ""
     if claim.differs is not None:
         try:
             where = claim.differs(results)

@@ -266,6 +266,19 @@ def _capacity(results: dict[str, Any]) -> Decision:
     return "PARTIAL", f"VLA clearly ahead only at {', '.join(ahead) or 'none'} of {', '.join(past)}", ours
 
 
+def _capacity_observed(results: dict[str, Any]) -> str:
+    """``Claim.observe`` for the capacity sweep: each model's accuracy at the last n within one head's capacity
+    (n ≤ d_h) and at the largest n, the degradation the claim is about."""
+    r = results["capacity"]
+    settings = sorted(_settings(r), key=lambda s: r.sweep.x[s])
+    within = [s for s in settings if r.sweep.x[s] <= HEAD_DIM]
+    if not within or r.sweep.x[settings[-1]] <= HEAD_DIM:
+        return ""
+    first, last = within[-1], settings[-1]
+    falls = ", ".join(f"{m} {r.stat(m, first).mean:.2f} → {r.stat(m, last).mean:.2f}" for m in r.sweep.models)
+    return f"From {first} to {last}: {falls}."
+
+
 def _state_norm(results: dict[str, Any]) -> Decision:
     r = results["state_norm"]
     lengths = r.probe.params["lengths"]
@@ -513,7 +526,7 @@ CLAIMS = [
         "every n > 32; PARTIAL otherwise.",
         experiments=("capacity",),
         decide=_capacity,
-        cause=SHORT_BUDGET,
+        observe=_capacity_observed,
     ),
     Claim(
         id="V7",
