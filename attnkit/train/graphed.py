@@ -5,7 +5,9 @@ launches (about 11 ms on an H100 for 2.3-3.6 ms of GPU work, twenty-fifth sessio
 with :func:`torch.cuda.make_graphed_callables`, the model's forward and the summed token loss (and their backward) are
 replayed as two graph launches; the loss's scale, the gradient clip and the AdamW step stay eager, a few ``foreach``
 kernels. The graphs replay the same kernels on the same parameters (the optimizer updates them in place), so the run
-computes what an eager run computes; it only needs the step's shapes to stay fixed, as a task's batches do.
+computes what an eager run computes, to rounding: a replay's gradients are an eager step's to rounding, not bit for bit
+(``tests/train/test_cuda_graph.py``, ``benchmarks/graph_noise.py``). It only needs the step's shapes to stay fixed, as a
+task's batches do.
 """
 
 from __future__ import annotations

@@ -202,8 +202,8 @@ def _run_train(
 ) -> dict:
     """Train and evaluate ``params["config"]``, starting from the model saved in ``init_from`` (converted first
     when ``params["convert"]`` names another mixer) and keeping the final model in ``keep``; ``cuda_graph``: its
-    steps as CUDA graphs where the config allows them (``TrainConfig.cuda_graph``: the same training, faster for
-    the small models; not part of the cell's identity)."""
+    steps as CUDA graphs where the config allows them (``TrainConfig.cuda_graph``: the same training to rounding,
+    faster for the small models; not part of the cell's identity)."""
     from ...tasks import get_task
     from ...train import NonFiniteLossError, TrainConfig, train
     from ...train.config import cuda_graph_conflict

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cuda-graph",
         action="store_true",
-        help="on a GPU, replay each training cell's steps as CUDA graphs (the same training: faster for small models)",
+        help="on a GPU, replay each training cell's steps as CUDA graphs (the same training to rounding, faster "
+        "for small models)",
     )
     parser.add_argument("--list", action="store_true", help="list the cells and whether each has finished; run none")
     parser.add_argument(
