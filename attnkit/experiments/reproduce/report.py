@@ -322,21 +322,23 @@ def _stat_json(obj: Any) -> Any:
     return obj
 
 
+def _read(sentence: Any, results: dict[str, SweepResult | ProbeResult]) -> str | None:
+    """``sentence(results)``, or None where a cell it reads has not run, or diverged."""
+    try:
+        return sentence(results)
+    except (Missing, Diverged, KeyError):
+        return None
+
+
 def _difference(claim: Claim, results: dict[str, SweepResult | ProbeResult]) -> str:
     """The sentence after a decided claim's verdict: where ours differ from the published numbers and why
     (``claim.differs``, which holds ours to a published table, else ``claim.cause``), or that they agree; for a
     claim with no published numbers, what ours show (``claim.observe``)."""
     if claim.observe is not None:
-        try:
-            seen = claim.observe(results)
-        except (Missing, Diverged, KeyError):  # a cell it reads has not run, or diverged
-            seen = ""
+        seen = _read(claim.observe, results)
         return f". {seen}" if seen else ""
     if claim.differs is not None:
-        try:
-            where = claim.differs(results)
-        except (Missing, Diverged, KeyError):  # a cell it reads has not run, or diverged: the general cause
-            where = None
+        where = _read(claim.differs, results)  # None: the general cause
         if where == "":
             return ". Ours agree with the published numbers"
         if where:

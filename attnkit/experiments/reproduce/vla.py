@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from .probes import Probe
+from .report import by_length
 from .sweep import Budget, Missing, Stat, Sweep
 from .verdicts import Claim, Decision, clearly_above, fmt
 
@@ -367,10 +368,15 @@ def _proposition2(results: dict[str, Any]) -> Decision:
     return "INCONCLUSIVE", why + "as the proposition assumes", ours
 
 
+def _copying_setting(r: Any) -> tuple[str, int]:
+    """The copying sweep's setting and its longest training string."""
+    setting = _settings(r)[0]
+    return setting, r.sweep.settings[setting]["max_len"]
+
+
 def _copying(results: dict[str, Any]) -> Decision:
     r = results["copying"]
-    setting = _settings(r)[0]
-    max_len = r.sweep.settings[setting]["max_len"]
+    setting, max_len = _copying_setting(r)
     train_set, far_set = f"len{max_len}", f"len{4 * max_len}"
     stat = {(m, s): r.stat(m, setting, s) for m in r.sweep.models for s in (train_set, far_set)}
     ours = fmt({f"{m} {s}": v for (m, s), v in stat.items()})
@@ -391,8 +397,7 @@ def _copying_observed(results: dict[str, Any]) -> str:
     """``Claim.observe`` for copying: VLA's exact match at the training length against the best fixed-state rival's,
     whether the gap is within the rival's spread over seeds, and how far past the training length any model copies."""
     r = results["copying"]
-    setting = _settings(r)[0]
-    max_len = r.sweep.settings[setting]["max_len"]
+    setting, max_len = _copying_setting(r)
     train_set = f"len{max_len}"
     vla = r.stat("vla", setting, train_set)
     rival = max(("deltanet", "linear"), key=lambda m: r.stat(m, setting, train_set).mean)
@@ -404,8 +409,9 @@ def _copying_observed(results: dict[str, Any]) -> str:
         + ("within" if abs(gap) <= other.spread else "beyond")
         + f" {rival}'s spread over seeds."
     )
-    past = sorted(n for n in (int(name[3:]) for name in r.choice("vla", setting).test) if n > max_len)
-    best = {n: max(r.stat(m, setting, f"len{n}").mean for m in r.sweep.models) for n in past}
+    curves = {m: dict(by_length(r.choice(m, setting).test, r.sweep.metric)) for m in r.sweep.models}
+    past = [n for n in curves["vla"] if n > max_len]
+    best = {n: max(curve[n] for curve in curves.values()) for n in past}
     if any(best.values()):
         return (
             sentence
