@@ -251,9 +251,11 @@ for step in $steps; do
                     python3 benchmarks/path_probe.py --beta-dtype bfloat16 > "$OUT/pathsmall_sanitizer.log" 2>&1
                 grep -E "^=+ (Invalid|ERROR SUMMARY)|^=+ +at .*path" "$OUT/pathsmall_sanitizer.log" | head -8
             fi ;;
-        pathacc)  # PaTH: the accuracy bar, bf16 to 32k first (the float32 cells' float64 references take minutes: at
-            # 54fdc54 the first, 4k at D = 64, took the whole 200 s); PATHACC_DTYPES="bfloat16 float32" for both
+        pathacc)  # PaTH: the accuracy bar (PaTH-FoX; PATHACC_GATES="fox none" adds PaTH), bf16 to 32k first (the float32
+            # cells' float64 references take minutes: at 54fdc54 the first, 4k at D = 64, took the whole 200 s);
+            # PATHACC_DTYPES="bfloat16 float32" for both
             timeout 200 python3 benchmarks/path_accuracy.py --seq-lens 4096 32768 --dtypes ${PATHACC_DTYPES:-bfloat16} \
+                --gates ${PATHACC_GATES:-fox} \
                 --out "$OUT" > "$OUT/pathacc.log" 2>&1 ;;
         pathsolve)  # PaTH: the UT solve row by row, by 16-row blocks one after another, or by blocks of 16 (default) or
             # 32 rows with the diagonal ones at once, forward and forward+backward

@@ -28,3 +28,12 @@ def test_path_accuracy_smoke(tmp_path):
     rows = json.loads((tmp_path / "path_accuracy_h200.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["ok"] and rows[0]["errors"]["dbeta"] < 1e-4
     assert rows[0]["o_vs_float64"]["triton"] < 1e-5 and rows[0]["o_vs_float64"]["torch"] < 1e-5
+
+
+def test_path_accuracy_without_gates(tmp_path):
+    """``--gates fox none``: a PaTH-FoX and a PaTH row per cell, the PaTH row without a gate gradient."""
+    argv = ["--device", "cpu", "--seq-lens", "40", "--head-dims", "16", "--dtypes", "float32", "--gates", "fox", "none"]
+    assert path_accuracy.main([*argv, "--float64-max-t", "0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "path_accuracy_h200.json").read_text())["rows"]
+    assert [r["gates"] for r in rows] == [True, False] and all(r["ok"] for r in rows)
+    assert "dg" in rows[0]["errors"] and "dg" not in rows[1]["errors"] and rows[1]["errors"]["dk"] < 1e-4

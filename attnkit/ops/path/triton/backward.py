@@ -35,7 +35,7 @@ import triton.language as tl
 
 from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
-from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, pair_dot, precisions
+from attnkit.ops.path.triton.prepare import JIT_LOG2E, chunk_offsets, first_chunk, pair_dot, precisions
 
 SCRATCH_BYTES = 1 << 28  # the query kernel's carried-query slots, per wave of query chunks
 # The kernels between chunks inside superblocks take their logits' and gradients' products (x yᵀ, dSᵀ x, dS K̃) on
@@ -124,6 +124,18 @@ def backward_config(key_dim: int) -> tuple[int, int]:
 
 
 @triton.jit
+def base2_logits(b_s, scale, b_lse, b_gq, b_gk, USE_G: tl.constexpr):
+    """``log2(e) · (scale · b_s + G_i − G_j − lse_i)`` for the raw products ``b_s`` of a query tile (rows: the natural
+    ``b_lse`` and, with gates, the cumulative gates ``b_gq``) and a key tile (``b_gk``): the argument of ``exp2`` that
+    gives ``P``. The row terms are scaled once a row and the key gates once a column, so that a logit costs one FMA
+    and, with gates, one subtraction."""
+    if USE_G:
+        b_row = (b_lse - b_gq) * JIT_LOG2E
+        return b_s * (scale * JIT_LOG2E) - b_row[:, None] - (b_gk * JIT_LOG2E)[None, :]
+    return b_s * (scale * JIT_LOG2E) - (b_lse * JIT_LOG2E)[:, None]
+
+
+@triton.jit
 def key_chunk_grads(
     x, do, lse, delta, gcum, dgcum, dx, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k,
     m_v, HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
@@ -159,13 +171,13 @@ def key_chunk_grads(
         if USE_G:  # read with the other operands (unpipelined kernels: a load at its first use waits for itself)
             b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
             b_gk = tl.load(gcum + p_m * HQ + i_hq)
+        else:  # unused
+            b_gq, b_gk = b_lse, b_lse
         if LOW_GRAD:
-            b_s = tl.dot(b_x.to(b_do.dtype), tl.trans(b_y.to(b_do.dtype)), input_precision=PRECISION) * scale
+            b_s = tl.dot(b_x.to(b_do.dtype), tl.trans(b_y.to(b_do.dtype)), input_precision=PRECISION)
         else:
-            b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION) * scale
-        if USE_G:
-            b_s = b_s + b_gq[:, None] - b_gk[None, :]
-        b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_s = tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION)
+        b_p = tl.where(m_i[:, None], tl.exp2(base2_logits(b_s, scale, b_lse, b_gq, b_gk, USE_G)), 0.0)
         b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION) - b_delta[:, None])
         b_dv += tl.dot(tl.trans(b_p).to(b_do.dtype), b_do, input_precision=PRECISION)
         if LOW_GRAD:
@@ -179,9 +191,9 @@ def key_chunk_grads(
                 b_dx = tl.dot(b_ds, b_y, input_precision=PRECISION)
             p_dx = dx + p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
             tl.atomic_add(p_dx, b_dx * scale, mask=m_i[:, None] & m_k, sem="relaxed")
-        if USE_G:
+        if USE_G:  # without gates no sums: a column sum is a reduction across the warps every query tile
             tl.atomic_add(dgcum + p_i * HQ + i_hq, tl.sum(b_ds, 1), mask=m_i, sem="relaxed")
-        b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
+            b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
     return b_dy, b_dv, b_dg
 
 
@@ -208,7 +220,7 @@ def load_key_chunk(
 @triton.jit
 def store_key_chunk_grads(
     dk, dv, dgcum, b_dk, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v,
-    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_G: tl.constexpr,
 ):  # fmt: skip
     """A key-major program's results for its key chunk (rows ``p_m``, key/value head ``i_h``): the keys' and values'
     gradients, added to what earlier launches left there (the program owns these rows in its own launch), and, per
@@ -219,7 +231,8 @@ def store_key_chunk_grads(
     tl.store(p_dk, tl.load(p_dk, mask=m_k, other=0.0) + b_dk, mask=m_k)
     p_dv = dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :]
     tl.store(p_dv, tl.load(p_dv, mask=m_v, other=0.0) + b_dv, mask=m_v)
-    tl.atomic_add(dgcum + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None], sem="relaxed")
+    if USE_G:
+        tl.atomic_add(dgcum + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None], sem="relaxed")
 
 
 @triton.jit
@@ -267,7 +280,7 @@ def path_bwd_kv_kernel(
         b_pi -= tl.dot(
             tl.trans(b_w), tl.dot(b_mw, b_pi, input_precision=CARRY_PRECISION), input_precision=CARRY_PRECISION
         )
-    store_key_chunk_grads(dkt, dv, dgcum, b_dkt, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
+    store_key_chunk_grads(dkt, dv, dgcum, b_dkt, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G)
 
 
 @triton.jit
@@ -334,7 +347,7 @@ def path_bwd_kv_tile_kernel(
                 o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, LOW_GRAD,
             )  # fmt: skip
             b_gam += b_dy * scale
-    store_key_chunk_grads(dkt, dv, dgcum, b_gam, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
+    store_key_chunk_grads(dkt, dv, dgcum, b_gam, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G)
 
 
 @triton.jit
@@ -399,12 +412,12 @@ def query_pair_grads(
             b_gam -= tl.dot(tl.dot(b_vg, tl.trans(b_mm), input_precision=CARRY_PRECISION), b_w,
                             input_precision=CARRY_PRECISION)  # fmt: skip
     if LOW_GRAD:  # the logits and dS K̃ on 16-bit operands, as key_chunk_grads's LOW_GRAD
-        b_s = tl.dot(b_l.to(LT), tl.trans(b_kt.to(LT)), input_precision=PRECISION) * scale
+        b_s = tl.dot(b_l.to(LT), tl.trans(b_kt.to(LT)), input_precision=PRECISION)
     else:
-        b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION) * scale
-    if USE_G:
-        b_s = b_s + b_gq[:, None] - b_gk[None, :]
-    b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+        b_s = tl.dot(b_l, tl.trans(b_kt), input_precision=PRECISION)
+    if not USE_G:  # unused
+        b_gk = b_gq
+    b_p = tl.where(m_i[:, None], tl.exp2(base2_logits(b_s, scale, b_lse, b_gq, b_gk, USE_G)), 0.0)
     b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
     b_ds = b_p * (b_dp - b_delta[:, None])
     if KV:  # the key chunk's side of the pair (path_bwd_kv_kernel's key_chunk_grads), by atomics

@@ -42,7 +42,7 @@ import triton.language as tl
 from attnkit.ops.common.triton_seq import launch_grid, locate_block, seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton import backward
-from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
+from attnkit.ops.path.triton.backward import base2_logits, key_chunk_grads, load_key_chunk, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, pair_dot, precisions
 
 # dq̂ by float32 atomics in the key-major sweep; False: path_bwd_super_q_kernel, slower on the H200 (PaTH-FoX, T = 4k,
@@ -185,7 +185,9 @@ def path_bwd_super_kv_kernel(
                     s, R, n_tiles, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G,
                     PRECISION, ADD_DX, PAIR_PRECISION,
                 )  # fmt: skip
-                store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
+                store_key_chunk_grads(
+                    dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G
+                )
                 tl.debug_barrier()  # the next tile reads the E slot this one wrote
             if s + 1 < n_sb:  # Π ← Σ_sᵀ Π
                 b_sig = tl.load(sig + ((sb0 + s) * H + i_h) * (BK * BK) + p_kk)
@@ -218,7 +220,9 @@ def path_bwd_super_kv_kernel(
                     i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, ADD_DX,
                     PAIR_PRECISION,
                 )  # fmt: skip
-            store_key_chunk_grads(dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V)
+            store_key_chunk_grads(
+                dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G
+            )
             tl.debug_barrier()  # the next tile reads the E slots this one wrote
 
 
@@ -276,10 +280,9 @@ def path_bwd_super_q_kernel(
             b_k = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
             b_k = b_k.to(do.dtype.element_ty)
             b_v = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-            b_s = tl.dot(b_u16, tl.trans(b_k), input_precision=PRECISION) * scale
-            if USE_G:
-                b_s = b_s + b_gq[:, None] - tl.load(gcum + p_j * HQ + i_hq)[None, :]
-            b_p = tl.where(m_i[:, None], tl.exp(b_s - b_lse[:, None]), 0.0)
+            b_s = tl.dot(b_u16, tl.trans(b_k), input_precision=PRECISION)
+            b_gk = tl.load(gcum + p_j * HQ + i_hq) if USE_G else b_gq  # unused without gates
+            b_p = tl.where(m_i[:, None], tl.exp2(base2_logits(b_s, scale, b_lse, b_gq, b_gk, USE_G)), 0.0)
             b_ds = b_p * (tl.dot(b_do, tl.trans(b_v.to(b_do.dtype)), input_precision=PRECISION) - b_delta[:, None])
             b_g += tl.dot(b_ds.to(b_do.dtype), b_k, input_precision=PRECISION)
         b_dq += tl.dot(b_g, b_pit, input_precision=CARRY_PRECISION)

@@ -7,8 +7,9 @@ carried across the chunk, ``x ← x − (x W_jᵀ)(M_j W_j)`` (two products: the
 Past its superblock's start the scan goes a superblock at a time: the logits are ``x k̂_jᵀ`` with the keys carried
 to their superblock's end (``carry.py``), for every chunk of the superblock with no carry between them, and then
 the query crosses the whole superblock with one dense product, ``x ← x Σᵀ``. FlashAttention's online softmax runs
-along the scan; the FoX gate subtracts ``G_j`` (the row's own ``G_i``, which the softmax ignores, goes to the
-log-sum-exp). Derivation: ``README.md`` of the op.
+along the scan, in base 2 (``exp2`` of logits scaled by ``log2(e)``, the gates' cumulative sums too; the stored
+log-sum-exp is natural); the FoX gate subtracts ``G_j`` (the row's own ``G_i``, which the softmax ignores, goes to
+the log-sum-exp). Derivation: ``README.md`` of the op.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import triton.language as tl
 
 from attnkit.ops.common.triton.scan import segment_cumsum
 from attnkit.ops.common.triton_seq import seq_bounds
-from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
 from attnkit.ops.path.triton import prepare
 from attnkit.ops.path.triton.carry import carry_keys_fn
 from attnkit.ops.path.triton.prepare import (
+    JIT_LN2,
+    JIT_LOG2E,
     chunk_offsets,
     chunk_size,
     first_chunk,
@@ -64,12 +67,12 @@ def softmax_step(
     head, read with the keys, when ``USE_G``) into the online softmax: returns the new ``(max, sum, acc)``. The logits
     leave out the query's own gate ``G_i``, a shift of the whole row that the softmax ignores (the log-sum-exp adds it
     back)."""
-    b_s = tl.dot(b_x.to(b_k.dtype), tl.trans(b_k), input_precision=PRECISION) * scale
+    b_s = tl.dot(b_x.to(b_k.dtype), tl.trans(b_k), input_precision=PRECISION) * (scale * JIT_LOG2E)
     if USE_G:
         b_s = b_s - b_gk[None, :]
     b_max_new = tl.maximum(b_max, tl.max(b_s, 1))
-    b_rescale = tl.exp(b_max - b_max_new)
-    b_p = tl.exp(b_s - b_max_new[:, None])
+    b_rescale = tl.exp2(b_max - b_max_new)
+    b_p = tl.exp2(b_s - b_max_new[:, None])
     b_sum = b_sum * b_rescale + tl.sum(b_p, 1)
     b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
     return b_max_new, b_sum, b_acc
@@ -125,7 +128,7 @@ def path_fwd_kernel(
     )
     b_wk = tl.where(rows > cols, tl.dot(b_w, tl.trans(b_k.to(tl.float32)), input_precision=CARRY_PRECISION), 0.0)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-    b_s = (b_s - tl.dot(b_qwm, b_wk, input_precision=CARRY_PRECISION)) * scale
+    b_s = (b_s - tl.dot(b_qwm, b_wk, input_precision=CARRY_PRECISION)) * (scale * JIT_LOG2E)
     b_x = b_qf - tl.dot(b_qwm, b_w, input_precision=CARRY_PRECISION)
     o_g = i_hq.to(tl.int64) * NT  # this query head's gates
     b_gq = tl.zeros([BT], dtype=tl.float32)
@@ -134,7 +137,7 @@ def path_fwd_kernel(
         b_s = b_s - b_gq[None, :]
     b_s = tl.where((rows >= cols) & m_i[None, :], b_s, float("-inf"))
     b_max = tl.max(b_s, 1)
-    b_p = tl.exp(b_s - b_max[:, None])
+    b_p = tl.exp2(b_s - b_max[:, None])
     b_sum = tl.sum(b_p, 1)
     b_acc = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
 
@@ -175,7 +178,8 @@ def path_fwd_kernel(
 
     b_o = b_acc / b_sum[:, None]
     tl.store(o + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_i[:, None] & m_v)
-    tl.store(lse + p_i * HQ + i_hq, b_max + tl.log(b_sum) + b_gq, mask=m_i)  # the row's gate G_i back in
+    # The natural log-sum-exp, the row's gate G_i back in.
+    tl.store(lse + p_i * HQ + i_hq, (b_max + tl.log2(b_sum) + b_gq) * JIT_LN2, mask=m_i)
 
 
 def path_fwd_fn(
@@ -239,7 +243,7 @@ def path_fwd_fn(
     # Head-major ([HQ, B·T]), so that a chunk's gates are one contiguous load.
     gcum = None
     if g is not None:
-        gcum = segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32).permute(2, 0, 1).contiguous()
+        gcum = segment_cumsum(g, cu_seqlens, LOG2E, False, torch.float32).permute(2, 0, 1).contiguous()
     path_fwd_kernel[(grid_chunks, N * HQ)](
         q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
         triton.cdiv(T, BT * R), R, scale,

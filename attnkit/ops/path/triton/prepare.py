@@ -14,7 +14,14 @@ import triton.language as tl
 
 from attnkit.ops.common.triton.tril_inverse import tril_inverse
 from attnkit.ops.common.triton_seq import block_offsets, seq_bounds
-from attnkit.ops.common.triton_utils import block_dim, interpreting
+from attnkit.ops.common.triton_utils import LOG2E, block_dim, interpreting
+
+# log2(e) and ln(2) for the kernels: the forward's and the key-major sweeps' softmax runs on exp2, which compiles to one
+# MUFU.EX2 (tl.exp adds a multiply by log2(e) and the range fix-up of a non-flushing ex2, four more instructions a
+# logit), with the logit scale, the gates and the natural log-sum-exp scaled into base 2 as they are read. The local
+# adjoint (one diagonal tile a chunk, no loop) keeps tl.exp: exp2 there made ptxas spill 532 more bytes a thread.
+JIT_LOG2E = tl.constexpr(LOG2E)
+JIT_LN2 = tl.constexpr(1 / LOG2E)
 
 
 @triton.jit
