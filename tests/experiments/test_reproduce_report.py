@@ -4,12 +4,13 @@ results), its claims table's rows for the papers' own settings, and VLA's Propos
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from attnkit.experiments.reproduce import cells as cells_mod
 from attnkit.experiments.reproduce import path, report, tapa, vla
-from attnkit.experiments.reproduce.sweep import Budget, Stat, Sweep, summarise
+from attnkit.experiments.reproduce.sweep import Budget, Choice, Stat, Sweep, summarise
 from attnkit.experiments.reproduce.verdicts import judge, with_paper_scale
 
 from .test_reproduce import claims_table
@@ -218,3 +219,40 @@ def test_the_capacity_claim_says_how_far_each_model_falls_past_one_heads_capacit
     note = report._difference(claim, {"capacity": summarise(sweep, records)})
     assert note == ". From n16 to n40: vla 1.00 → 0.75, linear 0.50 → 0.12."
     assert report._difference(claim, {}) == ""
+
+
+@pytest.mark.parametrize(
+    "scores,lr,higher,edge",
+    [
+        ({1e-3: 0.9, 3e-3: 0.5, 1e-2: 0.1}, 1e-3, True, "lowest"),
+        ({1e-3: 0.1, 3e-3: 0.5, 1e-2: 0.9}, 1e-2, True, "highest"),
+        ({1e-3: 0.5, 3e-3: 0.9, 1e-2: 0.1}, 3e-3, True, ""),  # bracketed
+        ({1e-3: 0.9, 3e-3: 0.9, 1e-2: 0.1}, 1e-3, True, ""),  # a plateau to the next one inward
+        ({1e-3: 1.0, 3e-3: 2.0, 1e-2: 3.0}, 1e-3, False, "lowest"),  # lower is better
+        ({1e-3: 0.1, 3e-3: -math.inf, 1e-2: 0.2}, 1e-2, True, "highest"),  # the next one inward diverged
+    ],
+)
+def test_a_chosen_learning_rate_at_the_sweeps_edge_is_named(scores, lr, higher, edge):
+    assert Choice("m", "s", scores, lr=lr).edge(higher) == edge
+    assert Choice("m", "s", dict(scores)).edge(higher) == ""  # nothing chosen yet
+
+
+def test_the_report_marks_learning_rates_chosen_at_a_sweeps_edge(tmp_path):
+    """The sweep's table marks a chosen learning rate at the sweep's edge and explains it; the claims section lists
+    every such choice; report.json carries it."""
+    sweep = next(e for e in vla.experiments("smoke") if e.name == "mqar")
+    records: dict = {}
+    fill(sweep, records, lambda model, set_name, seed: 0.5)
+    for cell in sweep.cells(records):  # deltanet: the smallest learning rate validates best, in every setting
+        if cell.label.split()[0] == "deltanet":
+            val = 0.9 if cell.params["config"]["lr"] == min(sweep.lrs) else 0.2
+            records[cell.name]["result"]["validation"] = {"validation": {sweep.metric: val}}
+    result = summarise(sweep, records)
+    lines = report._sweep_section(result, [])
+    marked = [line for line in lines if line.startswith("|") and ("(lowest)" in line or "(highest)" in line)]
+    assert marked and all(line.startswith("| deltanet |") for line in marked)
+    assert len(marked) == len(sweep.settings) and report.EDGE_NOTE in lines
+    assert report._edges(result)[0] == f"deltanet {next(iter(sweep.settings))} at {min(sweep.lrs):g} (lowest)"
+    payload = report._result_json(result)
+    assert {c["model"]: c["edge"] for c in payload["choices"]}["deltanet"] == "lowest"
+    assert {c["edge"] for c in payload["choices"] if c["model"] != "deltanet"} == {""}

@@ -227,11 +227,33 @@ def _sweep_section(result: SweepResult, plots: list[str]) -> list[str]:
             for name, m in {**choice.test, **_variant_sets(choice)}.items()
             if sweep.metric in m
         )
-        lines.append(f"| {model} | {setting} | {scores} | {choice.lr:g} | {_cell(tests)} |")
+        edge = choice.edge(sweep.higher_is_better)
+        lines.append(
+            f"| {model} | {setting} | {scores} | {choice.lr:g}{f' ({edge})' if edge else ''} | {_cell(tests)} |"
+        )
     lines.append("")
+    if _edges(result):
+        lines += [EDGE_NOTE, ""]
     lines += _grid_lines(result)
     lines += [f"![{name}]({name})" for name in plots]
     return lines + [""]
+
+
+EDGE_NOTE = (
+    "A chosen learning rate marked (lowest) or (highest) is the sweep's smallest or largest, and validation scored it "
+    "strictly better than the next one inward: that model's best learning rate may lie outside the sweep, so it may be "
+    "under-tuned, and a verdict that rests on it is weaker for it."
+)
+
+
+def _edges(result: SweepResult) -> list[str]:
+    """``"<model> <setting> at <lr> (<edge>)"`` for each chosen learning rate at the edge of ``result``'s sweep."""
+    higher = result.sweep.higher_is_better
+    return [
+        f"{model} {setting} at {c.lr:g} ({c.edge(higher)})"
+        for (model, setting), c in result.choices.items()
+        if c.edge(higher)
+    ]
 
 
 _GRID_SET = re.compile(r"L(\d+)_d([0-9.]+)$")
@@ -388,6 +410,10 @@ def write_report(
         lines.append(
             f"| {claim.id} | {_cell(claim.claim)} | {_cell(claim.published)} | {_cell(ours)} | {_cell(verdict)} |"
         )
+    edges = [f"{name}: {', '.join(e)}" for name, r in results.items() if isinstance(r, SweepResult) if (e := _edges(r))]
+    if edges:
+        lines += ["", "Learning rates chosen at a sweep's edge, where a model's best may lie outside the sweep (each "]
+        lines[-1] += "experiment's table marks them): " + "; ".join(edges) + "."
     lines += ["", "## Criteria (fixed in code before any cell ran)", ""]
     lines += [f"- **{c.id}**: {c.criterion}" for c in paper.CLAIMS]
     lines += ["", "## Experiments", ""]
@@ -450,7 +476,10 @@ def _result_json(result: SweepResult | ProbeResult) -> dict:
         "finished": result.finished,
         "total": result.total,
         "choices": [
-            _stat_json({k: v for k, v in c.__dict__.items() if k != "curves"} | {"curves": c.curves})
+            _stat_json(
+                {k: v for k, v in c.__dict__.items() if k != "curves"}
+                | {"curves": c.curves, "edge": c.edge(sweep.higher_is_better)}
+            )
             for c in result.choices.values()
         ],
     }

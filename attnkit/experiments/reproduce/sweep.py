@@ -266,6 +266,20 @@ class Choice:
     parent_diverged: bool = False  # ... because every learning rate of the parent diverged
     not_needed: str = ""  # laddered sweeps: the shallower rung that reached stop_at
 
+    def edge(self, higher_is_better: bool) -> str:
+        """``"lowest"`` or ``"highest"`` where the chosen learning rate is the sweep's smallest or largest and
+        validation scored it strictly better than the next one inward (a diverged one scores worst): the model's best
+        learning rate may lie outside the sweep. ``""`` otherwise, a tie with the next one included (a plateau says
+        nothing of what lies beyond it)."""
+        lrs = sorted(self.scores)
+        if self.lr is None or len(lrs) < 2 or self.lr not in (lrs[0], lrs[-1]):
+            return ""
+        inner = self.scores[lrs[1] if self.lr == lrs[0] else lrs[-2]]
+        chosen = self.scores[self.lr]
+        if inner is None or chosen is None or not (chosen > inner if higher_is_better else chosen < inner):
+            return ""
+        return "lowest" if self.lr == lrs[0] else "highest"
+
 
 def _score(record: dict, metric: str) -> float | None:
     result = record["result"]
