@@ -136,6 +136,7 @@ LOCAL = [
     ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
     ("sweep superblocks outer", {(backward_super, "SWEEP_ORDER"): "superblocks"}),
     ("sweep dq query-major, no atomics", {(backward_super, "DQ_BY_ATOMICS"): False}),
+    ("sweep gate columns once a pair", {(backward_super, "GATE_COLUMNS_A_PAIR"): True}),
     ("sweep superblocks outer, 128 MiB", {
         (backward_super, "SWEEP_ORDER"): "superblocks", (backward_super, "SCRATCH_BYTES"): 1 << 27,
     }),

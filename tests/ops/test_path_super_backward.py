@@ -216,6 +216,35 @@ def test_sweep_with_query_major_dq(monkeypatch, budget, K, offsets):
     check_sweep(monkeypatch, 0, budget, K, offsets)
 
 
+@pytest.mark.parametrize("order", ["tiles", "superblocks"])
+@pytest.mark.parametrize("K, offsets", [(16, None), (24, [0, 5, 5, 40, 100])], ids=["K16", "K24-varlen"])
+def test_sweep_gate_columns_once_a_pair(monkeypatch, order, K, offsets):
+    """``GATE_COLUMNS_A_PAIR`` (one query head a key head): the gates' column sums of a (key tile, later superblock)
+    pair from ``dS`` summed over its query tiles, reduced once; every gradient as autograd's, in both loop orders. The
+    launch takes the option only where there are gates and one query head a key head."""
+    from attnkit.ops.path.triton import backward_super
+
+    launched = []
+    kernel = backward_super.path_bwd_super_kv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["PAIR_COLUMNS"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(backward_super, "path_bwd_super_kv_kernel", Spy())
+    monkeypatch.setattr(backward_super, "SWEEP_ORDER", order)
+    monkeypatch.setattr(backward_super, "GATE_COLUMNS_A_PAIR", True)
+    check_sweep(monkeypatch, 0, None, K, offsets, heads=(2, 2))
+    assert launched and all(launched)
+    launched.clear()
+    check_sweep(monkeypatch, 0, None, K, offsets)  # two query heads a key head: a reduction every query tile
+    assert launched and not any(launched)
+
+
 @pytest.mark.parametrize("K, offsets", [(80, None), (80, [0, 5, 5, 40, 100])], ids=["K80", "K80-varlen"])
 def test_sweep_tiles_wider_than_the_chunk(monkeypatch, K, offsets):
     """Tiles of twice the chunk (here a whole superblock a tile), as the GPU's default at K = 128 takes 64-row tiles
@@ -236,14 +265,15 @@ def test_sweep_launch_at_k128_takes_64_row_tiles(monkeypatch):
     assert backward_super.launch_config(256, 16)["tile"] == 16
 
 
-def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets, tile=None):
+def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets, tile=None, heads=(4, 2)):
     """The body of the sweep tests: the kernels' five gradients against autograd through the pairs' logits (tiles of
-    ``tile`` rows, the chunk's by default)."""
+    ``tile`` rows, the chunk's by default; ``heads``: query and key/value heads)."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import backward_super
     from attnkit.ops.path.triton.prepare import chunk_offsets
 
-    chunk, span, HQ, H, V = 8, 2, 4, 2, 8
+    chunk, span, V = 8, 2, 8
+    HQ, H = heads
     S = chunk * span
     config = dict(tile=tile or chunk, tiles_per_program=tiles_per_program, num_warps=1, num_stages=1)
     monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, c: config)

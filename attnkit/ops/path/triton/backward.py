@@ -140,6 +140,7 @@ def key_chunk_grads(
     x, do, lse, delta, gcum, dgcum, dx, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k,
     m_v, HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False, ADD_DX: tl.constexpr = False,
+    COLUMNS_LATER: tl.constexpr = False,
 ):  # fmt: skip
     """Query chunk ``i_c`` of every query head of key head ``i_h``'s group against key chunk ``m`` carried to it
     (``b_y``; values ``b_v``, rows ``p_m``), with ``P = exp(S − lse)`` and ``dS = P (dO Vᵀ − Δ)``: returns
@@ -149,7 +150,8 @@ def key_chunk_grads(
     its gradient products, and the logits ``x yᵀ`` as the forward's between superblocks (queries and keys carried in
     float32, rounded for the product); else they run in ``PRECISION``. With ``ADD_DX`` the queries' gradient
     ``scale · dS y`` is added to ``dx [*, HQ, K]`` float32 by atomic adds (FlashAttention-2's ``dQ``; ``dx`` unused
-    otherwise).
+    otherwise). With ``COLUMNS_LATER`` (one query head a key head) ``b_dg`` is a ``[BT, BT]`` float32 sum of the tiles'
+    ``dS`` instead, whose column sums the caller takes once (:data:`backward_super.GATE_COLUMNS_A_PAIR`).
 
     The gate's two sides come from the same ``dS``: a query's row sum is zero only for the exact ``Δ = Σ_j P dP``,
     and ``Δ = dO · O`` from the rounded output is off by ``dO · (O − round(O))`` a row. Kept from one tile, that
@@ -193,7 +195,10 @@ def key_chunk_grads(
             tl.atomic_add(p_dx, b_dx * scale, mask=m_i[:, None] & m_k, sem="relaxed")
         if USE_G:  # without gates no sums: a column sum is a reduction across the warps every query tile
             tl.atomic_add(dgcum + p_i * HQ + i_hq, tl.sum(b_ds, 1), mask=m_i, sem="relaxed")
-            b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
+            if COLUMNS_LATER:  # b_dg: dS summed elementwise, its columns summed by the caller
+                b_dg += b_ds
+            else:
+                b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
     return b_dy, b_dv, b_dg
 
 

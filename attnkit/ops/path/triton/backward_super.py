@@ -64,6 +64,12 @@ PAIR_16BIT: str | None = None
 # 15.25 at 4k (peak 1464 MiB against 1548); at 32k 110.6 ms against 101.2, peak unchanged (with a 128 MiB budget
 # 116.1 ms and 1452 MiB against 1578).
 SWEEP_ORDER = "tiles"
+# PaTH-FoX, one query head a key head: the gates' column sums of a (key tile, later superblock) pair from dS summed
+# elementwise over its query tiles and reduced across the warps once, instead of a reduction every query tile.
+# Compiled for sm_90a (Triton 3.6, D = 64, bf16, twenty-ninth session) the query-tile loop drops from 893 to 737 SASS
+# instructions (no SHFL, no shared-memory round trip; PaTH's is 542) and spills grow from 652 to 780 bytes a thread.
+# Untimed: off until path_tune.py's LOCAL row "sweep gate columns once a pair" times it on a GPU.
+GATE_COLUMNS_A_PAIR = False
 
 
 def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
@@ -98,6 +104,7 @@ def sweep_pair(
     p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, PRECISION: tl.constexpr, ADD_DX: tl.constexpr, PAIR_PRECISION: tl.constexpr,
+    PAIR_COLUMNS: tl.constexpr = False,
 ):  # fmt: skip
     """One (key tile, later superblock ``s``) pair of :func:`path_bwd_super_kv_kernel`: the key tile (rows ``p_m``,
     ``b_kh`` float32, ``b_v``) meets every query tile of ``s`` with ``Π_{n,s}`` read from ``p_pi`` (a ``[BK, BK]``
@@ -110,12 +117,20 @@ def sweep_pair(
     b_y = pair_dot(b_kh, tl.trans(tl.load(p_pi)), PAIR_PRECISION, do.dtype.element_ty)
     b_y = b_y.to(do.dtype.element_ty)
     b_dys = tl.zeros([BT, BK], dtype=tl.float32)
+    if PAIR_COLUMNS:  # the gates' column sums: dS summed over the pair's query tiles, reduced across warps once
+        b_cols = tl.zeros([BT, BT], dtype=tl.float32)
+    else:
+        b_cols = b_dg
     for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
-        b_dy, b_dv, b_dg = key_chunk_grads(
-            xh, do, lse, delta, gcum, dgcum, dxh, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
-            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, ADD_DX,
+        b_dy, b_dv, b_cols = key_chunk_grads(
+            xh, do, lse, delta, gcum, dgcum, dxh, b_y, b_v, b_dv, b_cols, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
+            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, ADD_DX, PAIR_COLUMNS,
         )  # fmt: skip
         b_dys += b_dy
+    if PAIR_COLUMNS:
+        b_dg -= tl.sum(b_cols, 0)[None, :]
+    else:
+        b_dg = b_cols
     b_dys *= scale
     b_dkh += pair_dot(b_dys, tl.load(p_pi), PAIR_PRECISION, do.dtype.element_ty)
     for cb in tl.static_range(BK // BC):
@@ -138,6 +153,7 @@ def path_bwd_super_kv_kernel(
     BT: tl.constexpr, BG: tl.constexpr, TPP: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, ADD_DX: tl.constexpr = True,
     PAIR_PRECISION: tl.constexpr = "tf32x3", SUPERBLOCKS_OUTER: tl.constexpr = False,
+    PAIR_COLUMNS: tl.constexpr = False,
 ):  # fmt: skip
     """``xh [*, HQ, K]`` (queries carried to their superblock's start, in ``do``'s dtype or float32), ``kh [*, H, K]``
     float32 (keys carried to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32,
@@ -183,7 +199,7 @@ def path_bwd_super_kv_kernel(
                 b_dkh, b_dv, b_dg = sweep_pair(
                     xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi, p_s, b_kh, b_v, b_dkh, b_dv, b_dg, t == 0, bos, L,
                     s, R, n_tiles, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G,
-                    PRECISION, ADD_DX, PAIR_PRECISION,
+                    PRECISION, ADD_DX, PAIR_PRECISION, PAIR_COLUMNS,
                 )  # fmt: skip
                 store_key_chunk_grads(
                     dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G
@@ -218,7 +234,7 @@ def path_bwd_super_kv_kernel(
                     xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi + (s - n - 1) * (BK * BK) + p_kk,
                     p_e + (s - n - 1) * (BK * BK), b_kh, b_v, b_dkh, b_dv, b_dg, t == 0, bos, L, s, R, n_tiles, p_m,
                     i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, ADD_DX,
-                    PAIR_PRECISION,
+                    PAIR_PRECISION, PAIR_COLUMNS,
                 )  # fmt: skip
             store_key_chunk_grads(
                 dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G
@@ -475,13 +491,14 @@ def path_bwd_super_fn(
     rows_e = torch.empty(max(e for _, _, e in plan) * slot // 4, **f32)
     rows_pi = torch.empty(max(n1 - n0 for n0, n1, _ in plan) * slot // 4, **f32) if outer else torch.empty_like(rows_e)
     shape = (cu_seqlens, sb_offsets, T, NSB, NL, tiles, groups)
+    pair_columns = GATE_COLUMNS_A_PAIR and gcum is not None and HQ == H
     for n0, n1, entries in plan:
         path_bwd_super_kv_kernel[((n1 - n0) * groups, N * H)](
             xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, *shape, n0, entries, scale,
             HQ=HQ, H=H,
             K=K, V=V, BK=BK, BV=BV, BT=BT, BG=triton.next_power_of_2(HQ // H), TPP=tpp, USE_G=gcum is not None,
             IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, ADD_DX=DQ_BY_ATOMICS,
-            PAIR_PRECISION=pair, SUPERBLOCKS_OUTER=outer, **launch,
+            PAIR_PRECISION=pair, SUPERBLOCKS_OUTER=outer, PAIR_COLUMNS=pair_columns, **launch,
         )  # fmt: skip
         if NL < 3:  # no superblock lies between two others: Σ has no gradient here
             continue
