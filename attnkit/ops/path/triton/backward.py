@@ -127,8 +127,8 @@ def backward_config(key_dim: int) -> tuple[int, int]:
 def base2_logits(b_s, scale, b_lse, b_gq, b_gk, USE_G: tl.constexpr):
     """``log2(e) · (scale · b_s + G_i − G_j − lse_i)`` for the raw products ``b_s`` of a query tile (rows: the natural
     ``b_lse`` and, with gates, the cumulative gates ``b_gq``) and a key tile (``b_gk``): the argument of ``exp2`` that
-    gives ``P``. The row terms are scaled once a row and the key gates once a column, so that a logit costs one FMA
-    and, with gates, one subtraction."""
+    gives ``P``. The row terms are scaled once a row, so that a logit costs one FMA into ``exp2`` (and, with gates, a
+    second FMA, into which ptxas folds the key gates' scaling)."""
     if USE_G:
         b_row = (b_lse - b_gq) * JIT_LOG2E
         return b_s * (scale * JIT_LOG2E) - b_row[:, None] - (b_gk * JIT_LOG2E)[None, :]

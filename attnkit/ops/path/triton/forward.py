@@ -89,11 +89,11 @@ def path_fwd_kernel(
     """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``mw [*, H, K]``
     float32 (``M W`` per chunk), ``kh [*, H, K]`` (keys carried to their superblock's end) and ``sig [superblocks,
     H, BK, BK]`` float32 (each superblock's transitions, ``carry.py``; superblocks of ``R`` chunks), ``gcum [HQ, *]``
-    float32 cumulative gates, head-major (``NT`` tokens a head; when ``USE_G``) -> ``o [*, HQ, V]`` and
-    ``lse [*, HQ]`` float32 (the natural log-sum-exp of each query's logits, for the backward). Grid ``(chunks of
-    the longest sequence, N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it accumulates one
-    rank-``BT`` update per chunk of history; with ``INNER_LOW`` (:data:`INNER_CARRY_LOW`) its carries inside its
-    superblock take operands rounded to ``k``'s dtype."""
+    float32 cumulative gates times ``log2(e)``, head-major (``NT`` tokens a head; when ``USE_G``) -> ``o [*, HQ,
+    V]`` and ``lse [*, HQ]`` float32 (the natural log-sum-exp of each query's logits, for the backward). Grid
+    ``(chunks of the longest sequence, N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it
+    accumulates one rank-``BT`` update per chunk of history; with ``INNER_LOW`` (:data:`INNER_CARRY_LOW`) its carries
+    inside its superblock take operands rounded to ``k``'s dtype."""
     LT: tl.constexpr = k.dtype.element_ty
     i_c = tl.num_programs(0) - 1 - tl.program_id(0)
     i_nh = tl.program_id(1)
