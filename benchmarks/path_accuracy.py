@@ -5,12 +5,11 @@
 
 Random normal ``q, k, v`` and cotangent, unit ``w``, ``beta`` uniform in (1.5, 2) (near-reflections, the hard case
 for the cumulative products), FoX gates ``logsigmoid(N(2, 1))`` (``--gates none``: PaTH, whose kernels skip the
-gates' sums), B = 1, H = 2. Each cell runs ``path_attention``
-forward and backward with ``backend="triton"`` and ``backend="torch"`` on the same (rounded) inputs and reports the
-relative RMS error of ``o`` and of every gradient. Bars: float32 ≤ 1e-3; bf16 ≤ 5e-3 for ``o`` and ≤ 1e-2 for the
-gradients; no NaN. For float32 cells up to ``--float64-max-t`` it also gives both backends' output error against
-the PyTorch backend in float64, which says how much of their disagreement is the float32 reference's own.
-Writes ``DIR/path_accuracy_h200.json``.
+gates' sums), B = 1, H = 2. Each cell runs ``path_attention`` forward and backward with ``backend="triton"`` and
+``backend="torch"`` on the same (rounded) inputs and reports the relative RMS error of ``o`` and of every gradient.
+Bars: float32 ≤ 1e-3; bf16 ≤ 5e-3 for ``o`` and ≤ 1e-2 for the gradients; no NaN. For float32 cells up to
+``--float64-max-t`` it also gives both backends' output error against the PyTorch backend in float64, which says how
+much of their disagreement is the float32 reference's own. Writes ``DIR/path_accuracy_h200.json``.
 """
 
 from __future__ import annotations
