@@ -5,6 +5,7 @@ defaults pick (``benchmarks/results/path_kernel_resources_sm90a.json``).
     pip install --target /tmp/t36 triton==3.6.0     # the GPU machine's Triton; the CPU wheel carries ptxas
     PYTHONPATH=/tmp/t36 python benchmarks/kernel_resources.py [--head-dims 64 128] [--gate] [--list] [--out FILE]
         [--setting LABEL]    # one of path_tune.py's LOCAL settings (its module attributes patched meanwhile)
+        [--loops]            # each loop's SASS instructions by opcode, innermost first
 
 The launchers run on CPU tensors without ``TRITON_INTERPRET`` (it must be unset: the kernels are then plain
 ``JITFunction``s, and the launchers choose the GPU's chunks, tiles, warps, stages and precisions), and every launch is
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the launches, compile nothing")
     parser.add_argument("--out", help="JSON of every row")
     parser.add_argument("--setting", help="a path_tune.LOCAL label: compile the launches that setting makes")
+    parser.add_argument(
+        "--loops", action="store_true", help="also each loop's SASS instructions by opcode (innermost loops first)"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("TRITON_INTERPRET=1: the launchers would pick the interpreter's configurations; unset it")
@@ -129,14 +133,20 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 report = compile_report(launch["kernel"], signature, constants, warps, stages)
-                report.pop("loops", None)
+                loop_ops = sorted(report.pop("loop_ops"), key=lambda ops: sum(ops.values()))
+                report.pop("loops")
+                if args.loops:
+                    report["loops"] = [dict(instructions=sum(ops.values()), opcodes=ops) for ops in loop_ops]
             except Exception as e:  # noqa: BLE001 — out of resources and the like are results here
                 report = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
             row = dict(D=D, kernel=name, num_warps=warps, num_stages=stages, **report)
             row["constants"] = {k: v for k, v in constants.items() if v is not None and k.isupper()}
             rows.append(row)
-            shown = ", ".join(f"{k}={v}" for k, v in report.items())
+            shown = ", ".join(f"{k}={v}" for k, v in report.items() if k != "loops")
             print(f"D={D} {name} (warps {warps}, stages {stages}): {shown}", flush=True)
+            for loop in report.get("loops", []):
+                top = ", ".join(f"{op} {n}" for op, n in list(loop["opcodes"].items())[:14])
+                print(f"    loop of {loop['instructions']} instructions: {top}", flush=True)
     if args.out:
         import triton
 

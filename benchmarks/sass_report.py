@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -30,6 +31,27 @@ from attnkit.ops.tapa.triton.backward import bwd_config, tapa_bwd_dkdv_kernel  #
 from attnkit.ops.tapa.triton.forward import fwd_config, tapa_fwd_kernel  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The instructions of each loop of a kernel in ``cuobjdump --dump-sass``'s text, in the order of their backward
+    branches (as ``compile_report``'s ``loops``): a loop runs from a branch's target to the branch."""
+    ins = [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    index = {address: i for i, (address, _) in enumerate(ins)}
+    bodies = []
+    for i, (address, text) in enumerate(ins):
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < address and int(m.group(1), 16) in index:
+            bodies.append([t for _, t in ins[index[int(m.group(1), 16)] : i + 1]])
+    return bodies
+
+
+def opcode_counts(body: list[str]) -> dict[str, int]:
+    """A loop's instructions by opcode, most frequent first; a predicate and the modifiers are dropped (``@!P0
+    FMUL.FTZ R1, R2, R3`` counts as ``FMUL``): where a loop's issue slots go, e.g. ``SHFL`` for cross-thread
+    reductions, ``LDL`` for spill reloads, ``HGMMA`` for the tensor-core products."""
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in body)
+    return dict(ops.most_common())
 
 
 def compile_report(fn, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int) -> dict:
@@ -64,6 +86,7 @@ def compile_report(fn, signature: dict[str, str], constants: dict, num_warps: in
         spill_bytes=int(spills.group(1)) if spills else 0,
         shared=kernel.metadata.shared,
         loops=loops,
+        loop_ops=[opcode_counts(body) for body in loop_bodies(sass)],
         # Hopper's warpgroup MMA (wgmma, a 64-row tile a warpgroup at least) against the warp-level mma.sync that
         # Triton falls back to for smaller tiles: the tensor-core instructions in the PTX.
         wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
@@ -85,6 +108,7 @@ def main() -> None:
         sig = dict.fromkeys(["q", "k", "v", "o"], "*bf16") | {"lse": "*fp32"} | seq
         sig |= {"scale_log2": "fp32", "alpha": "fp32", "log2_scale": "fp32"}
         report = compile_report(tapa_fwd_kernel, sig, base | dict(BM=BM, BN=BN), warps, stages)
+        report.pop("loop_ops")
         per_logit = [round(n / (BM * BN / (32 * warps)), 1) for n in report["loops"]]
         print(f"D={D} forward  {BM}x{BN} {warps}w: {report} -> instructions per logit {per_logit}")
 
@@ -95,6 +119,7 @@ def main() -> None:
         sig |= dict.fromkeys(["scale_log2", "scale_amp", "alpha", "log2_scale"], "fp32")
         consts = base | dict(BM=BM, BN=BN, ATOMIC_DQ=cfg["atomic_dq"])
         report = compile_report(tapa_bwd_dkdv_kernel, sig, consts, warps, stages)
+        report.pop("loop_ops")
         per_logit = [round(n / (BM * BN / (32 * warps)), 1) for n in report["loops"]]
         print(f"D={D} dK/dV    {BM}x{BN} {warps}w: {report} -> instructions per logit {per_logit}")
 

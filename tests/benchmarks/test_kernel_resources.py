@@ -55,3 +55,25 @@ def test_a_path_tune_setting_changes_the_launches():
     assert len(local) == 1 and "'BT': 64" in local[0]
     done = run("--list", "--setting", "no such setting")
     assert done.returncode != 0 and "--setting" in done.stderr
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   FMUL R2, R2, 0.5 ;                     /* 0x3f00000002027820 */
+        /*0020*/              @!P0 FMUL.FTZ R3, R3, R3 ;                 /* 0x0000000303038220 */
+        /*0030*/                   SHFL.BFLY PT, R4, R3, 0x1, 0x1f ;      /* 0x0c201f0003047f89 */
+        /*0040*/               @P1 BRA 0x10 ;                             /* 0xfffffffc00001947 */
+        /*0050*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*0060*/                   BRA 0x60 ;                             /* 0xfffffffc00007947 */
+"""
+
+
+def test_loops_are_read_off_the_sass_by_opcode():
+    """A loop runs from a backward branch's target to the branch (a branch to itself is no loop), and its
+    instructions count by opcode with the predicate and modifiers dropped."""
+    from benchmarks.sass_report import loop_bodies, opcode_counts
+
+    bodies = loop_bodies(SASS)
+    assert [len(body) for body in bodies] == [4] and bodies[0][1] == "@!P0 FMUL.FTZ R3, R3, R3"
+    assert opcode_counts(bodies[0]) == {"FMUL": 2, "SHFL": 1, "BRA": 1}
+    assert list(opcode_counts(bodies[0])) == ["FMUL", "SHFL", "BRA"]  # most frequent first
