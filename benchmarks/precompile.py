@@ -3,7 +3,8 @@ carries (``.tcache/precompiled.tar.NN``, unpacked by ``run_gpu.sh``): the GPU ma
 compiling, its first call after a kernel changed included.
 
     env -u TRITON_INTERPRET PYTHONPATH=<Triton 3.6>:. python benchmarks/precompile.py --cache DIR
-        [--ops path path_fox ...] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--train path ...] [--probes]
+        [--ops path path_fox ...] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--settings LABEL ...]
+        [--train path ...] [--probes]
         [--pytest PYTEST ARGS ...] [--pack .tcache]
 
 How. The launchers run on CPU tensors without the interpreter, so they pick the GPU's chunks, warps, precisions and
@@ -21,8 +22,9 @@ GPU machine's Python 3.12). In the twenty-first session every entry made here fo
 the GPU machine had compiled for it, and nothing else was made.
 
 Workloads: ``--ops``, ``benchmarks/ops.py``'s attnkit kernels (``*_triton``) forward and backward at its cells (bf16,
-``32768 // T`` sequences, ``H·D = 1024``); ``--train``, ``benchmarks/train_throughput.py``'s step of these mixers
-(under the CPU's bf16 autocast, whose casts at the kernels' inputs are CUDA's); ``--probes``,
+``32768 // T`` sequences, ``H·D = 1024``), and again under each of ``--settings`` (``path_tune.py``'s LOCAL labels, as
+``run_gpu.sh pathlocal``'s ``LOCAL_PICK`` times them); ``--train``, ``benchmarks/train_throughput.py``'s step of these
+mixers (under the CPU's bf16 autocast, whose casts at the kernels' inputs are CUDA's); ``--probes``,
 ``benchmarks/path_probe.py``'s list (``run_gpu.sh pathsmall``); ``--pytest``, a pytest run whose kernels compile
 instead of running (its tests fail their checks, which is expected; tests that need CUDA skip). ``--pack`` writes the
 cache as xz-compressed 15 MiB parts.
@@ -197,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument(
+        "--settings", nargs="*", default=[], help="path_tune.py's LOCAL labels: the --ops cells again under each"
+    )
     parser.add_argument("--probes", action="store_true", help="benchmarks/path_probe.py's probes")
     parser.add_argument("--train", nargs="*", default=[], help="train_throughput.py's step of these mixers")
     parser.add_argument("--train-seq-lens", nargs="+", type=int, default=[4096, 16384])
@@ -210,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("TRITON_INTERPRET=1: the launchers would pick the interpreter's configurations; unset it")
     os.environ["TRITON_INTERPRET"] = "0"  # tests/conftest.py sets 1 on a CPU machine unless it is set
     os.environ["TRITON_CACHE_DIR"] = str(Path(args.cache).resolve())
+    from benchmarks import path_tune
+
+    local = dict(path_tune.LOCAL)
+    unknown = [label for label in args.settings if label not in local]
+    if unknown:
+        parser.error(f"--settings: {unknown} not among path_tune.py's LOCAL labels {list(local)}")
     import triton
 
     if triton.__version__ != "3.6.0" and not args.any_triton:
@@ -217,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     with compile_only(gpu_triton_key(args.libtriton_sha256)) as names:
         ops_cells(args.ops, args.seq_lens, args.head_dims, args.tokens)
+        for label in args.settings:  # the module attributes put back after each
+            with path_tune.patched(local[label]):
+                print(f"  setting {label!r}:", flush=True)
+                ops_cells(args.ops, args.seq_lens, args.head_dims, args.tokens)
         if args.probes:
             probes()
         train_steps(args.train, args.train_seq_lens, args.train_tokens)
