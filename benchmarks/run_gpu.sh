@@ -37,7 +37,8 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # ".tcache"]), they are unpacked below (tar reads either compression) and spare that call every kernel whose source
 # and specialisation they hold. Kernels changed since the last call can be compiled before it, here, without a GPU
 # (`env -u TRITON_INTERPRET PYTHONPATH=<Triton 3.6's CPU wheel>:. python benchmarks/precompile.py --cache DIR --ops
-# path path_fox --probes --pack .tcache`): .tcache/precompiled.tar.NN, kept apart from the parts above (`rm -rf
+# path path_fox --probes --pack .tcache`; `--settings LABEL ...` adds path_tune.py's LOCAL settings that `pathlocal`'s
+# LOCAL_PICK will time): .tcache/precompiled.tar.NN, kept apart from the parts above (`rm -rf
 # .tcache` drops them too).
 export TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
