@@ -256,3 +256,15 @@ def test_the_report_marks_learning_rates_chosen_at_a_sweeps_edge(tmp_path):
     payload = report._result_json(result)
     assert {c["model"]: c["edge"] for c in payload["choices"]}["deltanet"] == "lowest"
     assert {c["edge"] for c in payload["choices"] if c["model"] != "deltanet"} == {""}
+
+
+def test_a_report_removes_the_plots_it_no_longer_writes(tmp_path):
+    """A sweep that plots nothing this time (its learning rate not chosen yet) loses the PNGs an earlier report wrote
+    for it; this report's own plots, other experiments' names and other files stay."""
+    names = ["zero_shot_steps.png", "zero_shot_vs_length.png", "state_norm.png", "zero_shotx.png", "notes.png"]
+    for name in [*names, "report.md"]:
+        (tmp_path / name).write_bytes(b"")
+    results = {"zero_shot": None, "state_norm": None}
+    report._remove_stale_plots(str(tmp_path), results, {"zero_shot": ["zero_shot_vs_length.png"], "state_norm": []})
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["notes.png", "report.md", "zero_shot_vs_length.png", "zero_shotx.png"]

@@ -174,6 +174,20 @@ def plot_probe(result: ProbeResult, folder: str) -> list[str]:
     return [_save(fig, folder, f"{result.probe.name}.png", plt)]
 
 
+def _remove_stale_plots(folder: str, results: dict, plots: dict[str, list[str]]) -> None:
+    """Delete the PNGs an earlier report wrote for these experiments (``<name>.png``, ``<name>_*.png``) that this
+    one did not write again: a sweep whose learning rate is no longer chosen (a rate added, a cell pending) plots
+    nothing, and its old plots would show a choice the report no longer makes. They are derived from the cells, which
+    stay."""
+    fresh = {file for files in plots.values() for file in files}
+    if not os.path.isdir(folder):
+        return
+    for file in os.listdir(folder):
+        stem = file.removesuffix(".png")
+        if file.endswith(".png") and file not in fresh and any(stem == n or stem.startswith(f"{n}_") for n in results):
+            os.remove(os.path.join(folder, file))
+
+
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -383,6 +397,7 @@ def write_report(
         name: plot_sweep(r, folder) if isinstance(r, SweepResult) else plot_probe(r, folder)
         for name, r in results.items()
     }
+    _remove_stale_plots(folder, results, plots)
     budgets = {name: r.sweep.budget_text() for name, r in results.items() if isinstance(r, SweepResult)}
     counts = {
         v: sum(o.verdict == v for o in outcomes.values()) for v in dict.fromkeys(o.verdict for o in outcomes.values())
