@@ -41,8 +41,9 @@ def loop_bodies(sass: str) -> list[list[str]]:
     bodies = []
     for i, (address, text) in enumerate(ins):
         m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < address and int(m.group(1), 16) in index:
-            bodies.append([t for _, t in ins[index[int(m.group(1), 16)] : i + 1]])
+        target = int(m.group(1), 16) if m else address
+        if target < address and target in index:
+            bodies.append([t for _, t in ins[index[target] : i + 1]])
     return bodies
 
 
@@ -75,18 +76,14 @@ def compile_report(fn, signature: dict[str, str], constants: dict, num_warps: in
         f.write(kernel.asm["cubin"])
         f.flush()
         sass = subprocess.run([str(BIN / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
-    loops = []
-    for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass):
-        at, target = int(m.group(1), 16), int(m.group(2), 16)
-        if target < at:
-            loops.append((at - target) // 16)
+    bodies = loop_bodies(sass)
     ptx = kernel.asm["ptx"]
     return dict(
         registers=int(regs.group(1)) if regs else None,
         spill_bytes=int(spills.group(1)) if spills else 0,
         shared=kernel.metadata.shared,
-        loops=loops,
-        loop_ops=[opcode_counts(body) for body in loop_bodies(sass)],
+        loops=[len(body) - 1 for body in bodies],  # the instructions from the branch's target up to the branch
+        loop_ops=[opcode_counts(body) for body in bodies],
         # Hopper's warpgroup MMA (wgmma, a 64-row tile a warpgroup at least) against the warp-level mma.sync that
         # Triton falls back to for smaller tiles: the tensor-core instructions in the PTX.
         wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
