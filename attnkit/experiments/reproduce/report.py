@@ -263,11 +263,8 @@ EDGE_NOTE = (
 def _edges(result: SweepResult) -> list[str]:
     """``"<model> <setting> at <lr> (<edge>)"`` for each chosen learning rate at the edge of ``result``'s sweep."""
     higher = result.sweep.higher_is_better
-    return [
-        f"{model} {setting} at {c.lr:g} ({c.edge(higher)})"
-        for (model, setting), c in result.choices.items()
-        if c.edge(higher)
-    ]
+    edges = ((model, setting, c.lr, c.edge(higher)) for (model, setting), c in result.choices.items())
+    return [f"{model} {setting} at {lr:g} ({edge})" for model, setting, lr, edge in edges if edge]
 
 
 _GRID_SET = re.compile(r"L(\d+)_d([0-9.]+)$")
@@ -427,8 +424,11 @@ def write_report(
         )
     edges = [f"{name}: {', '.join(e)}" for name, r in results.items() if isinstance(r, SweepResult) if (e := _edges(r))]
     if edges:
-        lines += ["", "Learning rates chosen at a sweep's edge, where a model's best may lie outside the sweep (each "]
-        lines[-1] += "experiment's table marks them): " + "; ".join(edges) + "."
+        lines += [
+            "",
+            "Learning rates chosen at a sweep's edge, where a model's best may lie outside the sweep (each "
+            f"experiment's table marks them): {'; '.join(edges)}.",
+        ]
     lines += ["", "## Criteria (fixed in code before any cell ran)", ""]
     lines += [f"- **{c.id}**: {c.criterion}" for c in paper.CLAIMS]
     lines += ["", "## Experiments", ""]
