@@ -112,6 +112,10 @@ for step in $steps; do
             fi
             timeout 200 python3 -m pytest -v -rf --tb=short -n 12 --timeout 150 $files \
                 -k "${PATHTESTS_K:-not real_size}" > "$OUT/pathtests.log" 2>&1
+            # the real sizes one at a time, less what the step above already finished (PATHTESTS_K="real_size" runs
+            # them there on 12 processes, and these steps then take only what it left)
+            cp "$ATTNKIT_DONE_LOG" /tmp/pathtests_done.txt 2>/dev/null || : > /tmp/pathtests_done.txt
+            export ATTNKIT_SKIP_FILE=/tmp/pathtests_done.txt
             timeout 150 python3 -m pytest -v -rf $files -k real_size_gradients >> "$OUT/pathtests.log" 2>&1
             timeout 150 python3 -m pytest -v -rf $files -k real_sizes_on_gpu >> "$OUT/pathtests.log" 2>&1
             unset ATTNKIT_DONE_LOG ATTNKIT_SKIP_FILE
@@ -151,17 +155,22 @@ for step in $steps; do
             # forward's tiles read a chunk ahead), the backward's triu(A Qᵀ) dO in its own chunk-parallel kernel, with
             # the backward's prefetch too, 16-bit operands on 32 columns (they skip 16-column blocks); then at T = 2k,
             # B = 16 (256 programs: 64 columns) the default, the local dU, and the local dU with both prefetches
+            # DELTASTATE_RUNS replaces the list (`;` between runs, `@T` for another length, e.g.
+            # "@2048;delta_bwd.LOCAL_DU=True@2048"); DELTASTATE_FLA=0 leaves FLA out of the first run
+            runs=("" "delta_bwd.LOCAL_DU=True" "delta_bwd.LOCAL_DU=True delta_fwd.STATE_PREFETCH=True"
+                "delta_fwd.STATE_BV=32 delta_fwd.STATE_16BIT=True" "@2048" "delta_bwd.LOCAL_DU=True@2048"
+                "delta_bwd.LOCAL_DU=True delta_fwd.STATE_PREFETCH=True@2048")
+            [ -n "${DELTASTATE_RUNS:-}" ] && IFS=';' read -ra runs <<< "$DELTASTATE_RUNS"
+            fla=fla_chunk_delta_rule; [ "${DELTASTATE_FLA:-1}" = 0 ] && fla=
             i=0
-            for run in "" "delta_bwd.LOCAL_DU=True" "delta_bwd.LOCAL_DU=True delta_fwd.STATE_PREFETCH=True" \
-                "delta_fwd.STATE_BV=32 delta_fwd.STATE_16BIT=True" "@2048" "delta_bwd.LOCAL_DU=True@2048" \
-                "delta_bwd.LOCAL_DU=True delta_fwd.STATE_PREFETCH=True@2048"; do
+            for run in "${runs[@]}"; do
                 set=${run%@*} len=32768
                 [ "$set" != "$run" ] && len=${run##*@}
                 batch=$((32768 / len))
                 sets=(); for s in $set; do sets+=("attnkit.ops.common.triton.$s"); done
                 echo "== ${set:-default} T=$len B=$batch" >> "$OUT/deltastate.log"
                 timeout $([ $i = 0 ] && echo 200 || echo 60) python3 benchmarks/kernel_profile.py --op deltanet \
-                    --impls deltanet_triton $([ $i = 0 ] && echo fla_chunk_delta_rule) --batch $batch --seq-len $len \
+                    --impls deltanet_triton $([ $i = 0 ] && echo $fla) --batch $batch --seq-len $len \
                     --head-dims 64 ${sets[0]:+--set "${sets[@]}"} --out "$OUT" --name "delta_state_$i" \
                     >> "$OUT/deltastate.log" 2>&1
                 i=$((i + 1))
