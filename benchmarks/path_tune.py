@@ -292,7 +292,7 @@ def time_cell(
         chosen = launch(D, backward.backward_config(D)[0])
         given = dict(tile=tile, tiles_per_program=per_program, num_warps=warps, num_stages=stages)
         setting = chosen | {k: v for k, v in given.items() if v is not None}
-        backward_super.launch_config = lambda key_dim, chunk, c=setting: c
+        backward_super.launch_config = lambda key_dim, chunk, *_, c=setting: c
         try:
             row = time_grads(f"D={D} T={T} super " + " ".join(f"{k}={v}" for k, v in setting.items()), x, do, default,
                              device)  # fmt: skip

@@ -89,7 +89,7 @@ def path_options(K):
         path_step(K, True)
 
 def path_float32(K, V):
-    # float32 inputs, whose dots take prepare.FLOAT32_PRECISIONS (3xTF32) at K, V <= 64: on the tensor cores
+    # float32 inputs, whose dots take prepare.FLOAT32_PRECISIONS (3xTF32) at K, V <= 128: on the tensor cores
     from benchmarks.kernel_resources import path_step
     H = 1024 // K
     q, k = (torch.randn(1, 2048, H, K) for _ in range(2))
@@ -121,7 +121,7 @@ steps = {
     "path_wide": [functools.partial(path_forward, 256, d) for d in (torch.float32, torch.bfloat16)],
     "path_options": [functools.partial(path_options, K) for K in (64, 128)],
     "path_float32": [functools.partial(path_float32, 64, 64)],
-    "path_float32_wide": [functools.partial(path_float32, 64, 128)],
+    "path_float32_wide": [functools.partial(path_float32, K, V) for K, V in ((64, 128), (128, 128))],
     "fox_float32": [functools.partial(fox_float32, K) for K in (64, 128, 256)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))],
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
@@ -145,7 +145,9 @@ WANTED = {
     "path_options": ("path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"),
     "path_float32": ("path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel", "path_bwd_super_kv_kernel",
                      "path_super_terms_bwd_kernel", "path_bwd_q_kernel", "path_local_bwd_kernel"),
-    "path_float32_wide": ("path_bwd_super_kv_kernel",),
+    "path_float32_wide": ("path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel",
+                          "path_bwd_super_kv_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel",
+                          "path_local_bwd_kernel"),
     "fox_float32": ("fox_fwd_kernel", "fox_bwd_dkdv_kernel", "fox_bwd_dq_kernel"),
     "delta_bwd": ("delta_bwd_read_kernel", "delta_bwd_wy_kernel"),
     "delta_strided": ("delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
@@ -193,8 +195,11 @@ for step in steps:
         ("path_float32", {"path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel",
                           "path_bwd_super_kv_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel",
                           "path_local_bwd_kernel"}),
-        # and at V = 128 exact (3xTF32 wanted 256 KB of shared memory in the sweep's kernel): within it
-        ("path_float32_wide", {"path_bwd_super_kv_kernel"}),
+        # and at V = 128 and K = V = 128, 3xTF32 too, the sweep on 32-row tiles (on 64-row tiles it wanted 256 and
+        # 352 KB of shared memory; exact products took ptxas minutes and spilled up to 85 KB a thread)
+        ("path_float32_wide", {"path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel",
+                               "path_bwd_super_kv_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel",
+                               "path_local_bwd_kernel"}),
         # FoX's float32 option, 3xTF32 (forward.FLOAT32_PRECISION): on the tensor cores and within shared memory at
         # K = 64 and 256, exact at 128 (3xTF32 there wanted 262-328 KB)
         ("fox_float32", {"fox_fwd_kernel", "fox_bwd_dkdv_kernel", "fox_bwd_dq_kernel"}),

@@ -254,7 +254,9 @@ def test_sweep_tiles_wider_than_the_chunk(monkeypatch, K, offsets):
 
 def test_sweep_launch_at_k128_takes_64_row_tiles(monkeypatch):
     """On a GPU the sweep at K = 65…128 takes 64-row tiles on eight warps and one stage (41.1 ms against 47.0 for the
-    chunk's 32-row tiles on three stages, PaTH-FoX at T = 4k on the H200); other K keep the chunk's tile."""
+    chunk's 32-row tiles on three stages, PaTH-FoX at T = 4k on the H200); other K keep the chunk's tile. Float32
+    inputs (3xTF32 products, float32 operands in shared memory) at a padded K or V of 128 take 32-row tiles: 64-row
+    ones wanted more shared memory than a Hopper block has."""
     from attnkit.ops.path.triton import backward, backward_super
 
     monkeypatch.setattr(backward_super, "interpreting", lambda: False)
@@ -263,6 +265,11 @@ def test_sweep_launch_at_k128_takes_64_row_tiles(monkeypatch):
     assert backward_super.launch_config(128, 32) == wide and backward_super.launch_config(80, 32) == wide
     assert backward_super.launch_config(64, 64)["tile"] == 64 and backward_super.launch_config(64, 64)["num_warps"] == 4
     assert backward_super.launch_config(256, 16)["tile"] == 16
+    narrow = dict(tile=32, tiles_per_program=0, num_warps=8, num_stages=1)
+    assert backward_super.launch_config(128, 32, torch.float32, 128) == narrow
+    assert backward_super.launch_config(64, 64, torch.float32, 128) == narrow
+    assert backward_super.launch_config(64, 64, torch.float32, 64)["tile"] == 64
+    assert backward_super.launch_config(128, 32, torch.bfloat16, 128) == wide
 
 
 def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets, tile=None, heads=(4, 2)):
@@ -276,7 +283,7 @@ def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets, tile=None, h
     HQ, H = heads
     S = chunk * span
     config = dict(tile=tile or chunk, tiles_per_program=tiles_per_program, num_warps=1, num_stages=1)
-    monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, c: config)
+    monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, c, *_: config)
     if budget is not None:
         monkeypatch.setattr(backward_super, "SCRATCH_BYTES", budget)
     gen = torch.Generator().manual_seed(K)

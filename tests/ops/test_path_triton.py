@@ -901,7 +901,7 @@ def test_superblock_tiles_of_their_own(monkeypatch, span):
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
     config = dict(tile=32, tiles_per_program=1, num_warps=1, num_stages=1)
-    monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, chunk: config)
+    monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, chunk, *_: config)
     inputs = [x.to(DEVICE) for x in make_inputs(2, 150, 4, 2, 16, 16, gate=True, dtype=torch.float32, beta_low=1.5)]
     do = torch.randn(2, 150, 4, 16, device=DEVICE)
     actual, expected = backend_grads(inputs, do, "triton"), backend_grads(inputs, do, "torch")
@@ -980,9 +980,9 @@ def test_gate_gradient_of_a_first_token_is_zero(monkeypatch, span):
 def test_carry_precisions(monkeypatch):
     """The carries' dot precision on a GPU: bfloat16 inputs at K = 64 and 128 take ``CARRY_16BIT`` (three bf16
     passes, measured there), other 16-bit inputs 3xTF32 (three bf16 passes failed a float16 forward at K = 32 on the
-    H200), float32 inputs 3xTF32 at padded K and V of at most 64 (``FLOAT32_PRECISIONS``) and exact above (3xTF32
-    wants more shared memory than a Hopper block has in the sweep at K = 128, and at V = 128); the products one TF32
-    pass for 16-bit inputs. Under the interpreter everything is exact."""
+    H200), float32 inputs 3xTF32 at padded K and V of at most 128 (``FLOAT32_PRECISIONS``; exact products at K = 128
+    compiled for minutes) and exact above; the products one TF32 pass for 16-bit inputs. Under the interpreter
+    everything is exact."""
     from attnkit.ops.path.triton import prepare
 
     assert prepare.precisions(torch.bfloat16, 64) == ("tf32", "ieee")  # the interpreter has no TF32
@@ -994,9 +994,11 @@ def test_carry_precisions(monkeypatch):
     assert prepare.precisions(torch.float16, 64) == ("tf32", "tf32x3")
     assert prepare.FLOAT32_PRECISIONS == ("tf32x3", "tf32x3")
     assert prepare.precisions(torch.float32, 16) == prepare.precisions(torch.float32, 64) == ("tf32x3", "tf32x3")
-    assert prepare.precisions(torch.float32, 65) == prepare.precisions(torch.float32, 128) == ("ieee", "ieee")
-    assert prepare.precisions(torch.float32, 64, 64) == ("tf32x3", "tf32x3")
-    assert prepare.precisions(torch.float32, 64, 80) == ("ieee", "ieee")  # value tiles of 128: exact
+    assert prepare.precisions(torch.float32, 65) == prepare.precisions(torch.float32, 128) == ("tf32x3", "tf32x3")
+    tf32x3 = ("tf32x3", "tf32x3")
+    assert prepare.precisions(torch.float32, 64, 64) == prepare.precisions(torch.float32, 64, 80) == tf32x3
+    assert prepare.precisions(torch.float32, 129) == prepare.precisions(torch.float32, 256) == ("ieee", "ieee")
+    assert prepare.precisions(torch.float32, 64, 256) == ("ieee", "ieee")  # value tiles of 256: exact
 
 
 def test_local_adjoint_precisions(monkeypatch):
@@ -1023,8 +1025,9 @@ def test_local_adjoint_precisions(monkeypatch):
     assert local.local_precisions(torch.bfloat16, 32) == local.local_precisions(torch.bfloat16, 256) == ("tf32", "tf32")
     assert local.local_precisions(torch.float16, 64) == ("tf32", "tf32")
     assert local.local_precisions(torch.float32, 64) == ("tf32x3", "tf32x3")
-    exact = ("ieee", "ieee")
-    assert local.local_precisions(torch.float32, 128) == local.local_precisions(torch.float32, 64, 128) == exact
+    tf32x3 = ("tf32x3", "tf32x3")
+    assert local.local_precisions(torch.float32, 128) == local.local_precisions(torch.float32, 64, 128) == tf32x3
+    assert local.local_precisions(torch.float32, 256) == ("ieee", "ieee")
     assert local.local_solve(torch.float32, "tf32x3") == "tf32x3" and local.local_solve(torch.float32, "ieee") == "ieee"
     assert local.local_solve(torch.bfloat16, "tf32") == local.LOCAL_SOLVE == "bf16x3"
     monkeypatch.setattr(local, "LOCAL_GRADS_16BIT", None)
@@ -1035,7 +1038,8 @@ def test_local_adjoint_precisions(monkeypatch):
     assert prepare.inner_carry(torch.bfloat16, 128) == "tf32"
     monkeypatch.setattr(prepare, "INNER_CARRY_16BIT", None)
     assert prepare.inner_carry(torch.bfloat16, 64) == prepare.inner_carry(torch.bfloat16, 128) == "bf16x3"
-    assert prepare.inner_carry(torch.float32, 64) == "tf32x3" and prepare.inner_carry(torch.float32, 128) == "ieee"
+    assert prepare.inner_carry(torch.float32, 64) == prepare.inner_carry(torch.float32, 128) == "tf32x3"
+    assert prepare.inner_carry(torch.float32, 256) == "ieee"
 
 
 def test_small_head_dims_16bit_backward_zero_padded(monkeypatch):

@@ -72,7 +72,7 @@ SWEEP_ORDER = "tiles"
 GATE_COLUMNS_A_PAIR = False
 
 
-def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
+def launch_config(key_dim: int, chunk: int, dtype: torch.dtype = torch.bfloat16, value_dim: int = 0) -> dict[str, int]:
     """``tile`` (rows of a query or key tile), ``tiles_per_program`` (the key tiles one program of the sweep takes in
     turn: fewer means more programs, each with its own ``E`` and ``Π`` slots, so more scratch and more waves),
     ``num_warps`` and ``num_stages`` of the between-superblock kernels. They need no chunk structure, only ``q̂``,
@@ -85,7 +85,14 @@ def launch_config(key_dim: int, chunk: int) -> dict[str, int]:
     K = 128 (32-row tiles), and spills 488 and 2396 bytes a thread (720 and 2560 with FoX's gates); 64-row tiles at
     K = 128 on eight warps and one stage take 144 KB and spill 1380, and on the H200 (PaTH-FoX, T = 4k, D = 128,
     eleventh session) forward+backward took 41.1 ms with them against 47.0 with 32-row tiles on three stages: they
-    are the default from K = 65 to 128 (on a GPU; the interpreter keeps the chunk's tile)."""
+    are the default from K = 65 to 128 (on a GPU; the interpreter keeps the chunk's tile). Float32 inputs (``dtype``;
+    ``value_dim``, V) take their products in 3xTF32 (``prepare.precisions``), whose float32 operands double the
+    tiles' shared memory: at a padded K or V of 128 the sweep takes 32-row tiles on eight warps and one stage, 192 KB
+    at K = V = 128 where 64-row tiles wanted 352 KB (over the 227 KB a Hopper block may have; sm_90a, Triton 3.6,
+    thirtieth session)."""
+    wide = 64 < block_dim(key_dim) <= 128 or 64 < block_dim(value_dim) <= 128
+    if dtype == torch.float32 and wide and not interpreting():
+        return dict(tile=32, tiles_per_program=0, num_warps=8, num_stages=1)
     if 64 < key_dim <= 128 and not interpreting():
         return dict(tile=64, tiles_per_program=0, num_warps=8, num_stages=1)
     stages = 3 if key_dim > 64 else 1
@@ -451,7 +458,7 @@ def path_bwd_super_fn(
     ``SCRATCH_BYTES``)."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
-    config = launch_config(K, chunk)
+    config = launch_config(K, chunk, v.dtype, V)
     length = chunk * span  # a superblock's positions
     BT, BK, BV = config["tile"], block_dim(K), block_dim(V)
     if length % BT:

@@ -620,11 +620,11 @@ def local_bwd_fn(
     ``dkt`` no more.
 
     The kernel's products take :func:`local_precisions`: the attention products' precision (one TF32 pass for
-    16-bit inputs, exact for float32 ones), and for bfloat16 inputs at ``K <= 64`` bf16 operands in the gradients'
-    products. Nothing here accumulates across chunks, unlike the carries (3×TF32), and the 3×TF32 form spilled
-    7.9 KB of registers a thread at K = C = 64 and 66 KB at K = 128 (1.5 and 2.7 KB in one pass; Triton 3.6,
-    sm_90a). On the H200 a whole step with every carry in one TF32 pass stayed within 3.9e-3 of 3×TF32 at 4k
-    (``benchmarks/results/path_h200.md``, "Carry precision")."""
+    16-bit inputs, ``prepare.FLOAT32_PRECISIONS`` for float32 ones), and for bfloat16 inputs at ``K <= 64`` bf16
+    operands in the gradients' products. Nothing here accumulates across chunks, unlike the carries (3×TF32), and
+    the 3×TF32 form spilled 7.9 KB of registers a thread at K = C = 64 and 66 KB at K = 128 (1.5 and 2.7 KB in one
+    pass; Triton 3.6, sm_90a). On the H200 a whole step with every carry in one TF32 pass stayed within 3.9e-3 of
+    3×TF32 at 4k (``benchmarks/results/path_h200.md``, "Carry precision")."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1

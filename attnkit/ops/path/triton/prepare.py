@@ -243,10 +243,11 @@ CARRY_16BIT = "bf16x3"  # the carries' precision for bfloat16 inputs (benchmarks
 # tokens, PaTH-FoX) forward+backward in 3xTF32 took 73.6 ms (bf16: 15.3) and stayed 2.0e-5 from the PyTorch backend in
 # float32 (o 1.2e-5 from float64, as the PyTorch backend's own), 1.6e-4 at 32k; the exact kernels did not compile and
 # time within 239 s; the products in one TF32 pass ("tf32", 37.4 ms) were 5.2e-3 off, over float32's 1e-3 bar
-# (benchmarks/results/path_float32_session24_h100.log). Only at a padded K of at most 64, and in the kernels that
-# hold value tiles at a padded V of at most 64: 3xTF32 wants more shared memory than the 227 KB a Hopper block may
-# have in the sweep's path_bwd_super_kv_kernel at K = 128 (352 KB) and at K = 64 with V = 128 (256 KB; exact: 144 KB),
-# so those stay exact. The dots need 16 rows: chunks of at least 16 positions, as every GPU launcher picks. The
+# (benchmarks/results/path_float32_session24_h100.log). At a padded K or V of at most 128: on 64-row tiles 3xTF32 wanted
+# more shared memory than the 227 KB a Hopper block may have in the sweep's path_bwd_super_kv_kernel at K = 128 (352
+# KB) and at K = 64 with V = 128 (256 KB), so float32 inputs there take 32-row tiles in the sweep (192 KB;
+# backward_super.launch_config); exact products there did not compile within 150 s on an H100 (thirtieth session).
+# Above 128 exact. The dots need 16 rows: chunks of at least 16 positions, as every GPU launcher picks. The
 # interpreter stays exact. `path_tune.py --local-only --dtype float32` times the settings.
 FLOAT32_PRECISIONS: tuple[str, str] = ("tf32x3", "tf32x3")
 
@@ -259,10 +260,13 @@ def precisions(dtype: torch.dtype, key_dim: int, value_dim: int = 0) -> tuple[st
     T = 32k with ``beta ∈ (1.5, 2)`` on the H200, 1.3× faster forward+backward); other 16-bit inputs 3×TF32: with
     three bf16 passes a float16 forward at T = 70, K = 32 (two chunks, the first case that carries) missed by 0.21
     on the H200, its cause not yet found, and the bf16 passes have been measured at K = 64 and 128 only. Float32
-    inputs take ``FLOAT32_PRECISIONS`` on a GPU at padded ``K`` and ``V`` of at most 64, else exact ``ieee``; the
-    interpreter, which has no TF32, takes ``ieee`` for float32 inputs and carries."""
+    inputs take ``FLOAT32_PRECISIONS`` on a GPU at padded ``K`` and ``V`` of at most 128 (the sweep between
+    superblocks then takes 32-row tiles where either is above 64, ``backward_super.launch_config``), else exact
+    ``ieee``: exact products compile to unrolled FMAs, which at K = 128 took ptxas over 150 s for the forward on an
+    H100 and spilled 85 KB a thread in the prepare kernel (thirtieth session). The interpreter, which has no TF32,
+    takes ``ieee`` for float32 inputs and carries."""
     if dtype == torch.float32:
-        exact = interpreting() or block_dim(key_dim) > 64 or (value_dim > 0 and block_dim(value_dim) > 64)
+        exact = interpreting() or block_dim(key_dim) > 128 or (value_dim > 0 and block_dim(value_dim) > 128)
         return ("ieee", "ieee") if exact else FLOAT32_PRECISIONS
     carry = CARRY_16BIT if dtype == torch.bfloat16 and block_dim(key_dim) in (64, 128) else "tf32x3"
     return "tf32", ("ieee" if interpreting() else carry)
