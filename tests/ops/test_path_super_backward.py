@@ -257,10 +257,11 @@ def test_sweep_launch_at_k128_takes_64_row_tiles(monkeypatch):
     chunk's 32-row tiles on three stages, PaTH-FoX at T = 4k on the H200); other K keep the chunk's tile. Float32
     inputs (3xTF32 products, float32 operands in shared memory) at a padded K or V of 128 take 32-row tiles: 64-row
     ones wanted more shared memory than a Hopper block has."""
-    from attnkit.ops.path.triton import backward, backward_super
+    from attnkit.ops.path.triton import backward, backward_super, prepare
 
     monkeypatch.setattr(backward_super, "interpreting", lambda: False)
     monkeypatch.setattr(backward, "interpreting", lambda: False)
+    monkeypatch.setattr(prepare, "interpreting", lambda: False)  # the float32 precisions a GPU takes
     wide = dict(tile=64, tiles_per_program=0, num_warps=8, num_stages=1)
     assert backward_super.launch_config(128, 32) == wide and backward_super.launch_config(80, 32) == wide
     assert backward_super.launch_config(64, 64)["tile"] == 64 and backward_super.launch_config(64, 64)["num_warps"] == 4

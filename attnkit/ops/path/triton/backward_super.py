@@ -87,11 +87,11 @@ def launch_config(key_dim: int, chunk: int, dtype: torch.dtype = torch.bfloat16,
     eleventh session) forward+backward took 41.1 ms with them against 47.0 with 32-row tiles on three stages: they
     are the default from K = 65 to 128 (on a GPU; the interpreter keeps the chunk's tile). Float32 inputs (``dtype``;
     ``value_dim``, V) take their products in 3xTF32 (``prepare.precisions``), whose float32 operands double the
-    tiles' shared memory: at a padded K or V of 128 the sweep takes 32-row tiles on eight warps and one stage, 192 KB
-    at K = V = 128 where 64-row tiles wanted 352 KB (over the 227 KB a Hopper block may have; sm_90a, Triton 3.6,
-    thirtieth session)."""
-    wide = 64 < block_dim(key_dim) <= 128 or 64 < block_dim(value_dim) <= 128
-    if dtype == torch.float32 and wide and not interpreting():
+    tiles' shared memory: where they do (on a GPU up to a padded K and V of 128; exact elsewhere), at a padded K or V
+    above 64 the sweep takes 32-row tiles on eight warps and one stage, 192 KB at K = V = 128 where 64-row tiles
+    wanted 352 KB (over the 227 KB a Hopper block may have; sm_90a, Triton 3.6, thirtieth session)."""
+    float32_operands = dtype == torch.float32 and precisions(dtype, key_dim, value_dim)[0] != "ieee"
+    if float32_operands and max(block_dim(key_dim), block_dim(value_dim)) > 64:
         return dict(tile=32, tiles_per_program=0, num_warps=8, num_stages=1)
     if 64 < key_dim <= 128 and not interpreting():
         return dict(tile=64, tiles_per_program=0, num_warps=8, num_stages=1)
