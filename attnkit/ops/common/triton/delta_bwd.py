@@ -27,6 +27,7 @@ from attnkit.ops.common.triton.delta_fwd import (
     chunk_site,
     dense_rows,
     dense_tokens,
+    few_state_programs,
     launch_config,
     launch_dims,
     operand,
@@ -48,9 +49,13 @@ from attnkit.ops.common.triton.delta_fwd import (
 # and a [BT, BV] float32 tile a chunk instead of Q and dO. One more launch, and one more float32 write and read of
 # du and dhs. Compiled for sm_90a (Triton 3.6, DeltaNet K = V = 64, bf16, no prefetch; mixers_h200.md, twentieth
 # session) the pass's loop went from 1303 to 592 instructions at 16 columns (16 wgmma against 40, no spills against 196
-# bytes, 24 KB of shared memory against 56) and from 1765 to 888 at 64. Off until timed
-# (`bash benchmarks/run_gpu.sh deltastate`).
-LOCAL_DU = False
+# bytes, 24 KB of shared memory against 56) and from 1765 to 888 at 64. Timed on an H100 (thirty-first session,
+# DeltaNet D = 64, bf16, forward+backward kernels; `bash benchmarks/run_gpu.sh deltastate`): at T = 32k, B = 1 (16
+# programs, the pass a chain of 512 chunk steps) 4.554 ms against 4.851 (the pass 1509 us against 1992, the new kernel
+# 194); at T = 2k, B = 16 (256 programs, the GPU full) 2.706 against 2.551 (the pass 283 against 322, the new kernel
+# 191). So None, the default, takes it where the state passes launch few programs
+# (delta_fwd.few_state_programs, the rule that narrows them to 16 columns); True or False forces it.
+LOCAL_DU: bool | None = None
 
 
 @triton.jit
@@ -370,14 +375,15 @@ def delta_bwd_fn(
     reads = strides(q=q, do=do) | write
     bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device, k.dtype, backward=True)
     NV = triton.cdiv(V, BV_STATE)
-    if LOCAL_DU:
+    local = few_state_programs(BV_STATE, dims, N * H, k.device) if LOCAL_DU is None else LOCAL_DU
+    if local:
         delta_bwd_local_kernel[(NC, B * H, NV)](
             q, a_or_k, beta, do, du, dhs, T=T, NC=NC, scale=scale, H=H, BV=BV_STATE, LOW=state_dims["LOW"], **reads,
             **varlen, **dims,
         )  # fmt: skip
     delta_bwd_state_kernel[(triton.cdiv(V, bv), N * H)](
         q, a_or_k, beta, saved["w"], do, dht, dhs, du, dh0, T=T, NC=NC, H=H, scale=scale, BV=bv,
-        USE_DHT=dht is not None, LOCAL=LOCAL_DU, **reads, **seq, **state_dims,
+        USE_DHT=dht is not None, LOCAL=local, **reads, **seq, **state_dims,
     )  # fmt: skip
     grid = (NC, B * H, NV)
     hs, u_new = saved["hs"], saved["u_new"]

@@ -380,6 +380,13 @@ STATE_16BIT = False
 STATE_PREFETCH: bool | str = "forward"
 
 
+def few_state_programs(bv_state: int, dims: dict, programs: int, device: torch.device) -> bool:
+    """Whether the state passes at the default width ``bv_state`` would launch at most :data:`NARROW_STATE_FILL` of
+    the device's multiprocessors (``programs`` ``(sequence, head)`` pairs, a program per value block each): there a
+    pass's time is its chain of chunk steps, not its work."""
+    return programs * triton.cdiv(dims["V"], bv_state) <= NARROW_STATE_FILL * multiprocessors(device)
+
+
 def state_launch(
     bv_state: int, dims: dict, programs: int, device: torch.device, dtype: torch.dtype, backward: bool = False
 ) -> tuple[int, dict]:
@@ -395,8 +402,7 @@ def state_launch(
         if wide_keys and bv < 32:
             raise ValueError(f"delta_fwd.STATE_BV must be at least 32 at K > 64, got {STATE_BV}")
     else:
-        columns = triton.cdiv(dims["V"], bv_state)
-        few = programs * columns <= NARROW_STATE_FILL * multiprocessors(device)
+        few = few_state_programs(bv_state, dims, programs, device)
         bv = min(16, bv_state) if few and not wide_keys else bv_state
     low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "") if STATE_16BIT and bv >= 32 else ""
     prefetch = STATE_PREFETCH is True or (STATE_PREFETCH == "forward" and not backward)
