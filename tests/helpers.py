@@ -126,6 +126,24 @@ def leave_process_group() -> None:
     os._exit(0)
 
 
+def launch_arguments(monkeypatch, module, name: str, argument: str) -> list:
+    """Replaces the Triton kernel ``module.name`` by a wrapper that records the keyword ``argument`` of each launch
+    and launches it; returns the list the values go to (as :func:`launch_counter`, launches that look the kernel up
+    on ``module`` at call time)."""
+    kernel, values = getattr(module, name), []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                values.append(kwargs[argument])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, name, Recorded())
+    return values
+
+
 def launch_counter(monkeypatch, module, name: str) -> list:
     """Replaces the Triton kernel ``module.name`` by a wrapper that records each launch's grid and launches it; returns
     the list the grids go to (only launches that look the kernel up on ``module`` at call time are seen)."""

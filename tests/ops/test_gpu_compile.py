@@ -37,9 +37,13 @@ def linear(K, dtype, packed):
     o, st, nt, hs, ns, z = linear_fwd_fn(q, k, v, s0, n0, cu, True, 1e-4)
     linear_bwd_fn(do, q, k, v, o, hs, ns, z, st, nt, cu, True, 1e-4)
 
-def delta_prepare(K, dtype):
+def delta_prepare(K, dtype, low=False, deltanet=False):
+    delta_fwd.PREPARE_16BIT_Z = low
     q, k, v, a = (torch.randn(1, 256, 2, K, dtype=dtype) for _ in range(4))
-    delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32")
+    if deltanet:
+        delta_fwd.delta_fwd_fn(q, k, v, None, None, 64, "tf32", None, torch.rand(1, 256, 2))
+    else:
+        delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32")
 
 def delta_bwd(K, V):
     from attnkit.ops.common.triton.delta_bwd import delta_bwd_fn
@@ -116,7 +120,10 @@ def path_forward(K, dtype):
 steps = {
     "linear": [functools.partial(linear, K, d, p) for K, d, p in
                ((64, torch.bfloat16, False), (128, torch.float16, True), (128, torch.float32, False))],
-    "delta_prepare": [functools.partial(delta_prepare, K, d) for K, d in ((64, torch.bfloat16), (128, torch.float32))],
+    # and K Aᵀ on the 16-bit rows (delta_fwd.PREPARE_16BIT_Z), DeltaNet's beta form and a generic a
+    "delta_prepare": [functools.partial(delta_prepare, K, d) for K, d in ((64, torch.bfloat16), (128, torch.float32))] +
+                     [functools.partial(delta_prepare, K, torch.bfloat16, True, n) for K, n in
+                      ((64, True), (128, True), (64, False))],
     "path_prepare": [functools.partial(path_prepare, K) for K in (64, 128)],
     "path_wide": [functools.partial(path_forward, 256, d) for d in (torch.float32, torch.bfloat16)],
     "path_options": [functools.partial(path_options, K) for K in (64, 128)],

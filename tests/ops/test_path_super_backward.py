@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_close
+from tests.helpers import assert_close, launch_arguments
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -224,18 +224,7 @@ def test_sweep_gate_columns_once_a_pair(monkeypatch, order, K, offsets):
     launch takes the option only where there are gates and one query head a key head."""
     from attnkit.ops.path.triton import backward_super
 
-    launched = []
-    kernel = backward_super.path_bwd_super_kv_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs["PAIR_COLUMNS"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(backward_super, "path_bwd_super_kv_kernel", Spy())
+    launched = launch_arguments(monkeypatch, backward_super, "path_bwd_super_kv_kernel", "PAIR_COLUMNS")
     monkeypatch.setattr(backward_super, "SWEEP_ORDER", order)
     monkeypatch.setattr(backward_super, "GATE_COLUMNS_A_PAIR", True)
     check_sweep(monkeypatch, 0, None, K, offsets, heads=(2, 2))

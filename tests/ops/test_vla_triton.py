@@ -29,6 +29,7 @@ from tests.helpers import (
     OPERATOR_COUNT_SHAPES,
     assert_close,
     full_size_ops_outside_kernels,
+    launch_arguments,
     launch_counter,
 )
 from tests.ops.test_vla import make_inputs, make_state
@@ -788,6 +789,33 @@ def test_prepare_kernel_blocks_at_the_gpu_chunk_size():
     assert_close("T", saved["tm"][:, :, :64], expected, 1e-5)
 
 
+@pytest.mark.parametrize("deltanet", [True, False], ids=["deltanet-beta", "generic-a"])
+def test_prepare_products_on_16bit_rows(monkeypatch, deltanet):
+    """``delta_fwd.PREPARE_16BIT_Z``: with float16 ``k`` and ``a`` (or DeltaNet's ``beta`` near 2) the prepare
+    kernel multiplies ``K Aᵀ`` on the 16-bit rows and scales the columns by ``beta`` after (``LOW_Z``): ``T``, ``W``,
+    the output and the final state those of the float32-row products to float32 rounding, over three 64-token
+    chunks with a partial last one; float32 inputs keep the float32 rows."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    B, H, T, K, V = 1, 2, 150, 16, 32
+    q, k, v, a = (x.half() for x in delta_inputs(B, H, T, K, V))
+    beta = 1.9 + 0.1 * torch.rand(B, T, H, device=DEVICE) if deltanet else None
+    inputs = (*bthd(q, k, v), None if deltanet else bthd(a)[0])
+    flags = launch_arguments(monkeypatch, delta_fwd, "delta_prepare_kernel", "LOW_Z")
+    runs = {}
+    for low in (False, True):
+        monkeypatch.setattr(delta_fwd, "PREPARE_16BIT_Z", low)
+        o, ht, saved = delta_fwd.delta_fwd_fn(*inputs, None, 64, "ieee", None, beta, 0.25)
+        runs[low] = (o.float(), ht, saved["tm"], saved["w"])
+    assert flags == [False, True]
+    for name, x, ref in zip(["o", "S", "T", "W"], runs[True], runs[False]):
+        tol = 1e-3 if name == "o" else 1e-5  # o is float16
+        assert_close(name, x, ref, tol)
+    wide = [None if x is None else x.float() for x in inputs]
+    delta_fwd.delta_fwd_fn(*wide, None, 64, "ieee", None, beta, 0.25)
+    assert flags[-1] is False
+
+
 def test_opcheck_and_compile():
     q, k, v, a = bthd(*delta_inputs(1, 1, 21, 16, 16))
     s0 = torch.randn(1, 1, 16, 16, device=DEVICE)
@@ -877,6 +905,33 @@ def test_blocked_prepare_on_gpu(K, deltanet):
     u_ref = t_ref @ (vc - kc @ torch.stack(starts, 2).mT)
     for name, x, y in [("T", saved["tm"], t_ref), ("W", saved["w"], t_ref @ kc), ("U", saved["u_new"], u_ref)]:
         assert_close(name, x, y.flatten(2, 3)[:, :, :T], 1e-5 if name == "T" else 1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes need a GPU")
+@pytest.mark.parametrize("K", [64, 128])
+def test_prepare_products_on_16bit_rows_on_gpu(monkeypatch, K):
+    """``delta_fwd.PREPARE_16BIT_Z`` compiled for the GPU with bf16 DeltaNet inputs (``beta`` near 2, a partial last
+    chunk): every chunk's ``T`` within 1e-5 of ``(I + strict_tril(K (β K)ᵀ))⁻¹`` in float64 on the same bf16 rows, and
+    ``T``, ``W`` and the output within float32 rounding of the float32-row products (the default)."""
+    from attnkit.ops.common.triton import delta_fwd
+
+    B, H, T, C = 2, 4, 1000, 64
+    q, k, v, _ = (x.bfloat16() for x in delta_inputs(B, H, T, K, K))
+    beta = 1.9 + 0.1 * torch.rand(B, T, H, device=DEVICE)
+    runs = {}
+    for low in (False, True):
+        monkeypatch.setattr(delta_fwd, "PREPARE_16BIT_Z", low)
+        o, _, saved = delta_fwd.delta_fwd_fn(*bthd(q, k, v), None, None, C, "tf32", None, beta, K**-0.5)
+        runs[low] = (o.float(), saved["tm"], saved["w"])
+    NC = -(-T // C)
+    kc = F.pad(k.double(), (0, 0, 0, NC * C - T)).unflatten(2, (NC, C))
+    bc = F.pad(beta.transpose(1, 2).double(), (0, NC * C - T)).unflatten(2, (NC, C))
+    t_ref = torch.linalg.inv(
+        torch.eye(C, device=DEVICE, dtype=torch.float64) + (kc @ kc.mT * bc[..., None, :]).tril(-1)
+    )
+    assert_close("T", runs[True][1].double(), t_ref.flatten(2, 3)[:, :, :T], 1e-5)
+    for name, x, y in zip(["o", "T", "W"], runs[True], runs[False]):
+        assert_close(name, x, y, 2e-3 if name == "o" else 1e-5)
 
 
 def test_head_dim_limit_and_auto_dispatch(monkeypatch):

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton.tril_inverse import tril_inverse
+from attnkit.ops.common.triton.tril_inverse import tril_inverse, tril_inverse_of
 from attnkit.ops.common.triton_seq import block_offsets, locate_block
 from attnkit.ops.common.triton_utils import block_dim, multiprocessors
 
@@ -178,7 +178,7 @@ def delta_prepare_kernel(
     skb, skt, skh, skd, sab, sat, sah, sad, sbeb, sbet, sbeh, svb, svt, svh, svd,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     SB: tl.constexpr, PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr,
-    LOG_N: tl.constexpr,
+    LOG_N: tl.constexpr, LOW_Z: tl.constexpr = False,
 ):  # fmt: skip
     """``k, a [B, T, H, K]``, ``v [B, T, H, V]`` (strided; ``a = β k`` when ``beta`` is given, :func:`write_rows`)
     -> the chunk's ``T = (I + Z)⁻¹``, ``Z = strict_tril(K Aᵀ)``, row by row (``t_out [BH, T, BT]``, also for the
@@ -194,7 +194,9 @@ def delta_prepare_kernel(
     K = 128, 8 warps: 0–204 bytes (880–1904). With the strided ``[B, T, H, ·]`` loads (bf16 ``k``, ``a``): 255
     registers and no spills at K = 64, 200 bytes at K = 128. The solve's products are float32-accurate
     (``SOLVE_PRECISION``) whatever ``PRECISION``: ``T`` enters every later product, and with ``beta`` near 2 its
-    entries are large."""
+    entries are large. ``LOW_Z`` (:data:`PREPARE_16BIT_Z`; ``k`` and ``a`` of one 16-bit dtype): ``K Aᵀ`` multiplies
+    the 16-bit rows as they are (their products exact, float32 sums), then scales its columns by ``β``, instead of
+    3xTF32 products of float32 ``K`` and ``β K``."""
     i_p, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
     row0 = (i_b * H + i_h) * T + bos
@@ -205,11 +207,23 @@ def delta_prepare_kernel(
     m_3 = (o_r3 < L) & (o_k < K)[None, None, :]
     p_k3 = i_b * skb + i_h.to(tl.int64) * skh + tok3 * skt + o_k[None, None, :] * skd
     p_a3 = i_b * sab + i_h.to(tl.int64) * sah + tok3 * sat + o_k[None, None, :] * sad
-    b_k3 = tl.load(k + p_k3, mask=m_3, other=0.0).to(tl.float32)
-    b_a3 = tl.load(a + p_a3, mask=m_3, other=0.0).to(tl.float32)
-    if beta is not None:
-        b_a3 *= token_values(beta, i_b, i_h, bos, o_r3, o_r3 < L, sbeb, sbet, sbeh)
-    b_t = tril_inverse(b_k3, b_a3, BT, SB, BK, SOLVE_PRECISION)
+    if LOW_Z:
+        b_k3 = tl.load(k + p_k3, mask=m_3, other=0.0)
+        b_a3 = tl.load(a + p_a3, mask=m_3, other=0.0)  # DeltaNet: k itself
+        b_z = tl.dot(tl.reshape(b_k3, (BT, BK)), tl.trans(tl.reshape(b_a3, (BT, BK))))
+        b_zd = tl.dot(b_k3, tl.trans(b_a3, (0, 2, 1)))
+        if beta is not None:  # Z_ij = β_j k_i · k_j
+            o_c = i_c * BT + o_t
+            b_z *= token_values(beta, i_b, i_h, bos, o_c, o_c < L, sbeb, sbet, sbeh)[None, :]
+            o_c3 = i_c * BT + tl.arange(0, NB)[:, None, None] * SB + tl.arange(0, SB)[None, None, :]  # [NB, 1, SB]
+            b_zd *= token_values(beta, i_b, i_h, bos, o_c3, o_c3 < L, sbeb, sbet, sbeh)
+        b_t = tril_inverse_of(b_z, b_zd, BT, SB, SOLVE_PRECISION)
+    else:
+        b_k3 = tl.load(k + p_k3, mask=m_3, other=0.0).to(tl.float32)
+        b_a3 = tl.load(a + p_a3, mask=m_3, other=0.0).to(tl.float32)
+        if beta is not None:
+            b_a3 *= token_values(beta, i_b, i_h, bos, o_r3, o_r3 < L, sbeb, sbet, sbeh)
+        b_t = tril_inverse(b_k3, b_a3, BT, SB, BK, SOLVE_PRECISION)
     p_t, m_t, _, _ = seq_tiles(row0, i_c, L, o_t, o_t, BT, BT, BT)
     tl.store(t_out + p_t, b_t, mask=m_t)
     # read again, not held through the solve
@@ -409,6 +423,15 @@ def state_launch(
     return bv, dims | dict(num_stages=STATE_STAGES, LOW=low, PREFETCH=prefetch)
 
 
+# The prepare kernel's K Aᵀ on the 16-bit rows themselves where k and a share a 16-bit dtype (DeltaNet: a = k, β
+# applied to the product's columns after): one 16-bit product with float32 sums, exact products, in place of 3xTF32
+# products of float32 rows, whose hi/lo splits and extra passes are much of the kernel's ~6100 SASS instructions
+# (compiled for sm_90a, K = 64: 567 LOP3 and 620 FADD, mostly splits). Off and untimed (the kernel took 728 us of
+# DeltaNet's 2.5 ms step at T = 2k, B = 16 on an H100, thirty-first session); `deltastate` with
+# DELTASTATE_RUNS="@2048;delta_fwd.PREPARE_16BIT_Z=True@2048" times it.
+PREPARE_16BIT_Z = False
+
+
 def launch_dims(key_dim: int, value_dim: int, chunk_size: int, precision: str) -> tuple[int, dict]:
     """What every delta-rule launch shares: the state passes' value-block width (at most 64: the ``[K, V]`` state
     tiles of ``K = V = 128`` would not fit shared memory) and the kernels' common constexprs and warps."""
@@ -451,9 +474,10 @@ def delta_fwd_fn(
     write = strides(a=a_or_k, beta=beta)
     solve = "ieee" if precision == "ieee" else "tf32x3"
     BV = block_dim(V)
+    low_z = PREPARE_16BIT_Z and k.dtype in (torch.bfloat16, torch.float16) and a_or_k.dtype == k.dtype
     delta_prepare_kernel[(NC, B * H)](
-        k, a_or_k, beta, v, w, u, tm, T=T, H=H, BV=BV, SB=16, SOLVE_PRECISION=solve, **strides(k=k, v=v), **write,
-        **varlen, **dims,
+        k, a_or_k, beta, v, w, u, tm, T=T, H=H, BV=BV, SB=16, SOLVE_PRECISION=solve, LOW_Z=low_z,
+        **strides(k=k, v=v), **write, **varlen, **dims,
     )  # fmt: skip
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device, k.dtype)

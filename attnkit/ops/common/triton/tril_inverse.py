@@ -36,12 +36,19 @@ def tril_inverse(b_k3, b_a3, BT: tl.constexpr, SB: tl.constexpr, BK: tl.constexp
     """``T = (I + strict_tril(K Aᵀ))⁻¹`` (``[BT, BT]`` float32) of a chunk whose rows ``K``, ``A`` come as
     ``[BT / SB, SB, BK]`` float32 tiles (the blocks' own products batched, the chunk's as their ``[BT, BK]``
     reshapes); every product in ``PRECISION``."""
+    b_z = tl.dot(tl.reshape(b_k3, (BT, BK)), tl.trans(tl.reshape(b_a3, (BT, BK))), input_precision=PRECISION)
+    b_zd = tl.dot(b_k3, tl.trans(b_a3, (0, 2, 1)), input_precision=PRECISION)
+    return tril_inverse_of(b_z, b_zd, BT, SB, PRECISION)
+
+
+@triton.jit
+def tril_inverse_of(b_z, b_zd, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
+    """:func:`tril_inverse` from the products themselves: ``b_z = K Aᵀ`` (``[BT, BT]``) and its diagonal blocks
+    ``b_zd [BT / SB, SB, SB]`` (float32; entries on and above the diagonal ignored)."""
     NB: tl.constexpr = BT // SB
     o_t, o_s = tl.arange(0, BT), tl.arange(0, SB)
-    b_z = tl.dot(tl.reshape(b_k3, (BT, BK)), tl.trans(tl.reshape(b_a3, (BT, BK))), input_precision=PRECISION)
     block_r, block_c = (o_t // SB)[:, None], (o_t // SB)[None, :]
     b_zo = tl.reshape(tl.where(block_r > block_c, b_z, 0.0), (NB, SB, BT))  # Z_rc = k_r · a_c below the blocks
-    b_zd = tl.dot(b_k3, tl.trans(b_a3, (0, 2, 1)), input_precision=PRECISION)
     b_d = block_diagonal_inverse(tl.where(o_s[None, :, None] > o_s[None, None, :], b_zd, 0.0), SB)
     b_n = tl.reshape(tl.dot(b_d, b_zo, input_precision=PRECISION), (BT, BT))  # N = D Z_o
     b_e = tl.reshape(tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0), (NB, SB, BT))
