@@ -150,14 +150,15 @@ for step in $steps; do
                 deltanet_triton fla_chunk_delta_rule vla_triton --out "$OUT" --name ops_delta_h200 \
                 > "$OUT/prepare.log" 2>&1 ;;
         deltastate)  # issue 17: the delta rule's state passes (delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT,
-            # STATE_PREFETCH; delta_bwd.LOCAL_DU) kernel by kernel, DeltaNet at D = 64: at T = 32k, B = 1 (16
+            # STATE_PREFETCH; delta_bwd.LOCAL_DU) and prepare kernel (delta_fwd.PREPARE_16BIT_Z) kernel by kernel,
+            # DeltaNet at D = 64: at T = 32k, B = 1 (16
             # sequence-head programs) with FLA's chunk_delta_rule beside the default (16-column blocks there, the
             # forward's tiles read a chunk ahead, the backward's triu(A Qᵀ) dO in its own chunk-parallel kernel), the
             # backward's state-free terms back in its pass, the prepare kernel's K Aᵀ on 16-bit rows, the backward's
             # prefetch too, 16-bit operands on 32 columns (they skip 16-column blocks); then at T = 2k, B = 16 (256
-            # programs: 64 columns, no local dU) the default, the local dU, and the 16-bit K Aᵀ. DELTASTATE_RUNS replaces the list (`;` between runs, `@T`
-            # for another length, e.g. "@2048;delta_bwd.LOCAL_DU=True@2048"); DELTASTATE_FLA=0 leaves FLA out of the
-            # first run
+            # programs: 64 columns, no local dU) the default, the local dU, and the 16-bit K Aᵀ. DELTASTATE_RUNS
+            # replaces the list (`;` between runs, `@T` for another length, e.g. "@2048;delta_bwd.LOCAL_DU=True@2048");
+            # DELTASTATE_FLA=0 leaves FLA out of the first run
             runs=("" "delta_bwd.LOCAL_DU=False" "delta_fwd.PREPARE_16BIT_Z=True" "delta_fwd.STATE_PREFETCH=True"
                 "delta_fwd.STATE_BV=32 delta_fwd.STATE_16BIT=True" "@2048" "delta_bwd.LOCAL_DU=True@2048"
                 "delta_fwd.PREPARE_16BIT_Z=True@2048")
