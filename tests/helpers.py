@@ -126,33 +126,29 @@ def leave_process_group() -> None:
     os._exit(0)
 
 
-def launch_arguments(monkeypatch, module, name: str, argument: str) -> list:
-    """Replaces the Triton kernel ``module.name`` by a wrapper that records the keyword ``argument`` of each launch
-    and launches it; returns the list the values go to (as :func:`launch_counter`, launches that look the kernel up
-    on ``module`` at call time)."""
-    kernel, values = getattr(module, name), []
+def recorded_launches(monkeypatch, module, name: str, record) -> list:
+    """Replaces the Triton kernel ``module.name`` by a wrapper that appends ``record(grid, kwargs)`` for each launch
+    and launches it; returns the list the records go to (only launches that look the kernel up on ``module`` at call
+    time are seen)."""
+    kernel, records = getattr(module, name), []
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                values.append(kwargs[argument])
+                records.append(record(grid, kwargs))
                 return kernel[grid](*args, **kwargs)
 
             return launch
 
     monkeypatch.setattr(module, name, Recorded())
-    return values
+    return records
+
+
+def launch_arguments(monkeypatch, module, name: str, argument: str) -> list:
+    """:func:`recorded_launches` of the keyword ``argument`` of each launch of ``module.name``."""
+    return recorded_launches(monkeypatch, module, name, lambda grid, kwargs: kwargs[argument])
 
 
 def launch_counter(monkeypatch, module, name: str) -> list:
-    """Replaces the Triton kernel ``module.name`` by a wrapper that records each launch's grid and launches it; returns
-    the list the grids go to (only launches that look the kernel up on ``module`` at call time are seen)."""
-    kernel, grids = getattr(module, name), []
-
-    class Counted:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(module, name, Counted())
-    return grids
+    """:func:`recorded_launches` of each launch's grid of ``module.name``."""
+    return recorded_launches(monkeypatch, module, name, lambda grid, kwargs: grid)
