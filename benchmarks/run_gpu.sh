@@ -407,6 +407,20 @@ for step in $steps; do
                 [ -d "reports/$d" ] && echo "$d"; done)
             [ -n "$dirs" ] && tar czf "$OUT/reproduce_$papers.tgz" --exclude='*/cells/models' --exclude='.tmp-*' \
                 -C reports $dirs
+            # REPRO_MODELS=N (default 0): the kept models this call trained come back too, up to N of them (at most
+            # 8 files come back, 16 MiB each: TAPA's and PaTH's are ~13 MB), each as $OUT/model_<paper>_<key>.tar
+            # holding <paper>/cells/models/<cell>/. Here, `tar xf model_*.tar -C reports`; carried into the next call
+            # (carry: "reports/<paper>/cells/models", 3 of them beside the wheels within its 64 MiB), they spare it
+            # retraining those parents for the children still to run (~250 s a call for TAPA's continued stage).
+            n=0
+            for m in $(find reports/*/cells/models -mindepth 1 -maxdepth 1 -type d -newer "$CACHE_MARK" \
+                    ! -name '.tmp-*' 2> /dev/null | sort); do
+                [ "$n" -ge "${REPRO_MODELS:-0}" ] && break
+                [ -f "$m/model.safetensors" ] || continue
+                paper=${m#reports/}; paper=${paper%%/*}
+                tar cf "$OUT/model_${paper}_${m##*-}.tar" -C reports "${m#reports/}" && n=$((n + 1))
+            done
+            [ "$n" -gt 0 ] && echo "kept models returned: $n"
             grep -cE '^\[[0-9]+/[0-9]+\]' "$OUT/reproduce.log" | sed 's/^/cells finished or failed this call: /'
             grep -E '^wrote .*report.md' "$OUT/reproduce.log" | tail -3 ;;
         *) echo "unknown step $step" ;;
