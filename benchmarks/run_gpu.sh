@@ -154,14 +154,15 @@ for step in $steps; do
             # DeltaNet at D = 64: at T = 32k, B = 1 (16
             # sequence-head programs) with FLA's chunk_delta_rule beside the default (16-column blocks there, the
             # forward's tiles read a chunk ahead, the backward's triu(A Qᵀ) dO in its own chunk-parallel kernel), the
-            # backward's state-free terms back in its pass, the prepare kernel's K Aᵀ on 16-bit rows, the backward's
-            # prefetch too, 16-bit operands on 32 columns (they skip 16-column blocks); then at T = 2k, B = 16 (256
-            # programs: 64 columns, no local dU) the default, the local dU, and the 16-bit K Aᵀ. DELTASTATE_RUNS
+            # backward's state-free terms back in its pass, the prepare kernel's K Aᵀ on float32 rows (the default
+            # before the thirty-second session), the backward's prefetch too, 16-bit operands on 32 columns (they skip
+            # 16-column blocks); then at T = 2k, B = 16 (256 programs: 64 columns, no local dU) the default, the local
+            # dU, and the float32-row K Aᵀ. DELTASTATE_RUNS
             # replaces the list (`;` between runs, `@T` for another length, e.g. "@2048;delta_bwd.LOCAL_DU=True@2048");
             # DELTASTATE_FLA=0 leaves FLA out of the first run
-            runs=("" "delta_bwd.LOCAL_DU=False" "delta_fwd.PREPARE_16BIT_Z=True" "delta_fwd.STATE_PREFETCH=True"
+            runs=("" "delta_bwd.LOCAL_DU=False" "delta_fwd.PREPARE_16BIT_Z=False" "delta_fwd.STATE_PREFETCH=True"
                 "delta_fwd.STATE_BV=32 delta_fwd.STATE_16BIT=True" "@2048" "delta_bwd.LOCAL_DU=True@2048"
-                "delta_fwd.PREPARE_16BIT_Z=True@2048")
+                "delta_fwd.PREPARE_16BIT_Z=False@2048")
             [ -n "${DELTASTATE_RUNS:-}" ] && IFS=';' read -ra runs <<< "$DELTASTATE_RUNS"
             fla=fla_chunk_delta_rule; [ "${DELTASTATE_FLA:-1}" = 0 ] && fla=
             i=0
