@@ -913,9 +913,9 @@ def test_blocked_prepare_on_gpu(K, deltanet):
 def test_prepare_products_on_16bit_rows_on_gpu(monkeypatch, K):
     """``delta_fwd.PREPARE_16BIT_Z`` compiled for the GPU with bf16 DeltaNet inputs (``beta`` near 2, a partial last
     chunk): every chunk's ``T`` within 1e-5 of ``(I + strict_tril(K (β K)ᵀ))⁻¹`` in float64 on the same bf16 rows,
-    ``T`` and ``W`` those of the float32-row products (the default) to rounding, and the output as close to the float64
-    delta rule on those rows as the default's (within 10%: the two outputs differ by ~2e-3 relative RMS with ``beta``
-    near 2, each's own rounding of the same product, thirty-second session)."""
+    ``T`` and ``W`` those of the float32-row products to rounding, and the output as close to the float64 delta rule
+    on those rows as the float32-row output (within 10 %: the two outputs differ by ~2e-3 relative RMS with ``beta``
+    near 2, two roundings of the same product, thirty-second session)."""
     from attnkit.ops.common.triton import delta_fwd
 
     B, H, T, C = 2, 4, 1000, 64
