@@ -32,6 +32,7 @@ from attnkit.ops.common.triton.delta_fwd import (
     launch_dims,
     operand,
     query_chunk,
+    register_cap,
     row_tile,
     seq_site,
     seq_tiles,
@@ -409,8 +410,7 @@ def delta_bwd_fn(
     wy["LOW"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(k.dtype, "") if WY_16BIT else ""
     if WY_WARPS is not None:
         wy["num_warps"] = WY_WARPS
-    if WY_MAXNREG is not None:
-        wy["maxnreg"] = WY_MAXNREG
+    wy |= register_cap(WY_MAXNREG)
     dv = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     dk = torch.empty(B, T, H, K, dtype=k.dtype, device=k.device)
     dq = torch.empty(B, T, H, K, dtype=q.dtype, device=q.device)

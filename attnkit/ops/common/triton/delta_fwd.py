@@ -431,6 +431,16 @@ def state_launch(
 # −2.8 % on the step), and on an H200 from 727 to 659 and 724 to 655 us (−1.8 % and −2.8 %). On by default since its GPU
 # tests passed there (the output as close to the float64 delta rule as the float32-row one's; DeltaNet's real sizes).
 PREPARE_16BIT_Z = True
+# A cap on the prepare kernel's registers a thread (None: ptxas's choice, 253 at K = 64 on four warps: two programs an
+# SM). Compiled for sm_90a (Triton 3.6, DeltaNet K = 64, bf16, thirty-third session) 168 spills 448 bytes a thread and
+# lets three programs share an SM, 128 spills 1576 (four). Off and untimed: the kernel is latency-bound at ~660 us
+# against ~190 of its bytes (mixers_h200.md, thirty-first session), which more programs an SM may hide.
+PREPARE_MAXNREG: int | None = None
+
+
+def register_cap(cap: int | None) -> dict[str, int]:
+    """A launch's ``maxnreg`` option for a register cap (ptxas spills past it), or nothing for ``None``."""
+    return {} if cap is None else {"maxnreg": cap}
 
 
 def launch_dims(key_dim: int, value_dim: int, chunk_size: int, precision: str) -> tuple[int, dict]:
@@ -478,7 +488,7 @@ def delta_fwd_fn(
     low_z = PREPARE_16BIT_Z and k.dtype in (torch.bfloat16, torch.float16) and a_or_k.dtype == k.dtype
     delta_prepare_kernel[(NC, B * H)](
         k, a_or_k, beta, v, w, u, tm, T=T, H=H, BV=BV, SB=16, SOLVE_PRECISION=solve, LOW_Z=low_z,
-        **strides(k=k, v=v), **write, **varlen, **dims,
+        **strides(k=k, v=v), **write, **varlen, **dims, **register_cap(PREPARE_MAXNREG),
     )  # fmt: skip
     seq = {n: varlen[n] for n in ("cu_seqlens", "offsets", "IS_VARLEN")}
     bv, state_dims = state_launch(BV_STATE, dims, N * H, k.device, k.dtype)
