@@ -66,8 +66,8 @@ LOCAL_DU: bool | None = None
 # WY_16BIT, its products on operands rounded to the inputs' 16-bit dtype (dU, the chunk states, T and the
 # intermediate dW, dT, dZ; k and v are exact in it), float32 sums, as FLA's WY backward takes them: 32 KB of shared
 # memory and 1552 instructions against 2248 at K = 64. In float16 its errors stay within the bars (its test); in
-# bf16 they would not: emulated under the interpreter (bf16-rounded operands, exact sums; DeltaNet, K = 32, T = 200,
-# beta near 2) dk and dbeta came 1.2-2.0e-2 from the float64 rule against 5-8e-4 with float16 operands (bar 1e-2).
+# bf16 they would not: emulated under the interpreter (bf16-rounded operands, exact sums; K = 32, T = 200) dk and da
+# (dbeta for DeltaNet) came 1.0-2.0e-2 from the float64 rule against 3-8e-4 with float16 operands (bar 1e-2).
 WY_16BIT = False
 WY_WARPS: int | None = None
 WY_MAXNREG: int | None = None
