@@ -4,8 +4,8 @@ gradients against the float64 PyTorch backend on the same rounded inputs, one ru
     python benchmarks/delta_accuracy.py [--seq-lens 4096 32768] [--head-dims 64 128] [--out DIR] [--name NAME]
         [--settings "" "attnkit.ops.common.triton.delta_bwd.WY_16BIT=True" ...]
 
-Inputs as a DeltaNet layer hands them under bf16 autocast: ``q``, ``v`` normal, unit keys (bf16; ``--dtype float16``
-checks the script under ``TRITON_INTERPRET=1``, whose bf16 products are wrong), ``beta`` float32
+Inputs as a DeltaNet layer hands them under bf16 autocast: ``q``, ``v`` normal, unit keys (bf16, or ``--dtype``: under
+``TRITON_INTERPRET=1`` bf16 products are wrong), ``beta`` float32
 in ``(0, 1)`` (a sigmoid's range) and in ``(1.5, 2)`` (the eigenvalue ``1 − β`` near −1), B = 1, H = 4, an initial
 state. Each setting (``MODULE.NAME=VALUE`` entries separated by spaces, "" the defaults) runs every cell; the
 reference runs once a cell. Reported: relative RMS errors of ``o``, ``S``, ``dq``, ``dk``, ``dv``, ``dbeta``,
@@ -72,12 +72,14 @@ def snapshot(settings: list[str]) -> dict[str, object]:
 
 
 def measure(xs: list, cot: list, ref: list, setting: str, defaults: dict[str, object], label: str) -> dict:
-    """One setting's errors on one cell: every attribute the settings name back to its default, then this setting's."""
-    for target, value in defaults.items():
-        apply_setting(f"{target}={value!r}")
-    for entry in setting.split():
-        apply_setting(entry)
-    got = run(xs, cot, "triton")
+    """One setting's errors on one cell, the attributes it names back to their ``defaults`` after."""
+    try:
+        for entry in setting.split():
+            apply_setting(entry)
+        got = run(xs, cot, "triton")
+    finally:
+        for target, value in defaults.items():
+            apply_setting(f"{target}={value!r}")
     errors = {n: rel_rms(a.double(), e) for n, a, e in zip(NAMES, got, ref)}
     nan = any(not torch.isfinite(t).all().item() for t in got)
     ok = not nan and all(e <= BARS.get(n, 1e-2) for n, e in errors.items())
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--settings", nargs="+", default=[""])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="float16: the interpreter")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--name", default="delta_accuracy")
     args = parser.parse_args(argv)

@@ -1,11 +1,12 @@
-"""The accuracy scripts of issues 3, 4 and 5 on tiny shapes, the kernels under the interpreter (float32: bf16
+"""The accuracy scripts of issues 3, 4, 5 and 17 on tiny shapes, the kernels under the interpreter (float32: bf16
 ``tl.dot`` is wrong there): every cell within its bar, and the JSON written."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks import path_accuracy, tapa_accuracy, vla_accuracy
+from attnkit.ops.common.triton import delta_bwd
+from benchmarks import delta_accuracy, path_accuracy, tapa_accuracy, vla_accuracy
 
 
 def test_tapa_accuracy_smoke(tmp_path):
@@ -37,3 +38,17 @@ def test_path_accuracy_without_gates(tmp_path):
     rows = json.loads((tmp_path / "path_accuracy_h200.json").read_text())["rows"]
     assert [r["gates"] for r in rows] == [True, False] and all(r["ok"] for r in rows)
     assert "dg" in rows[0]["errors"] and "dg" not in rows[1]["errors"] and rows[1]["errors"]["dk"] < 1e-4
+
+
+def test_delta_accuracy_smoke(tmp_path):
+    """Every cell under each setting, float32 inputs within float32's bars of the float64 rule, and each setting's
+    attribute back to its default after the run."""
+    setting = "attnkit.ops.common.triton.delta_bwd.WY_WARPS=4"
+    argv = ["--device", "cpu", "--dtype", "float32", "--seq-lens", "40", "--head-dims", "16", "--out", str(tmp_path)]
+    assert delta_accuracy.main([*argv, "--settings", "", setting]) == 0
+    rows = json.loads((tmp_path / "delta_accuracy.json").read_text())["rows"]
+    assert [(r["setting"], r["beta"]) for r in rows] == [
+        ("default", [0.0, 1.0]), (setting, [0.0, 1.0]), ("default", [1.5, 2.0]), (setting, [1.5, 2.0])
+    ]  # fmt: skip
+    assert all(r["ok"] and max(r["errors"].values()) < 1e-4 for r in rows)
+    assert delta_bwd.WY_WARPS is None
