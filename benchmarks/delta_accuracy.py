@@ -16,7 +16,6 @@ reference runs once a cell. Reported: relative RMS errors of ``o``, ``S``, ``dq`
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ if str(ROOT) not in sys.path:
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import delta_rule  # noqa: E402
 from attnkit.ops.common.utils import rel_rms  # noqa: E402
-from benchmarks.kernel_profile import apply_setting  # noqa: E402
+from benchmarks.kernel_profile import applied  # noqa: E402
 from benchmarks.ops import environment  # noqa: E402
 
 NAMES = ("o", "S", "dq", "dk", "dv", "dbeta", "dS0")
@@ -60,26 +59,10 @@ def run(xs: list[torch.Tensor], cotangents: list[torch.Tensor], backend: str) ->
     return [o.detach(), S.detach(), *torch.autograd.grad(loss, leaves)]
 
 
-def snapshot(settings: list[str]) -> dict[str, object]:
-    """The current values of every attribute the settings name (to restore between settings)."""
-    saved = {}
-    for setting in settings:
-        for entry in setting.split():
-            target = entry.partition("=")[0]
-            module_name, _, attr = target.rpartition(".")
-            saved[target] = getattr(importlib.import_module(module_name), attr)
-    return saved
-
-
-def measure(xs: list, cot: list, ref: list, setting: str, defaults: dict[str, object], label: str) -> dict:
-    """One setting's errors on one cell, the attributes it names back to their ``defaults`` after."""
-    try:
-        for entry in setting.split():
-            apply_setting(entry)
+def measure(xs: list, cot: list, ref: list, setting: str, label: str) -> dict:
+    """One setting's errors on one cell, the attributes it names put back after."""
+    with applied(setting.split()):
         got = run(xs, cot, "triton")
-    finally:
-        for target, value in defaults.items():
-            apply_setting(f"{target}={value!r}")
     errors = {n: rel_rms(a.double(), e) for n, a, e in zip(NAMES, got, ref)}
     nan = any(not torch.isfinite(t).all().item() for t in got)
     ok = not nan and all(e <= BARS.get(n, 1e-2) for n, e in errors.items())
@@ -99,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="delta_accuracy")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    defaults = snapshot(args.settings)
     rows = []
     for K in args.head_dims:
         for T in args.seq_lens:
@@ -109,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 cot = [torch.randn(1, T, 4, K, generator=gen, device=device), torch.randn(1, 4, K, K, device=device)]
                 ref = run([x.double() for x in xs], [c.double() for c in cot], "torch")
                 for setting in args.settings:
-                    row = measure(xs, cot, ref, setting, defaults, f"K={K} T={T} beta={beta_range}")
+                    row = measure(xs, cot, ref, setting, f"K={K} T={T} beta={beta_range}")
                     rows.append(row | dict(K=K, T=T, beta=list(beta_range)))
                 del ref
                 torch.cuda.empty_cache() if device.type == "cuda" else None

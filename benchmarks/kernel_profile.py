@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import sys
 import time
@@ -71,8 +72,8 @@ def profile_kernels(run, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def apply_setting(text: str) -> tuple[str, object]:
-    """``MODULE.NAME=VALUE`` -> sets ``MODULE.NAME`` to the literal ``VALUE``; returns ``(MODULE.NAME, VALUE)``."""
+def parse_setting(text: str) -> tuple[object, str, object]:
+    """``MODULE.NAME=VALUE`` -> ``(module, NAME, VALUE)``, the module imported and ``VALUE`` a Python literal."""
     target, sep, literal = text.partition("=")
     module_name, _, attr = target.rpartition(".")
     if not sep or not module_name or not attr:
@@ -84,8 +85,29 @@ def apply_setting(text: str) -> tuple[str, object]:
         value = ast.literal_eval(literal)
     except (ValueError, SyntaxError) as error:
         raise ValueError(f"--set: {literal!r} is not a Python literal") from error
+    return module, attr, value
+
+
+def apply_setting(text: str) -> tuple[str, object]:
+    """``MODULE.NAME=VALUE`` -> sets ``MODULE.NAME`` to the literal ``VALUE``; returns ``(MODULE.NAME, VALUE)``."""
+    module, attr, value = parse_setting(text)
     setattr(module, attr, value)
-    return target, value
+    return text.partition("=")[0], value
+
+
+@contextlib.contextmanager
+def applied(settings: list[str]):
+    """Every ``MODULE.NAME=VALUE`` of ``settings`` set, and each attribute put back on exit."""
+    saved = []
+    try:
+        for text in settings:
+            module, attr, value = parse_setting(text)
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
 
 
 def print_table(name: str, shape: str, table: list[dict], wall_ms: float | None = None, top: int = 25) -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from attnkit.ops.path.triton import prepare
-from benchmarks.kernel_profile import apply_setting, main
+from benchmarks.kernel_profile import applied, apply_setting, main
 
 
 def test_apply_setting_sets_a_literal(monkeypatch):
@@ -11,6 +11,24 @@ def test_apply_setting_sets_a_literal(monkeypatch):
     target, value = apply_setting(f"attnkit.ops.path.triton.prepare.SUPERBLOCK={prepare.NO_SUPERBLOCKS}")
     assert target == "attnkit.ops.path.triton.prepare.SUPERBLOCK" and value == prepare.NO_SUPERBLOCKS
     assert prepare.SUPERBLOCK == prepare.NO_SUPERBLOCKS
+
+
+def test_applied_puts_every_attribute_back(monkeypatch):
+    """``applied`` sets each setting in turn and restores all of them on exit, after an error inside too, and after
+    a bad setting partway (the ones before it restored)."""
+    monkeypatch.setattr(prepare, "SUPERBLOCK", prepare.SUPERBLOCK)
+    saved = prepare.SUPERBLOCK
+    good = f"attnkit.ops.path.triton.prepare.SUPERBLOCK={prepare.NO_SUPERBLOCKS}"
+    with pytest.raises(RuntimeError), applied([good]):
+        assert prepare.SUPERBLOCK == prepare.NO_SUPERBLOCKS
+        raise RuntimeError
+    assert prepare.SUPERBLOCK == saved
+    with (
+        pytest.raises(ValueError, match="not a Python literal"),
+        applied([good, "attnkit.ops.path.triton.prepare.SUPERBLOCK=big"]),
+    ):
+        pass
+    assert prepare.SUPERBLOCK == saved
 
 
 @pytest.mark.parametrize(

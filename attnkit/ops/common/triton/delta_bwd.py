@@ -30,6 +30,7 @@ from attnkit.ops.common.triton.delta_fwd import (
     few_state_programs,
     launch_config,
     launch_dims,
+    low_name,
     operand,
     query_chunk,
     register_cap,
@@ -407,7 +408,7 @@ def delta_bwd_fn(
     grid = (NC, B * H, NV)
     hs, u_new = saved["hs"], saved["u_new"]
     wy = dims | launch_config(K, wide=True)
-    wy["LOW"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(k.dtype, "") if WY_16BIT else ""
+    wy["LOW"] = low_name(k.dtype) if WY_16BIT else ""
     if WY_WARPS is not None:
         wy["num_warps"] = WY_WARPS
     wy |= register_cap(WY_MAXNREG)

@@ -394,6 +394,11 @@ STATE_16BIT = False
 STATE_PREFETCH: bool | str = "forward"
 
 
+def low_name(dtype: torch.dtype) -> str:
+    """:func:`operand`'s ``LOW`` for inputs of ``dtype``: ``"bf16"``, ``"fp16"``, else ``""`` (no rounding)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
+
+
 def few_state_programs(bv_state: int, dims: dict, programs: int, device: torch.device) -> bool:
     """Whether the state passes at the default width ``bv_state`` would launch at most :data:`NARROW_STATE_FILL` of
     the device's multiprocessors (``programs`` ``(sequence, head)`` pairs, a program per value block each): there a
@@ -418,7 +423,7 @@ def state_launch(
     else:
         few = few_state_programs(bv_state, dims, programs, device)
         bv = min(16, bv_state) if few and not wide_keys else bv_state
-    low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "") if STATE_16BIT and bv >= 32 else ""
+    low = low_name(dtype) if STATE_16BIT and bv >= 32 else ""
     prefetch = STATE_PREFETCH is True or (STATE_PREFETCH == "forward" and not backward)
     return bv, dims | dict(num_stages=STATE_STAGES, LOW=low, PREFETCH=prefetch)
 
