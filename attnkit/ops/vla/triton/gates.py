@@ -226,15 +226,10 @@ def vla_gates_bwd_kernel(
     o_t = tl.arange(0, BT)
     p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
     o_tok = i_c * BT + o_t
-    b_u = row_tile(u, i_b, i_h, bos, i_c, L, sub, sut, suh, sud, o_k, K, BT)[0].to(tl.float32)
+    # tiles loaded where their first product needs them, so that fewer are alive at once
     b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
-    b_r = tl.load(r + p_k, mask=m_k, other=0.0)
     b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
     b_norm = tl.load(anorm + dense_tokens(i_b, i_h, bos, o_tok, T, H), mask=o_tok < L, other=1.0)
-    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :] & (o_k * 0 + L > 0)[:, None]
-    p_kk = (i_bh.to(tl.int64) * NC + i_p) * K * K + o_k[:, None] * K + o_k[None, :]
-    b_a0 = tl.load(a0 + p_kk, mask=m_kk, other=0.0)
-
     if NORMALIZE:
         b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
         b_a = b_al * b_norm[:, None]
@@ -243,15 +238,20 @@ def vla_gates_bwd_kernel(
         b_a = b_al
     rows = o_t[:, None]
     cols = o_t[None, :]
+    b_r = tl.load(r + p_k, mask=m_k, other=0.0)
     b_dr = tl.where(rows >= cols, tl.dot(b_da, tl.trans(b_r), input_precision=PRECISION), 0.0)
+    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :] & (o_k * 0 + L > 0)[:, None]
+    p_kk = (i_bh.to(tl.int64) * NC + i_p) * K * K + o_k[:, None] * K + o_k[None, :]
+    b_a0 = tl.load(a0 + p_kk, mask=m_kk, other=0.0)
     b_g = tl.dot(b_da, b_a0, input_precision=PRECISION) - tl.dot(b_dr, b_r, input_precision=PRECISION)
     tl.store(dk_hat + p_k, b_g, mask=m_k)
+    tl.store(dlam + p_kk, -tl.dot(tl.trans(b_g), b_a, input_precision=PRECISION), mask=m_kk)
     # du_s = -Σ_{t>=s} g_t (a_t·u_s) + a_t (g_t·u_s): [s, t] tiles kept where t >= s
+    b_u = row_tile(u, i_b, i_h, bos, i_c, L, sub, sut, suh, sud, o_k, K, BT)[0].to(tl.float32)
     b_ua = tl.where(rows <= cols, tl.dot(b_u, tl.trans(b_a), input_precision=PRECISION), 0.0)
     b_ug = tl.where(rows <= cols, tl.dot(b_u, tl.trans(b_g), input_precision=PRECISION), 0.0)
     b_du = -(tl.dot(b_ua, b_g, input_precision=PRECISION) + tl.dot(b_ug, b_a, input_precision=PRECISION))
     tl.store(du + p_k, b_du, mask=m_k)
-    tl.store(dlam + p_kk, -tl.dot(tl.trans(b_g), b_a, input_precision=PRECISION), mask=m_kk)
 
 
 def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
