@@ -48,18 +48,20 @@ from attnkit.ops.common.triton_utils import block_dim
 @triton.jit
 def spd_inverse(b_m, BK: tl.constexpr):
     """``M⁻¹`` of a symmetric positive definite ``[BK, BK]`` tile by ``BK`` sweeps (padding rows and columns must
-    hold the identity). After sweeping every pivot the tile holds ``−M⁻¹``."""
+    hold the identity). After sweeping every pivot the tile holds ``−M⁻¹``.
+
+    The sweep keeps the tile symmetric, so a step reads column ``j`` alone and takes row ``j`` to be the same: with
+    ``c`` the column, ``p = c_j`` and ``s = c / p``, the tile becomes ``M − s cᵀ`` off row and column ``j``, ``s`` on
+    them and ``−1/p`` at the pivot (one reduction and three tile-wide operations a step)."""
     rows = tl.arange(0, BK)[:, None]
     cols = tl.arange(0, BK)[None, :]
     o_k = tl.arange(0, BK)
     for j in range(0, BK):
         b_col = tl.sum(tl.where(cols == j, b_m, 0.0), 1)
-        b_row = tl.sum(tl.where(rows == j, b_m, 0.0), 0)
         b_inv = 1.0 / tl.sum(tl.where(o_k == j, b_col, 0.0), 0)
-        b_m -= (b_col * b_inv)[:, None] * b_row[None, :]
-        b_m = tl.where(cols == j, (b_col * b_inv)[:, None], b_m)
-        b_m = tl.where(rows == j, (b_row * b_inv)[None, :], b_m)
-        b_m = tl.where((rows == j) & (cols == j), -b_inv, b_m)
+        b_s = b_col * b_inv
+        b_q = tl.where(o_k == j, -b_inv, b_s)
+        b_m = tl.where(rows == j, b_q[None, :], tl.where(cols == j, b_q[:, None], b_m - b_s[:, None] * b_col[None, :]))
     return -b_m
 
 
