@@ -123,6 +123,41 @@ def test_packed_sequences_in_one_launch_match_torch_backend(case):
     check(grads_of(vla("triton", **kwargs), inputs, state), grads_of(vla("torch", **kwargs), inputs, state), 1e-4)
 
 
+COLUMN_CASES = {  # B, offsets, K, with_state, normalize_write
+    "dense-K48-state": (2, None, 48, True, True),
+    "packed-K40-raw-write": (1, [0, 3, 40, 59], 40, False, False),
+}
+
+
+@pytest.mark.parametrize("columns", [16, 32])
+@pytest.mark.parametrize("case", COLUMN_CASES.values(), ids=COLUMN_CASES.keys())
+def test_gate_backward_in_column_blocks(monkeypatch, columns, case):
+    """The gate backward as two launches over column blocks (``gates.BWD_COLUMNS``: padded ``K``, a partial last
+    block, packed sequences, the raw write) gives the one-program kernel's gradients and the PyTorch backend's."""
+    import attnkit.ops.vla.triton.gates as gates
+
+    B, offsets, K, with_state, normalize_write = case
+    T = 45 if offsets is None else offsets[-1]
+    inputs = [x.float().to(DEVICE) for x in make_inputs(B, T, 2, K, 16)]
+    N = B if offsets is None else len(offsets) - 1
+    state = [s.float().to(DEVICE) for s in make_state(N, 2, K, 16, 0.1)] if with_state else None
+    kwargs = dict(normalize_write=normalize_write)
+    if offsets is not None:
+        kwargs["cu_seqlens"] = torch.tensor(offsets, device=DEVICE)
+    one = grads_of(vla("triton", **kwargs), inputs, state)
+    launches = []
+    monkeypatch.setattr(gates, "BWD_COLUMNS", columns)
+    for name in ("vla_gates_bwd_kernel", "vla_gates_bwd_g_kernel", "vla_gates_bwd_u_kernel"):
+        kernel = getattr(gates, name)
+        monkeypatch.setattr(
+            kernel, "run", lambda *a, _run=kernel.run, _name=name, **k: launches.append(_name) or _run(*a, **k)
+        )
+    split = grads_of(vla("triton", **kwargs), inputs, state)
+    assert launches == ["vla_gates_bwd_g_kernel", "vla_gates_bwd_u_kernel"]
+    check(split, one, 1e-5)
+    check(split, grads_of(vla("torch", **kwargs), inputs, state), 1e-4)
+
+
 def test_packed_sequences_launch_each_kernel_once(monkeypatch):
     """Two packed sequences run the gates, the delta rule and the normaliser once each, forward and backward, and
     nothing reads the device back (no ``.item()`` or ``.tolist()``)."""

@@ -256,6 +256,86 @@ def vla_gates_bwd_kernel(
     tl.store(du + p_k, b_du, mask=m_k)
 
 
+@triton.jit
+def vla_gates_bwd_g_kernel(
+    alpha, a0, r, anorm, dalpha, dk_hat, dlam, cu_seqlens, offsets, T, NC, N,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr, NORMALIZE: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+):  # fmt: skip
+    """The first half of :func:`vla_gates_bwd_kernel` by column blocks (``BWD_COLUMNS``): ``g = A0 da − Σ (r·da) r``'s
+    columns ``[i_col·BC, (i_col + 1)·BC)`` into ``dk_hat`` and the same rows of ``dlam = −gᵀa``. Grid ``(NC, BH,
+    ⌈K / BC⌉)``; each program forms ``tril(da Rᵀ)`` itself (a ``K``-wide product), the rest is its columns' share."""
+    i_p, i_bh, i_col = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
+    o_k = tl.arange(0, BK)
+    o_j = i_col * BC + tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
+    p_j, m_j = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_j, K, BT)
+    o_tok = i_c * BT + o_t
+    b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
+    b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
+    if NORMALIZE:
+        b_norm = tl.load(anorm + dense_tokens(i_b, i_h, bos, o_tok, T, H), mask=o_tok < L, other=1.0)
+        b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
+        b_a = b_al * b_norm[:, None]
+    else:
+        b_da = b_dal
+        b_a = b_al
+    b_r = tl.load(r + p_k, mask=m_k, other=0.0)
+    b_dr = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_da, tl.trans(b_r), input_precision=PRECISION), 0.0)
+    m_kj = (o_k < K)[:, None] & (o_j < K)[None, :] & (o_k * 0 + L > 0)[:, None]
+    p_kk = (i_bh.to(tl.int64) * NC + i_p) * K * K
+    b_a0 = tl.load(a0 + p_kk + o_k[:, None] * K + o_j[None, :], mask=m_kj, other=0.0)
+    b_rj = tl.load(r + p_j, mask=m_j, other=0.0)
+    b_g = tl.dot(b_da, b_a0, input_precision=PRECISION) - tl.dot(b_dr, b_rj, input_precision=PRECISION)
+    tl.store(dk_hat + p_j, b_g, mask=m_j)
+    b_dlam = -tl.dot(tl.trans(b_g), b_a, input_precision=PRECISION)  # rows o_j of -gᵀa
+    tl.store(dlam + p_kk + o_j[:, None] * K + o_k[None, :], b_dlam, mask=tl.trans(m_kj))
+
+
+@triton.jit
+def vla_gates_bwd_u_kernel(
+    u, alpha, anorm, dk_hat, du, cu_seqlens, offsets, T, NC, N, sub, sut, suh, sud,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr, NORMALIZE: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+):  # fmt: skip
+    """The second half: ``du_s = −Σ_{t≥s} g_t (a_t·u_s) + a_t (g_t·u_s)``'s columns ``[i_col·BC, (i_col + 1)·BC)``
+    from ``u``, ``a`` and :func:`vla_gates_bwd_g_kernel`'s ``g`` (``dk_hat``). Grid ``(NC, BH, ⌈K / BC⌉)``; each
+    program forms ``triu(U Aᵀ)`` and ``triu(U Gᵀ)`` itself."""
+    i_p, i_bh, i_col = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
+    o_k = tl.arange(0, BK)
+    o_j = i_col * BC + tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
+    p_j, m_j = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_j, K, BT)
+    o_tok = i_c * BT + o_t
+    upper = o_t[:, None] <= o_t[None, :]
+    if NORMALIZE:
+        b_norm = tl.load(anorm + dense_tokens(i_b, i_h, bos, o_tok, T, H), mask=o_tok < L, other=1.0)[:, None]
+    else:
+        b_norm = tl.full([BT, 1], 1.0, tl.float32)
+    b_u = row_tile(u, i_b, i_h, bos, i_c, L, sub, sut, suh, sud, o_k, K, BT)[0].to(tl.float32)
+    b_a = tl.load(alpha + p_k, mask=m_k, other=0.0) * b_norm
+    b_ua = tl.where(upper, tl.dot(b_u, tl.trans(b_a), input_precision=PRECISION), 0.0)
+    b_g = tl.load(dk_hat + p_k, mask=m_k, other=0.0)
+    b_ug = tl.where(upper, tl.dot(b_u, tl.trans(b_g), input_precision=PRECISION), 0.0)
+    b_gj = tl.load(dk_hat + p_j, mask=m_j, other=0.0)
+    b_aj = tl.load(alpha + p_j, mask=m_j, other=0.0) * b_norm
+    b_du = -(tl.dot(b_ua, b_gj, input_precision=PRECISION) + tl.dot(b_ug, b_aj, input_precision=PRECISION))
+    tl.store(du + p_j, b_du, mask=m_j)
+
+
+# Off and untimed (the next GPU call times it, `old/gates_bench.py`): the gate backward as two launches over column
+# blocks of this width (None: one program a chunk). Compiled for sm_90a (Triton 3.6, bf16 ``u``): 32-column blocks
+# spill nothing at K = 64 (four warps: 230 / 190 registers, 64 / 32 KB of shared memory) and 0 / 164 bytes at K = 128
+# (eight warps, 128 / 64 KB), where the one-program kernel spills 604 bytes at K = 64 and 2932 at K = 128 (96 / 192
+# KB); the price is the ``K``-wide products ``tril(da Rᵀ)``, ``triu(U Aᵀ)``, ``triu(U Gᵀ)`` in every column block and
+# a second read of ``g`` and ``a``.
+BWD_COLUMNS: int | None = None
+
+
 def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
     """Warps, stages, ``GROUP`` (chunks per program) and ``SB`` (rows per downdate block) of the gate kernels.
 
@@ -330,10 +410,16 @@ def vla_gates_bwd_fn(
     dk_hat, du = torch.empty_like(alpha), torch.empty_like(alpha)
     dlam = torch.empty_like(a0)
     config = {n: x for n, x in (config or launch_config(K)).items() if n not in ("GROUP", "SB")}
-    vla_gates_bwd_kernel[(NC, B * H)](
-        u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, T=T, NC=NC, H=H, K=K, BK=block_dim(K), BT=chunk_size,
-        PRECISION=precision, NORMALIZE=normalize, **u_strides(u), **varlen, **config,
-    )  # fmt: skip
+    dims = dict(T=T, NC=NC, H=H, K=K, BK=block_dim(K), BT=chunk_size, PRECISION=precision, NORMALIZE=normalize)
+    if BWD_COLUMNS is None:
+        vla_gates_bwd_kernel[(NC, B * H)](
+            u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, **dims, **u_strides(u), **varlen, **config
+        )
+        return dk_hat, du, dlam
+    BC = max(16, min(BWD_COLUMNS, block_dim(K)))  # tl.dot's least width
+    grid = (NC, B * H, triton.cdiv(K, BC))
+    vla_gates_bwd_g_kernel[grid](alpha, a0, r, anorm, dalpha, dk_hat, dlam, BC=BC, **dims, **varlen, **config)
+    vla_gates_bwd_u_kernel[grid](u, alpha, anorm, dk_hat, du, BC=BC, **dims, **u_strides(u), **varlen, **config)
     return dk_hat, du, dlam
 
 
