@@ -257,6 +257,24 @@ def vla_gates_bwd_kernel(
 
 
 @triton.jit
+def column_block_site(
+    cu_seqlens, offsets, T, N, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+    BT: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
+):  # fmt: skip
+    """Program ``(chunk slot, batch row × head, column block)``'s chunk (:func:`chunk_site`), the offsets and masks of
+    its chunk's ``[BT, BK]`` rows and of their columns ``[i_col·BC, (i_col + 1)·BC)`` in a contiguous ``[B, T, H, K]``
+    tensor: ``(i_p, i_bh, i_b, i_h, bos, L, i_c, o_k, o_j, o_t, p_k, m_k, p_j, m_j)``."""
+    i_p, i_bh, i_col = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
+    o_k = tl.arange(0, BK)
+    o_j = i_col * BC + tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
+    p_j, m_j = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_j, K, BT)
+    return i_p, i_bh, i_b, i_h, bos, L, i_c, o_k, o_j, o_t, p_k, m_k, p_j, m_j
+
+
+@triton.jit
 def vla_gates_bwd_g_kernel(
     alpha, a0, r, anorm, dalpha, dk_hat, dlam, cu_seqlens, offsets, T, NC, N,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
@@ -265,13 +283,9 @@ def vla_gates_bwd_g_kernel(
     """The first half of :func:`vla_gates_bwd_kernel` by column blocks (``BWD_COLUMNS``): ``g = A0 da − Σ (r·da) r``'s
     columns ``[i_col·BC, (i_col + 1)·BC)`` into ``dk_hat`` and the same rows of ``dlam = −gᵀa``. Grid ``(NC, BH,
     ⌈K / BC⌉)``; each program forms ``tril(da Rᵀ)`` itself (a ``K``-wide product), the rest is its columns' share."""
-    i_p, i_bh, i_col = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
-    o_k = tl.arange(0, BK)
-    o_j = i_col * BC + tl.arange(0, BC)
-    o_t = tl.arange(0, BT)
-    p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
-    p_j, m_j = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_j, K, BT)
+    i_p, i_bh, i_b, i_h, bos, L, i_c, o_k, o_j, o_t, p_k, m_k, p_j, m_j = column_block_site(
+        cu_seqlens, offsets, T, N, H, K, BK, BC, BT, IS_VARLEN, LOG_N
+    )
     o_tok = i_c * BT + o_t
     b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
     b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
@@ -303,13 +317,9 @@ def vla_gates_bwd_u_kernel(
     """The second half: ``du_s = −Σ_{t≥s} g_t (a_t·u_s) + a_t (g_t·u_s)``'s columns ``[i_col·BC, (i_col + 1)·BC)``
     from ``u``, ``a`` and :func:`vla_gates_bwd_g_kernel`'s ``g`` (``dk_hat``). Grid ``(NC, BH, ⌈K / BC⌉)``; each
     program forms ``triu(U Aᵀ)`` and ``triu(U Gᵀ)`` itself."""
-    i_p, i_bh, i_col = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, i_bh, T, N, H, IS_VARLEN, LOG_N)
-    o_k = tl.arange(0, BK)
-    o_j = i_col * BC + tl.arange(0, BC)
-    o_t = tl.arange(0, BT)
-    p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
-    p_j, m_j = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_j, K, BT)
+    i_p, i_bh, i_b, i_h, bos, L, i_c, o_k, o_j, o_t, p_k, m_k, p_j, m_j = column_block_site(
+        cu_seqlens, offsets, T, N, H, K, BK, BC, BT, IS_VARLEN, LOG_N
+    )
     o_tok = i_c * BT + o_t
     upper = o_t[:, None] <= o_t[None, :]
     if NORMALIZE:
