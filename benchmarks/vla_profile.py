@@ -23,13 +23,16 @@ if str(ROOT) not in sys.path:
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
-from benchmarks.kernel_profile import kernel_table, print_table  # noqa: E402
+from benchmarks.kernel_profile import applied, kernel_table, print_table  # noqa: E402
 from benchmarks.ops import REGISTRY, environment  # noqa: E402
+
+COLUMNS = (32, 64)
 
 
 def gate_sweep(B: int, T: int, H: int) -> list[dict]:
     """The gate kernels alone: warps, chunks a program (``GROUP``), rows a downdate block (``SB``; 64 = the chunk,
-    unblocked), K = 64 and 128 (same tokens), ms by ``do_bench``."""
+    unblocked), K = 64 and 128 (same tokens), ms by ``do_bench``; then the default launch's backward in column blocks
+    (``gates.BWD_COLUMNS``), with its largest relative difference from the one-program kernel's gradients."""
     from triton.testing import do_bench
 
     from attnkit.ops.vla.triton.gates import vla_gates_bwd_fn, vla_gates_fwd_fn
@@ -56,6 +59,15 @@ def gate_sweep(B: int, T: int, H: int) -> list[dict]:
             rows.append({"K": K, "H": h, "warps": warps, "group": group, "SB": sb, "fwd_ms": fwd, "bwd_ms": bwd})
             shown = f"forward {fwd:.3f} ms, backward {bwd:.3f} ms"
             print(f"  gates K={K} H={h} warps={warps} group={group} SB={sb}: {shown}", flush=True)
+        saved = vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3")
+        expected = vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3")
+        for columns in COLUMNS:  # the backward's column blocks (gates.BWD_COLUMNS; None: one program a chunk)
+            with applied([f"attnkit.ops.vla.triton.gates.BWD_COLUMNS={columns}"]):
+                got = vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3")
+                bwd = do_bench(lambda: vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3"))  # noqa: B023
+            diff = max(((x - y).norm() / y.norm()).item() for x, y in zip(got, expected))
+            rows.append({"K": K, "H": h, "bwd_columns": columns, "bwd_ms": bwd, "rel_diff": diff})
+            print(f"  gates K={K} H={h} backward in {columns}-column blocks: {bwd:.3f} ms ({diff:.1e})", flush=True)
     return rows
 
 
