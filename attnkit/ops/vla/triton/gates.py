@@ -337,12 +337,12 @@ def vla_gates_bwd_u_kernel(
     tl.store(du + p_j, b_du, mask=m_j)
 
 
-# Off and untimed (the next GPU call times it, `old/gates_bench.py`): the gate backward as two launches over column
-# blocks of this width (None: one program a chunk). Compiled for sm_90a (Triton 3.6, bf16 ``u``): 32-column blocks
-# spill nothing at K = 64 (four warps: 230 / 190 registers, 64 / 32 KB of shared memory) and 0 / 164 bytes at K = 128
-# (eight warps, 128 / 64 KB), where the one-program kernel spills 604 bytes at K = 64 and 2932 at K = 128 (96 / 192
-# KB); the price is the ``K``-wide products ``tril(da Rᵀ)``, ``triu(U Aᵀ)``, ``triu(U Gᵀ)`` in every column block and
-# a second read of ``g`` and ``a``.
+# Off and untimed (`benchmarks/vla_gates_ab.py` times it): the gate backward as two launches over column blocks of
+# this width (None: one program a chunk). Compiled for sm_90a (Triton 3.6, bf16 ``u``): 32-column blocks spill nothing
+# at K = 64 (four warps: 229 / 190 registers, 64 / 32 KB of shared memory) and 0 / 164 bytes at K = 128 (eight warps,
+# 128 / 64 KB), where the one-program kernel spills 604 bytes at K = 64 and 2932 at K = 128 (96 / 192 KB); the price
+# is the ``K``-wide products ``tril(da Rᵀ)``, ``triu(U Aᵀ)``, ``triu(U Gᵀ)`` in every column block and a second read
+# of ``g`` and ``a``.
 BWD_COLUMNS: int | None = None
 
 
