@@ -212,6 +212,21 @@ def vla_gates_fwd_kernel(
 
 
 @triton.jit
+def direction_adjoint(
+    alpha, dalpha, anorm, p_k, m_k, i_b, i_h, bos, o_tok, L, T, H: tl.constexpr, NORMALIZE: tl.constexpr
+):
+    """``(da, a)`` of a chunk's rows ``p_k``: with ``NORMALIZE`` the gradient through ``α̂ = a / ‖a‖``, ``da = (dα̂ −
+    α̂ (α̂·dα̂)) / ‖a‖``, and ``a = α̂ ‖a‖``; without it ``dα̂`` and ``α̂`` themselves (``a`` was stored)."""
+    b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
+    b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
+    if NORMALIZE:
+        b_norm = tl.load(anorm + dense_tokens(i_b, i_h, bos, o_tok, T, H), mask=o_tok < L, other=1.0)
+        return (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None], b_al * b_norm[:, None]
+    else:
+        return b_dal, b_al
+
+
+@triton.jit
 def vla_gates_bwd_kernel(
     u, alpha, a0, r, anorm, dalpha, dk_hat, du, dlam, cu_seqlens, offsets, T, NC, N, sub, sut, suh, sud,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
@@ -229,15 +244,7 @@ def vla_gates_bwd_kernel(
     p_k, m_k = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_k, K, BT)
     o_tok = i_c * BT + o_t
     # tiles loaded where their first product needs them, so that fewer are alive at once
-    b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
-    b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
-    b_norm = tl.load(anorm + dense_tokens(i_b, i_h, bos, o_tok, T, H), mask=o_tok < L, other=1.0)
-    if NORMALIZE:
-        b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
-        b_a = b_al * b_norm[:, None]
-    else:
-        b_da = b_dal
-        b_a = b_al
+    b_da, b_a = direction_adjoint(alpha, dalpha, anorm, p_k, m_k, i_b, i_h, bos, o_tok, L, T, H, NORMALIZE)
     rows = o_t[:, None]
     cols = o_t[None, :]
     b_r = tl.load(r + p_k, mask=m_k, other=0.0)
@@ -287,15 +294,7 @@ def vla_gates_bwd_g_kernel(
         cu_seqlens, offsets, T, N, H, K, BK, BC, BT, IS_VARLEN, LOG_N
     )
     o_tok = i_c * BT + o_t
-    b_al = tl.load(alpha + p_k, mask=m_k, other=0.0)
-    b_dal = tl.load(dalpha + p_k, mask=m_k, other=0.0).to(tl.float32)
-    if NORMALIZE:
-        b_norm = tl.load(anorm + dense_tokens(i_b, i_h, bos, o_tok, T, H), mask=o_tok < L, other=1.0)
-        b_da = (b_dal - b_al * tl.sum(b_al * b_dal, 1)[:, None]) / b_norm[:, None]
-        b_a = b_al * b_norm[:, None]
-    else:
-        b_da = b_dal
-        b_a = b_al
+    b_da, b_a = direction_adjoint(alpha, dalpha, anorm, p_k, m_k, i_b, i_h, bos, o_tok, L, T, H, NORMALIZE)
     b_r = tl.load(r + p_k, mask=m_k, other=0.0)
     b_dr = tl.where(o_t[:, None] >= o_t[None, :], tl.dot(b_da, tl.trans(b_r), input_precision=PRECISION), 0.0)
     m_kj = (o_k < K)[:, None] & (o_j < K)[None, :] & (o_k * 0 + L > 0)[:, None]
