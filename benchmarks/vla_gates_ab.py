@@ -27,10 +27,11 @@ if str(ROOT) not in sys.path:
 import attnkit.ops.vla.triton.gates as gates  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops.common.triton_utils import float32_dots  # noqa: E402
+from benchmarks.kernel_profile import applied  # noqa: E402
 from benchmarks.ops import environment  # noqa: E402
+from benchmarks.vla_profile import COLUMNS  # noqa: E402
 
 NAMES = ("alpha", "A_end", "dk_hat", "du", "dlam_init")
-COLUMNS = (32, 64)
 
 
 def load_before(path: str):
@@ -75,13 +76,10 @@ def compare(before, K: int, T: int, B: int, device: str) -> dict:
     precision = float32_dots(torch.float32)
     runs = {"before": stage(before, k_hat, u, dalpha, chunk, precision, device)}
     for columns in (None, *COLUMNS):
-        gates.BWD_COLUMNS, saved = columns, gates.BWD_COLUMNS
-        try:
+        with applied([f"{gates.__name__}.BWD_COLUMNS={columns}"]):
             runs["now" if columns is None else f"columns {columns}"] = stage(
                 gates, k_hat, u, dalpha, chunk, precision, device
             )
-        finally:
-            gates.BWD_COLUMNS = saved
     reference = runs["before"]["outputs"]
     row = dict(K=K, T=T, B=B, H=H)
     for name, run in runs.items():
