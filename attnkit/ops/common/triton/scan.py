@@ -39,17 +39,34 @@ def segment_cumsum_kernel(
         b_carry += tl.sum(b_x, 0)
 
 
+# The tile a program scans a step: at most TILE_ELEMENTS numbers, BH heads by BT tokens. A program's steps run one
+# after another (each waits for its loads), so a scan takes about cdiv(T, BT) load latencies whatever the GPU: the
+# first version's fixed [64, 16] tile made a [4, 4096, 16] scan 64 dependent steps on 4 programs, about 80 µs a call
+# on the H200 (twelve calls a PaTH-FoX training step: 0.97 ms of its 72.8, train_throughput_profile_session10_h200).
+# Fewer heads a program (MAX_HEADS) make the tile longer in T and the programs more.
+TILE_ELEMENTS = 8192
+MAX_HEADS = 4
+NUM_WARPS = 4
+
+
+def launch_config(T: int, HQ: int) -> dict[str, int]:
+    """``BH`` (heads a program), ``BT`` (tokens a step) and ``num_warps`` of :func:`segment_cumsum_kernel` for
+    ``[*, T, HQ]``: ``BT`` a power of two bucketed on ``T`` (at least 16, at most ``TILE_ELEMENTS // BH``)."""
+    BH = min(triton.next_power_of_2(HQ), MAX_HEADS)
+    BT = max(16, min(triton.next_power_of_2(max(T, 1)), TILE_ELEMENTS // BH))
+    return dict(BH=BH, BT=BT, num_warps=NUM_WARPS)
+
+
 def segment_cumsum(
     x: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float, reverse: bool, dtype: torch.dtype
 ) -> torch.Tensor:
     """``scale ·`` the cumulative (``reverse``: suffix) sums of ``x [B, T, HQ]`` within each sequence, contiguous
-    ``[B, T, HQ]`` in ``dtype``."""
+    ``[B, T, HQ]`` in ``dtype``. One launch of ``N × ⌈HQ / BH⌉`` programs (:func:`launch_config`)."""
     B, T, HQ = x.shape
     y = torch.empty(B, T, HQ, dtype=dtype, device=x.device)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BH = min(triton.next_power_of_2(HQ), 16)
-    segment_cumsum_kernel[(N, triton.cdiv(HQ, BH))](
-        x, y, cu_seqlens, T, scale, *x.stride(), HQ=HQ, BT=64, BH=BH, REVERSE=reverse,
-        IS_VARLEN=cu_seqlens is not None,
+    config = launch_config(T, HQ)
+    segment_cumsum_kernel[(N, triton.cdiv(HQ, config["BH"]))](
+        x, y, cu_seqlens, T, scale, *x.stride(), HQ=HQ, REVERSE=reverse, IS_VARLEN=cu_seqlens is not None, **config
     )  # fmt: skip
     return y
