@@ -129,11 +129,24 @@ def left_pad_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @autocast_off
-def linear_fp32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear_fp32(x: torch.Tensor, layer: nn.Linear, *more: nn.Linear) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``layer(x)`` in float32 whatever autocast is on (under autocast ``F.linear`` would run in 16 bits, whatever
-    its inputs' dtypes): the projections of the gates ``beta`` and ``g``, which the layers keep in float32."""
-    bias = None if layer.bias is None else layer.bias.float()
-    return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
+    its inputs' dtypes): the projections of the gates ``beta`` and ``g``, which the layers keep in float32.
+
+    With ``more`` layers, the tuple of every layer's output from one product on their stacked weights: ``x`` read
+    once, and in the backward one gradient of ``x`` (a ``[B, T, hidden]`` float32 product and sum fewer a layer)."""
+    if not more:
+        bias = None if layer.bias is None else layer.bias.float()
+        return torch.nn.functional.linear(x.float(), layer.weight.float(), bias)
+    layers = (layer, *more)
+    weight = torch.cat([item.weight for item in layers]).float()
+    bias = None
+    if any(item.bias is not None for item in layers):
+        bias = torch.cat([
+            item.weight.new_zeros(item.out_features) if item.bias is None else item.bias for item in layers
+        ]).float()  # fmt: skip
+    out = torch.nn.functional.linear(x.float(), weight, bias)
+    return out.split([item.out_features for item in layers], dim=-1)
 
 
 def segment_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:

@@ -85,11 +85,16 @@ class PaTHAttention(TokenMixer):
         self.g_proj = nn.Linear(hidden_size, HQ, bias=True) if self.use_forget_gate else None
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``beta [B,T,H]`` and ``g [B,T,HQ]`` (or None), float32, under autocast too."""
-        beta = 2 * torch.sigmoid(linear_fp32(x, self.beta_proj))
+        """``beta [B,T,H]`` and ``g [B,T,HQ]`` (or None), float32, under autocast too; both projections in one
+        product."""
+        if self.g_proj is None:
+            beta_logit, g = linear_fp32(x, self.beta_proj), None
+        else:
+            beta_logit, g_logit = linear_fp32(x, self.beta_proj, self.g_proj)
+            g = F.logsigmoid(g_logit)
+        beta = 2 * torch.sigmoid(beta_logit)
         if self.beta_max is not None:
             beta = beta.clamp_max(self.beta_max)
-        g = None if self.g_proj is None else F.logsigmoid(linear_fp32(x, self.g_proj))
         return beta, g
 
     def _direction(self, conv_out: torch.Tensor) -> torch.Tensor:

@@ -212,3 +212,28 @@ def test_gates_reach_the_ops_in_float32_under_autocast(monkeypatch, name):
         layer(torch.randn(2, 9, HIDDEN))
     gates = seen[0][4:] if op == "path_attention" else seen[0][3:]  # (beta, g) or (g,)
     assert seen[0][:3] == [torch.bfloat16] * 3 and gates == [torch.float32] * len(gates), seen
+
+
+@pytest.mark.parametrize("biases", [(True, True), (False, True), (False, False)], ids=["both", "one", "none"])
+def test_stacked_gate_projections_equal_one_at_a_time(biases):
+    """``linear_fp32`` with several layers (PaTH-FoX's ``beta`` and ``g`` projections in one product) gives each
+    layer's own float32 output under bf16 autocast, and the same gradients of the input and of every parameter."""
+    from attnkit.layers.base import linear_fp32
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(HIDDEN, n, bias=b) for n, b in zip((3, 5), biases)]
+    x = torch.randn(2, 7, HIDDEN, requires_grad=True)
+    weights = torch.randn(2, 7, 8)
+    results = []
+    for stacked in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = linear_fp32(x, *layers) if stacked else tuple(linear_fp32(x, layer) for layer in layers)
+        assert [o.dtype for o in outs] == [torch.float32] * 2 and [o.shape[-1] for o in outs] == [3, 5]
+        x.grad = None
+        for layer in layers:
+            layer.zero_grad()
+        (torch.cat(outs, -1) * weights).sum().backward()
+        params = [p.grad.clone() for layer in layers for p in layer.parameters()]
+        results.append([*outs, x.grad.clone(), *params])
+    for one, stacked in zip(*results):
+        torch.testing.assert_close(stacked, one, rtol=1e-6, atol=1e-6)
