@@ -43,9 +43,12 @@ def segment_cumsum_kernel(
 # after another (each waits for its loads), so a scan takes about cdiv(T, BT) load latencies whatever the GPU: the
 # first version's fixed [64, 16] tile made a [4, 4096, 16] scan 64 dependent steps on 4 programs, about 80 µs a call
 # on the H200 (twelve calls a PaTH-FoX training step: 0.97 ms of its 72.8, train_throughput_profile_session10_h200).
-# Fewer heads a program (MAX_HEADS) make the tile longer in T and the programs more.
+# Fewer heads a program (MAX_HEADS) make the tile longer in T and the programs more. Timed on an H100 (thirty-fifth
+# session, benchmarks/scan_tune.py, µs, the [64, 16] tile -> 4 heads by 2048 -> 2 heads by 4096 tokens): [4, 4096, 16]
+# 71.7 -> 14.2 -> 12.4; [8, 4096, 16] 71.0 -> 15.0 -> 12.5; [1, 32768, 16] 514 -> 78.4 -> 57.7, packed into 8
+# sequences 232 -> 40.5 -> 30.0 (one head by 8192: 56.6 / 27.8, but 14.9 at [8, 4096, 16]).
 TILE_ELEMENTS = 8192
-MAX_HEADS = 4
+MAX_HEADS = 2
 NUM_WARPS = 4
 
 
