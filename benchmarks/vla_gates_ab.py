@@ -66,6 +66,11 @@ def stage(module, k_hat, u, dalpha, chunk: int, precision: str, device: str) -> 
     return dict(fwd_ms=time_ms(forward, device), bwd_ms=time_ms(backward, device), outputs=outputs)
 
 
+def column_label(columns: int | None) -> str:
+    """A row's name for the backward's column blocks (``gates.BWD_COLUMNS``)."""
+    return "one program" if columns is None else f"columns {columns}"
+
+
 def compare(before, K: int, T: int, B: int, device: str) -> dict:
     H = 1024 // K if device != "cpu" else 2
     chunk = 64 if device != "cpu" else 32
@@ -75,11 +80,10 @@ def compare(before, K: int, T: int, B: int, device: str) -> dict:
     dalpha = torch.randn(B, T, H, K, device=device, generator=gen)
     precision = float32_dots(torch.float32)
     runs = {"before": stage(before, k_hat, u, dalpha, chunk, precision, device)}
-    for columns in (None, *COLUMNS):
+    runs["now"] = stage(gates, k_hat, u, dalpha, chunk, precision, device)  # this tree's defaults
+    for columns in COLUMNS:
         with applied([f"{gates.__name__}.BWD_COLUMNS={columns}"]):
-            runs["now" if columns is None else f"columns {columns}"] = stage(
-                gates, k_hat, u, dalpha, chunk, precision, device
-            )
+            runs[column_label(columns)] = stage(gates, k_hat, u, dalpha, chunk, precision, device)
     reference = runs["before"]["outputs"]
     row = dict(K=K, T=T, B=B, H=H)
     for name, run in runs.items():

@@ -26,7 +26,7 @@ from attnkit.experiments.output import write_json  # noqa: E402
 from benchmarks.kernel_profile import applied, kernel_table, print_table  # noqa: E402
 from benchmarks.ops import REGISTRY, environment  # noqa: E402
 
-COLUMNS = (32, 64)
+COLUMNS = (None, 32, 64)  # the backward's column blocks timed (gates.BWD_COLUMNS; None: one program a chunk)
 
 
 def gate_sweep(B: int, T: int, H: int) -> list[dict]:
@@ -60,8 +60,9 @@ def gate_sweep(B: int, T: int, H: int) -> list[dict]:
             shown = f"forward {fwd:.3f} ms, backward {bwd:.3f} ms"
             print(f"  gates K={K} H={h} warps={warps} group={group} SB={sb}: {shown}", flush=True)
         saved = vla_gates_fwd_fn(k_hat, u, lam, 64, "tf32x3")
-        expected = vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3")
-        for columns in COLUMNS:  # the backward's column blocks (gates.BWD_COLUMNS; None: one program a chunk)
+        with applied(["attnkit.ops.vla.triton.gates.BWD_COLUMNS=None"]):
+            expected = vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3")
+        for columns in COLUMNS:
             with applied([f"attnkit.ops.vla.triton.gates.BWD_COLUMNS={columns}"]):
                 got = vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3")
                 bwd = do_bench(lambda: vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3"))  # noqa: B023

@@ -17,7 +17,7 @@ def test_vla_gates_ab_smoke(tmp_path):
     assert vla_gates_ab.main(argv) == 0
     (row,) = json.loads((tmp_path / "vla_gates_ab.json").read_text())["rows"]
     assert (row["K"], row["T"], row["B"]) == (48, 70, 2)
-    for name in ("now", "columns 32", "columns 64"):
+    for name in ("now", "one program", "columns 32", "columns 64"):
         assert set(row[name]["rel_diff"]) == set(vla_gates_ab.NAMES)
         assert max(row[name]["rel_diff"].values()) < 1e-5, name
-    assert gates.BWD_COLUMNS is None  # put back
+    assert gates.BWD_COLUMNS == 64  # put back

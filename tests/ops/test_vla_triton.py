@@ -129,11 +129,12 @@ COLUMN_CASES = {  # B, offsets, K, with_state, normalize_write
 }
 
 
-@pytest.mark.parametrize("columns", [16, 32])
+@pytest.mark.parametrize("columns", [16, 32, 64])
 @pytest.mark.parametrize("case", COLUMN_CASES.values(), ids=COLUMN_CASES.keys())
 def test_gate_backward_in_column_blocks(monkeypatch, columns, case):
-    """The gate backward as two launches over column blocks (``gates.BWD_COLUMNS``: padded ``K``, a partial last
-    block, packed sequences, the raw write) gives the one-program kernel's gradients and the PyTorch backend's."""
+    """The gate backward as two launches over column blocks (``gates.BWD_COLUMNS``, 64 by default: padded ``K``, a
+    partial last block, packed sequences, the raw write) gives the one-program kernel's gradients and the PyTorch
+    backend's."""
     import attnkit.ops.vla.triton.gates as gates
 
     B, offsets, K, with_state, normalize_write = case
@@ -144,6 +145,7 @@ def test_gate_backward_in_column_blocks(monkeypatch, columns, case):
     kwargs = dict(normalize_write=normalize_write)
     if offsets is not None:
         kwargs["cu_seqlens"] = torch.tensor(offsets, device=DEVICE)
+    monkeypatch.setattr(gates, "BWD_COLUMNS", None)
     one = grads_of(vla("triton", **kwargs), inputs, state)
     launches = []
     monkeypatch.setattr(gates, "BWD_COLUMNS", columns)

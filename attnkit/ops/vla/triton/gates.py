@@ -336,13 +336,16 @@ def vla_gates_bwd_u_kernel(
     tl.store(du + p_j, b_du, mask=m_j)
 
 
-# Off and untimed (`benchmarks/vla_gates_ab.py` times it): the gate backward as two launches over column blocks of
-# this width (None: one program a chunk). Compiled for sm_90a (Triton 3.6, bf16 ``u``): 32-column blocks spill nothing
+# The gate backward as two launches over column blocks of this width (None: one program a chunk). Timed on an H100
+# (thirty-fifth session, `benchmarks/vla_gates_ab.py`, 32768 tokens, ms one program -> 64 columns -> 32 columns):
+# K = 64, T = 1k 1.255 -> 1.186 -> 1.481, T = 32k 3.317 -> 3.240 -> 3.521; K = 128, T = 1k 4.998 -> 3.371 -> 4.416, T =
+# 32k 15.32 -> 13.70 -> 14.66 (the same gradients to 2e-7). So 64: at K = 64 one block, the backward's two halves in
+# two launches; at K = 128 two. Compiled for sm_90a (Triton 3.6, bf16 ``u``): 32-column blocks spill nothing
 # at K = 64 (four warps: 229 / 190 registers, 64 / 32 KB of shared memory) and 0 / 164 bytes at K = 128 (eight warps,
 # 128 / 64 KB), where the one-program kernel spills 604 bytes at K = 64 and 2932 at K = 128 (96 / 192 KB); the price
 # is the ``K``-wide products ``tril(da Rᵀ)``, ``triu(U Aᵀ)``, ``triu(U Gᵀ)`` in every column block and a second read
 # of ``g`` and ``a``.
-BWD_COLUMNS: int | None = None
+BWD_COLUMNS: int | None = 64
 
 
 def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
