@@ -65,10 +65,6 @@ SUPER = [
     (None, None, None, None), (None, 1, None, None), (None, 2, None, None), (None, None, None, 1),
     (None, None, None, 2), (None, None, 8, None), (None, 1, 8, 2), (32, None, None, None), (32, None, 8, 3),
 ]  # fmt: skip
-# The sweep's dq̂ (backward_super.DQ_BY_ATOMICS, True the default): False moves it to a query-major kernel without
-# atomics, timed with the default launch after the SUPER rows. 32-row tiles at K = 64 (SUPER's last row) take 28 KB
-# of shared memory and spill 104 bytes a thread (64 KB and 608 with 64 rows; sm_90a, Triton 3.6).
-SUPER_DQ = [False]
 # --carry-only: the forward, then forward+backward, with every carry in 3xTF32, in one TF32 pass and in three bf16
 # passes (prepare.CARRY_16BIT, the default for bfloat16 at K = 64 and 128), with beta drawn from (1.5, 2) as issue 3's
 # accuracy bar asks.
@@ -81,8 +77,8 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
     Hopper's ``wgmma`` (``benchmarks/kernel_resources.py``); with 64 all of them take ``wgmma``. With the local
     adjoint's gradient products in bf16, the inner kernels' products on 16-bit operands and their carries in three bf16
     passes (not one TF32 pass) every one fits shared memory for the float32 ``w`` the layers pass: the query kernel
-    128 KB, the key kernel 144 KB, the local adjoint 200 KB (with the carries in TF32: 256 and 176 KB; sm_90a,
-    Triton 3.6, twelfth session)."""
+    128 KB, the key kernel (since removed) 144 KB, the local adjoint 200 KB (with the carries in TF32: 256 and
+    176 KB; sm_90a, Triton 3.6, twelfth session)."""
     return (64, 8) if block_dim(key_dim) == 128 and not interpreting() else default(key_dim)
 
 
@@ -101,20 +97,18 @@ def chunks_of_64_at_k128(key_dim: int, default=backward.backward_config) -> tupl
 # the three memory settings undone at once (the nineteenth session's default; each of these five was timed against it in
 # the twentieth, path_local_session20_h200_d{64,128}.json), the two products in one TF32 pass, the sweep's products a
 # (key tile, superblock) pair in one TF32 pass or in one pass on 16-bit operands (backward_super.PAIR_16BIT), the
-# sweep's dq̂ by its query-major kernel instead of atomics (DQ_BY_ATOMICS; the atomics are a third of FlashAttention's
-# backward loop alone, tile_probe.py), the backward's 16-bit settings off at K = 128 (prepare.MEASURED_DIMS;
-# LOCAL_DIMS=128 ... pathlocal), the superblock terms' dA summed as a K × K matrix a chunk (local.SUPER_DA_PROJECT off;
-# it differs at K = 128 only), and at K = 128 the backward's chunks of 64 positions with the local adjoint's products in
-# bf16 (chunks_of_64_at_k128), and for float32 inputs (--dtype float32; the rows above are bf16 settings) every product
-# exact, FMA-unrolled "ieee", or the products in one TF32 pass (prepare.FLOAT32_PRECISIONS; 3xTF32 the default); each
-# timed forward+backward on bf16 (--dtype) q, k, v with float32 w, beta and g (as the layers pass them) and held to the
-# PyTorch backend in float32 on path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T,
-# with the peak memory of one step on a GPU. --local-pick narrows the rows to labels holding a string.
+# backward's 16-bit settings off at K = 128 (prepare.MEASURED_DIMS; LOCAL_DIMS=128 ... pathlocal), the superblock
+# terms' dA summed as a K × K matrix a chunk (local.SUPER_DA_PROJECT off; it differs at K = 128 only), and at K = 128
+# the backward's chunks of 64 positions with the local adjoint's products in bf16 (chunks_of_64_at_k128), and for
+# float32 inputs (--dtype float32; the rows above are bf16 settings) every product exact, FMA-unrolled "ieee", or the
+# products in one TF32 pass (prepare.FLOAT32_PRECISIONS; 3xTF32 the default); each timed forward+backward on bf16
+# (--dtype) q, k, v with float32 w, beta and g (as the layers pass them) and held to the PyTorch backend in float32 on
+# path_accuracy's inputs (beta in (1.5, 2), unit float32 w, B = 1, H = 2) at the same T, with the peak memory of one
+# step on a GPU. --local-pick narrows the rows to labels holding a string.
 LOCAL = [
     ("default", {}), ("inner products in float32", {(backward, "INNER_LOW_GRAD"): False}),
     ("inner carry as the others", {(prepare, "INNER_CARRY_16BIT"): None}),
     ("inner checkpoints every chunk", {(backward, "INNER_RECOMPUTE"): False, (backward, "INNER_EVERY"): 1}),
-    ("inner pairs in two kernels", {(backward, "INNER_ONE_KERNEL"): False}),
     ("prepare again in the backward", {(parallel, "KEEP_PREPARED"): False}),
     ("inner kernels on 2 stages", {(backward, "INNER_STAGES"): 2}),
     ("inner kernels on 3 stages", {(backward, "INNER_STAGES"): 3}),
@@ -135,8 +129,6 @@ LOCAL = [
     ("sweep pairs tf32", {(backward_super, "PAIR_16BIT"): "tf32"}),
     ("sweep pairs 16-bit", {(backward_super, "PAIR_16BIT"): "16bit"}),
     ("sweep superblocks outer", {(backward_super, "SWEEP_ORDER"): "superblocks"}),
-    ("sweep dq query-major, no atomics", {(backward_super, "DQ_BY_ATOMICS"): False}),
-    ("sweep gate columns once a pair", {(backward_super, "GATE_COLUMNS_A_PAIR"): True}),
     ("sweep superblocks outer, 128 MiB", {
         (backward_super, "SWEEP_ORDER"): "superblocks", (backward_super, "SCRATCH_BYTES"): 1 << 27,
     }),
@@ -299,13 +291,6 @@ def time_cell(
         finally:
             backward_super.launch_config = launch
         cell["super"].append(setting | row)
-    for dq_by_atomics in SUPER_DQ if sup else []:
-        saved, backward_super.DQ_BY_ATOMICS = backward_super.DQ_BY_ATOMICS, dq_by_atomics
-        try:
-            row = time_grads(f"D={D} T={T} super dq_by_atomics={dq_by_atomics}", x, do, default, device)
-        finally:
-            backward_super.DQ_BY_ATOMICS = saved
-        cell["super"].append(dict(dq_by_atomics=dq_by_atomics) | row)
     return cell
 
 
@@ -404,7 +389,7 @@ def local_errors(
 SETTINGS = (
     ("fwd", ("num_warps", "num_stages", "carry_precision", "solve_rows", "solve_batched", "superblock")),
     ("bwd", ("chunk", "num_warps", "key_tile")),
-    ("super", ("tile", "tiles_per_program", "num_warps", "num_stages", "dq_by_atomics")),
+    ("super", ("tile", "tiles_per_program", "num_warps", "num_stages")),
     ("local", ("setting",)),
 )
 

@@ -228,7 +228,7 @@ for step in $steps; do
         pathtune)  # PaTH: forward warps/stages, backward chunk/warps at T = 4k, D = 64 and 128
             timeout 300 python3 benchmarks/path_tune.py --out "$OUT" > "$OUT/pathtune.log" 2>&1 ;;
         pathprof)  # PaTH's forward+backward kernels by GPU time, against FLA's, at T = 4k, D = 64 and 128 (PATHPROF_DIMS);
-            # PATHPROF_SET: kernel_profile.py's --set, e.g. attnkit.ops.path.triton.backward.INNER_ONE_KERNEL=True, or
+            # PATHPROF_SET: kernel_profile.py's --set, e.g. attnkit.ops.path.triton.backward.INNER_STAGES=2, or
             # attnkit.ops.path.triton.prepare.SUPERBLOCK=1073741824 for every pair chunk by chunk
             timeout 200 python3 benchmarks/kernel_profile.py --op path --impls path_triton fla_parallel_path_attn \
                 --head-dims ${PATHPROF_DIMS:-64 128} ${PATHPROF_SET:+--set $PATHPROF_SET} --out "$OUT" \

@@ -31,7 +31,7 @@ def test_launches_of_a_path_fox_step_with_the_gpu_choices():
     for D in (64, 128):
         names = {line.split()[1] for line in lines if line.startswith(f"D={D} ")}
         assert names >= set(KERNELS), sorted(set(KERNELS) - names)
-        assert "path_bwd_kv_kernel" not in names  # backward.INNER_ONE_KERNEL: the query kernel adds the key side
+        assert "path_bwd_kv_tile_kernel" not in names  # up to K = 128 the query kernel adds the key side
     # The GPU's launches, not the interpreter's: 64-position chunks at K = 64, and at K = 128 the sweep's 64-row tiles
     # on eight warps and one stage over 32-position chunks.
     sweep = [line for line in lines if line.startswith("D=128 path_bwd_super_kv_kernel")]

@@ -27,24 +27,19 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
 
     assert backward.backward_config(16) == (16, 1) and not backward.carries_key_tile(16)
     assert [r["key_tile"] for r in cells[0]["bwd"]] == [False, True]  # the rule's choice, then the key-tile kernel
-    # The between-superblock sweep: its default (programs a superblock left open), one program a key tile, then dq̂
-    # from the query-major kernel.
-    launches, dq = cells[0]["super"][:2], cells[0]["super"][2:]
-    assert [(r["tile"], r["tiles_per_program"]) for r in launches] == [(16, 0), (16, 1)]
-    assert [r["dq_by_atomics"] for r in dq] == [False]
+    # The between-superblock sweep: its default (programs a superblock left open), then one program a key tile.
+    assert [(r["tile"], r["tiles_per_program"]) for r in cells[0]["super"]] == [(16, 0), (16, 1)]
     for sup in cells[0]["super"]:
         assert sup["error"] is None and sup["err"] < 1e-5
     from attnkit.ops.path.triton import backward_super
 
     assert backward_super.launch_config(16, 16) == dict(tile=16, tiles_per_program=0, num_warps=1, num_stages=1)
-    assert backward_super.DQ_BY_ATOMICS
     from attnkit.ops.path.triton import prepare
 
     assert prepare.SOLVE_ROWS == 16
     out = capsys.readouterr().out
     assert "fwd+bwd chunk=32 num_warps=4 key_tile=False" in out and "key_tile=True" in out
     assert "fwd+bwd super tile=16 tiles_per_program=1 num_warps=1 num_stages=1" in out
-    assert "fwd+bwd super dq_by_atomics=False" in out
 
 
 def test_carry_only_on_cpu(tmp_path, capsys):
@@ -97,7 +92,7 @@ def test_local_only_on_cpu(tmp_path, capsys):
 
     assert local.LOCAL_GRADS_16BIT == "bf16" and prepare.INNER_CARRY_16BIT == "tf32"
     assert backward.INNER_LOW_GRAD is None and backward.INNER_EVERY is None and local.LOCAL_SOLVE == "bf16x3"
-    assert backward.INNER_ONE_KERNEL is True and backward.INNER_STAGES == 1
+    assert backward.INNER_STAGES == 1
     assert backward.INNER_RECOMPUTE is True and backward.INNER_CARRY_LOW is True
     from attnkit.ops.path import parallel
 

@@ -54,20 +54,20 @@ def test_an_op_and_a_model_step_compile_for_sm90_without_running_and_pack(tmp_pa
 
 
 def test_a_path_tune_setting_compiles_its_own_specialisation(tmp_path):
-    """``--settings``: the ``--ops`` cells again under a ``path_tune.LOCAL`` setting, here the sweep's gate columns once
-    a pair (a constexpr of the sweep kernel's, at T = 1024: two superblocks), so that the sweep kernel is compiled in
-    both specialisations; an unknown label is refused by name, before anything compiles."""
+    """``--settings``: the ``--ops`` cells again under a ``path_tune.LOCAL`` setting, here the sweep's loop order
+    (``SUPERBLOCKS_OUTER``, a constexpr of the sweep kernel's, at T = 1024: two superblocks), so that the sweep kernel
+    is compiled in both specialisations; an unknown label is refused by name, before anything compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cache = tmp_path / "cache"
     script = [sys.executable, str(ROOT / "benchmarks" / "precompile.py"), "--cache", str(cache), "--ops", "path_fox"]
     script += ["--seq-lens", "1024", "--head-dims", "64", "--tokens", "1024", "--any-triton"]
     done = subprocess.run(
-        [*script, "--settings", "sweep gate columns once a pair"], env=env, cwd=ROOT, capture_output=True, text=True,
+        [*script, "--settings", "sweep superblocks outer"], env=env, cwd=ROOT, capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     sweeps = [entry for entry in cache.iterdir() if (entry / "path_bwd_super_kv_kernel.cubin").exists()]
-    assert len(sweeps) == 2 and "setting 'sweep gate columns once a pair'" in done.stdout
+    assert len(sweeps) == 2 and "setting 'sweep superblocks outer'" in done.stdout
     other = tmp_path / "other"
     script[script.index(str(cache))] = str(other)
     refused = subprocess.run([*script, "--settings", "no such"], env=env, cwd=ROOT, capture_output=True, text=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_close, launch_arguments
+from tests.helpers import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -201,39 +201,6 @@ def test_sweep_waves_count_the_superblocks_order_slots(monkeypatch):
         check_sweep(monkeypatch, 0, None, 16, None)
 
 
-@pytest.mark.parametrize("budget", [None, 1], ids=["one-wave", "a-row-a-wave"])
-@pytest.mark.parametrize(
-    "K, offsets",
-    [(16, None), (24, None), (80, None), (16, [0, 5, 5, 40, 100])],
-    ids=["K16", "K24-padded", "K80-split-products", "varlen"],
-)
-def test_sweep_with_query_major_dq(monkeypatch, budget, K, offsets):
-    """The same with ``dq̂`` from :func:`backward_super.path_bwd_super_q_kernel` (one program per query tile and head,
-    no atomics) instead of the key-major sweep's atomic adds (``DQ_BY_ATOMICS = False``)."""
-    from attnkit.ops.path.triton import backward_super
-
-    monkeypatch.setattr(backward_super, "DQ_BY_ATOMICS", False)
-    check_sweep(monkeypatch, 0, budget, K, offsets)
-
-
-@pytest.mark.parametrize("order", ["tiles", "superblocks"])
-@pytest.mark.parametrize("K, offsets", [(16, None), (24, [0, 5, 5, 40, 100])], ids=["K16", "K24-varlen"])
-def test_sweep_gate_columns_once_a_pair(monkeypatch, order, K, offsets):
-    """``GATE_COLUMNS_A_PAIR`` (one query head a key head): the gates' column sums of a (key tile, later superblock)
-    pair from ``dS`` summed over its query tiles, reduced once; every gradient as autograd's, in both loop orders. The
-    launch takes the option only where there are gates and one query head a key head."""
-    from attnkit.ops.path.triton import backward_super
-
-    launched = launch_arguments(monkeypatch, backward_super, "path_bwd_super_kv_kernel", "PAIR_COLUMNS")
-    monkeypatch.setattr(backward_super, "SWEEP_ORDER", order)
-    monkeypatch.setattr(backward_super, "GATE_COLUMNS_A_PAIR", True)
-    check_sweep(monkeypatch, 0, None, K, offsets, heads=(2, 2))
-    assert launched and all(launched)
-    launched.clear()
-    check_sweep(monkeypatch, 0, None, K, offsets)  # two query heads a key head: a reduction every query tile
-    assert launched and not any(launched)
-
-
 @pytest.mark.parametrize("K, offsets", [(80, None), (80, [0, 5, 5, 40, 100])], ids=["K80", "K80-varlen"])
 def test_sweep_tiles_wider_than_the_chunk(monkeypatch, K, offsets):
     """Tiles of twice the chunk (here a whole superblock a tile), as the GPU's default at K = 128 takes 64-row tiles
@@ -262,15 +229,14 @@ def test_sweep_launch_at_k128_takes_64_row_tiles(monkeypatch):
     assert backward_super.launch_config(128, 32, torch.bfloat16, 128) == wide
 
 
-def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets, tile=None, heads=(4, 2)):
+def check_sweep(monkeypatch, tiles_per_program, budget, K, offsets, tile=None):
     """The body of the sweep tests: the kernels' five gradients against autograd through the pairs' logits (tiles of
-    ``tile`` rows, the chunk's by default; ``heads``: query and key/value heads)."""
+    ``tile`` rows, the chunk's by default)."""
     from attnkit.ops.common.triton_utils import block_dim
     from attnkit.ops.path.triton import backward_super
     from attnkit.ops.path.triton.prepare import chunk_offsets
 
-    chunk, span, V = 8, 2, 8
-    HQ, H = heads
+    chunk, span, HQ, H, V = 8, 2, 4, 2, 8
     S = chunk * span
     config = dict(tile=tile or chunk, tiles_per_program=tiles_per_program, num_warps=1, num_stages=1)
     monkeypatch.setattr(backward_super, "launch_config", lambda key_dim, c, *_: config)

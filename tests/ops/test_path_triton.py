@@ -15,7 +15,7 @@ import torch
 
 from attnkit.ops.path import path_attention
 from attnkit.ops.path.triton.forward import path_fwd_fn
-from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close, launch_counter
+from tests.helpers import OPERATOR_COUNT_IDS, OPERATOR_COUNT_SHAPES, assert_close, launch_arguments, launch_counter
 from tests.ops.test_path import make_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -425,43 +425,34 @@ INNER_PAIR_CASES = pytest.mark.parametrize(
 @pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
 @INNER_PAIR_CASES
 def test_inner_pairs_in_one_kernel(monkeypatch, B, T, HQ, H, K, V, offsets, span, stages):
-    """``backward.INNER_ONE_KERNEL`` (the default): the query kernel adds the key side of the pairs between chunks
-    (``dK̃``, ``dV``, both sides of the gates) by atomics and the key kernel is not launched; ``backward.INNER_STAGES``
-    launches the kernels between chunks with more stages. The forward and every gradient against the PyTorch
-    backend (``beta`` near 2), and equal to the two-kernel backward's within float32 reordering."""
+    """The query kernel adds the key side of the pairs between chunks (``dK̃``, ``dV``, both sides of the gates) by
+    atomics up to K = 128 (``KV`` in every launch); ``backward.INNER_STAGES`` launches the kernels between chunks
+    with more stages. The forward and every gradient against the PyTorch backend (``beta`` near 2)."""
     from attnkit.ops.path.triton import backward, prepare
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
+    monkeypatch.setattr(backward, "INNER_STAGES", stages)
     inputs = [x.to(DEVICE) for x in make_inputs(B, T, HQ, H, K, V, gate=True, dtype=torch.float32, beta_low=1.9)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)
     do = torch.randn(B, T, HQ, V, device=DEVICE)
-    launches = launch_counter(monkeypatch, backward, "path_bwd_kv_kernel")
-    monkeypatch.setattr(backward, "INNER_ONE_KERNEL", False)
-    two_kernels = backend_grads(inputs, do, "triton", cu)
-    assert launches  # the key kernel runs in the two-kernel form
-    launches.clear()
-    monkeypatch.setattr(backward, "INNER_ONE_KERNEL", True)
-    monkeypatch.setattr(backward, "INNER_STAGES", stages)
+    key_side = launch_arguments(monkeypatch, backward, "path_bwd_q_kernel", "KV")
     actual, expected = backend_grads(inputs, do, "triton", cu), backend_grads(inputs, do, "torch", cu)
-    assert not launches  # and never in the one-kernel form
-    for name, a, e, t in zip(GRAD_NAMES, actual, expected, two_kernels):
+    assert key_side and all(key_side)
+    for name, a, e in zip(GRAD_NAMES, actual, expected):
         assert_close(name, a, e, 1e-5)
-        assert_close(name, a, t, 1e-5)
 
 
-@pytest.mark.parametrize("one_kernel", [True, False], ids=["one-kernel", "two-kernels"])
 @INNER_PAIR_CASES
-def test_inner_pairs_recomputed(monkeypatch, B, T, HQ, H, K, V, offsets, span, one_kernel):
+def test_inner_pairs_recomputed(monkeypatch, B, T, HQ, H, K, V, offsets, span):
     """``backward.INNER_RECOMPUTE`` (the default): the query kernel recomputes each pair's carried query from its
     chunk's start in registers, in one launch, where the checkpointed form (its scratch held to a few bytes here)
     runs in waves of one query chunk. The forward and every gradient against the PyTorch backend (``beta`` near 2),
-    and equal to the checkpointed backward's within float32 reordering, with the key side in the query kernel or in
-    its own. Sequences longer than ``RECOMPUTE_MAX_CHUNKS`` chunks keep the checkpoints."""
+    and equal to the checkpointed backward's within float32 reordering. Sequences longer than ``RECOMPUTE_MAX_CHUNKS``
+    chunks keep the checkpoints."""
     from attnkit.ops.path.triton import backward, prepare
 
     monkeypatch.setattr(prepare, "superblock_chunks", lambda key_dim, chunk: span)
     monkeypatch.setattr(backward, "SCRATCH_BYTES", 1)  # the checkpointed form: a wave a query chunk
-    monkeypatch.setattr(backward, "INNER_ONE_KERNEL", one_kernel)
     monkeypatch.setattr(backward, "INNER_RECOMPUTE", False)
     inputs = [x.to(DEVICE) for x in make_inputs(B, T, HQ, H, K, V, gate=True, dtype=torch.float32, beta_low=1.9)]
     cu = None if offsets is None else torch.tensor(offsets, device=DEVICE)

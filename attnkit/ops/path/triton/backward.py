@@ -1,4 +1,4 @@
-"""PaTH backward: the gradients of the logits between chunks, by two kernels with O(T) memory.
+"""PaTH backward: the gradients of the logits between chunks, with O(T) memory.
 
 They take the chunk-local terms (the UT matrices ``M``, the keys carried to their chunk's end ``K̃``, the queries
 carried to their chunk's start ``x``) from the prepare and query-terms kernels and give the gradients of what lies
@@ -6,10 +6,6 @@ between chunks; ``local.py`` takes those back through the chunk-local terms. Wit
 ``A_m = I − W_mᵀ M_m W_m`` the carry across chunk ``m``, query chunk ``c`` meets key chunk ``m < c`` with the
 logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··· A_{m+1}`` (``README.md`` beside the op):
 
-- ``path_bwd_kv_kernel``, one program per (key chunk ``m``, key/value head), walks ``c = m+1, m+2, …`` carrying
-  the ``K × K`` product ``Π = A_{c−1} ··· A_{m+1}`` (``Π ← Π − W_cᵀ ((M_c W_c) Π)``) once for the query heads of
-  its group: ``S_cm = scale · x_c (K̃_m Πᵀ)ᵀ``, ``dK̃_m += scale · Σ_heads dS_cmᵀ x_c Π``, ``dV_m += Σ P_cmᵀ dO_c``
-  and the key side of the gates' gradient.
 - ``path_bwd_q_kernel``, one program per (query chunk ``c``, query head), runs the carried query right to left
   once, checkpointing ``L_{c,m}`` at the right end of every segment of ``⌈√c⌉`` key chunks, then walks the
   segments left to right: each segment's ``L`` recomputed from its checkpoint into scratch, then the gradient
@@ -19,10 +15,13 @@ logits ``S_cm = scale · L_{c,m} K̃_mᵀ`` where ``L_{c,m} = x_c A_{c−1} ··
   end. Scratch: ``2√N`` tiles a program, for one extra pass of carries; the launcher runs
   the query chunks in waves that fit a fixed budget (linear in ``T`` however long the sequence). Inside
   superblocks (:data:`INNER_RECOMPUTE`) it recomputes each ``L_{c,m}`` from ``x_c`` in registers instead, in one
-  launch without scratch.
-- ``path_bwd_kv_tile_kernel`` replaces ``path_bwd_kv_kernel`` for head dims above 128 (:func:`carries_key_tile`),
-  whose ``K × K`` product outgrows shared memory: it carries the key chunk ``y = K̃_m Πᵀ`` instead, checkpointed
-  and walked back with its gradient as the query kernel does with ``L``.
+  launch without scratch. Up to K = 128 it also adds the key chunk's side of each pair (``dK̃_m``, ``dV_m``, the
+  gates' key side) by float32 atomics, so that each pair's logits and ``dS`` are computed once (FLA 0.6.0's
+  in-superblock backward is one such kernel).
+- ``path_bwd_kv_tile_kernel`` takes the key side above K = 128 (:func:`carries_key_tile`), one program per (key
+  chunk ``m``, key/value head) for the query heads of its group: it carries the key chunk ``y = K̃_m Πᵀ``
+  (``Π = A_{c−1} ··· A_{m+1}``, whose ``K × K`` float32 would outgrow shared memory) to the right, checkpointed and
+  walked back with its gradient as the query kernel does with ``L``.
 """
 
 from __future__ import annotations
@@ -49,21 +48,10 @@ INNER_LOW_GRAD: bool | None = None
 # recomputes none: ~2 carries a chunk pair instead of ~2.7. Timed on the H200 (T = 4k, D = 64): 20.06 ms against the
 # default's 20.13, within noise, so the default keeps the smaller scratch.
 INNER_EVERY: int | None = None
-# The pairs between chunks in one query-major kernel: path_bwd_q_kernel also adds dK̃_m, dV_m and the gates' key side
-# (and their query side) by float32 atomics at each pair, and path_bwd_kv_kernel, which recomputed every pair's logits
-# and their gradient and carried its own K × K product, is not launched. FLA 0.6.0's in-superblock backward is one
-# such kernel; on the H200 (twelfth session's profile, D = 64, 4k) our two took 2.89 ms on the pairs its one takes in
-# 1.11 (benchmarks/results/path_h200.md, fifteenth session). Up to K = 128 (wider heads take the key-tile kernel).
-# Compiled for sm_90a by Triton 3.6 (benchmarks/kernel_resources.py --setting): the query kernel with the key side
-# keeps 255 registers and 72 KB of shared memory at K = 64 (196 bytes of spills against 172 without it), 68 KB at
-# K = 128 (812 against 760). Timed on the H200 (sixteenth session, path_tune.py's LOCAL rows, D = 64, 4k, fwd+bwd):
-# 16.86 ms against 17.26 with two kernels, the same errors (benchmarks/results/path_local_session16_h200.log).
-INNER_ONE_KERNEL = True
 # num_stages of the kernels between chunks (software pipelining of their loops' loads): 1 since they were written;
-# FLA's inner kernel runs Triton's default, 3. At 3 stages the key kernel takes 209 KB of shared memory at K = 64
-# (72 KB at 1; one block an SM), the query kernel 144 KB; the one-kernel form at 2 stages 104 KB (K = 64) and 92 KB
-# (K = 128). path_tune.py's LOCAL rows time 2 and 3: slower on the H200 (sixteenth session, D = 64, 4k, fwd+bwd: 18.50
-# and 19.71 ms against 17.26 at 1; one kernel on 2 stages 17.34 against 16.86 at 1).
+# FLA's inner kernel runs Triton's default, 3. The query kernel with the key side takes 104 KB of shared memory at
+# 2 stages (K = 64) and 92 KB (K = 128); path_tune.py's LOCAL rows time 2 and 3: slower on the H200 (sixteenth
+# session, D = 64, 4k, fwd+bwd: 17.34 ms on 2 stages against 16.86 at 1).
 INNER_STAGES = 1
 # The query kernel inside superblocks recomputes each pair's carried query L_{c,m} from x_c in registers (c − 1 − m
 # carries, the order of FLA 0.6.0's parallel_path_bwd_intra_chunk_kernel) instead of checkpointing carried queries in
@@ -101,21 +89,20 @@ def sums_carry_gradient(key_dim: int, chunk: int) -> bool:
 
 
 def carries_key_tile(key_dim: int) -> bool:
-    """Whether the key side runs :func:`path_bwd_kv_tile_kernel` (the key chunk carried, checkpointed) rather than
-    :func:`path_bwd_kv_kernel` (the ``K × K`` product carried): above K = 128, where the product outgrows shared
-    memory (256 KB of float32 at K = 256)."""
+    """Whether the key side runs :func:`path_bwd_kv_tile_kernel` (the key chunk carried, checkpointed): above
+    K = 128; up to it the query kernel adds the key side by atomics (built and timed there)."""
     return block_dim(key_dim) > 128
 
 
 def backward_config(key_dim: int) -> tuple[int, int]:
     """``(chunk, warps)`` of the backward kernels, whose chunking is independent of the forward's (they recompute
-    the chunk-local terms, and the log-sum-exp does not depend on it). Compiled for sm_90a with Triton 3.6, the
-    key kernel's shared memory is 112 KB at ``K = 64`` with 64-position chunks, but 288 KB (over the 227 KB an
-    H200 block may have) at ``K = 128``; with 32-position chunks it is 208 KB there. Four warps at ``K <= 64``,
-    eight at K = 128 (half the spills); above K = 128 (the key-tile kernel) 16 positions and eight warps (at
-    K = 256: spills of 15 KB a thread in the query kernel, 0.8 KB in the key-tile kernel, against 22 and 1.5 with
-    four). Timed on an H200 at K = 64 and 128 only (``benchmarks/results/path_h200.md``). Under the interpreter: 16
-    positions, one warp."""
+    the chunk-local terms, and the log-sum-exp does not depend on it). The chunks were chosen when a key-major
+    kernel took the key side up to K = 128: compiled for sm_90a with Triton 3.6, its shared memory was 112 KB at
+    ``K = 64`` with 64-position chunks, but 288 KB (over the 227 KB an H200 block may have) at ``K = 128``; with
+    32-position chunks 208 KB there. Four warps at ``K <= 64``, eight at K = 128 (half the spills); above K = 128
+    (the key-tile kernel) 16 positions and eight warps (at K = 256: spills of 15 KB a thread in the query kernel,
+    0.8 KB in the key-tile kernel, against 22 and 1.5 with four). Timed on an H200 at K = 64 and 128 only
+    (``benchmarks/results/path_h200.md``). Under the interpreter: 16 positions, one warp."""
     if interpreting():
         return 16, 1
     if key_dim > 128:
@@ -140,7 +127,6 @@ def key_chunk_grads(
     x, do, lse, delta, gcum, dgcum, dx, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k,
     m_v, HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False, ADD_DX: tl.constexpr = False,
-    COLUMNS_LATER: tl.constexpr = False,
 ):  # fmt: skip
     """Query chunk ``i_c`` of every query head of key head ``i_h``'s group against key chunk ``m`` carried to it
     (``b_y``; values ``b_v``, rows ``p_m``), with ``P = exp(S − lse)`` and ``dS = P (dO Vᵀ − Δ)``: returns
@@ -150,8 +136,7 @@ def key_chunk_grads(
     its gradient products, and the logits ``x yᵀ`` as the forward's between superblocks (queries and keys carried in
     float32, rounded for the product); else they run in ``PRECISION``. With ``ADD_DX`` the queries' gradient
     ``scale · dS y`` is added to ``dx [*, HQ, K]`` float32 by atomic adds (FlashAttention-2's ``dQ``; ``dx`` unused
-    otherwise). With ``COLUMNS_LATER`` (one query head a key head) ``b_dg`` is a ``[BT, BT]`` float32 sum of the tiles'
-    ``dS`` instead, whose column sums the caller takes once (:data:`backward_super.GATE_COLUMNS_A_PAIR`).
+    otherwise).
 
     The gate's two sides come from the same ``dS``: a query's row sum is zero only for the exact ``Δ = Σ_j P dP``,
     and ``Δ = dO · O`` from the rounded output is off by ``dO · (O − round(O))`` a row. Kept from one tile, that
@@ -195,10 +180,7 @@ def key_chunk_grads(
             tl.atomic_add(p_dx, b_dx * scale, mask=m_i[:, None] & m_k, sem="relaxed")
         if USE_G:  # without gates no sums: a column sum is a reduction across the warps every query tile
             tl.atomic_add(dgcum + p_i * HQ + i_hq, tl.sum(b_ds, 1), mask=m_i, sem="relaxed")
-            if COLUMNS_LATER:  # b_dg: dS summed elementwise, its columns summed by the caller
-                b_dg += b_ds
-            else:
-                b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
+            b_dg -= tl.where(o_g[:, None] == j, tl.sum(b_ds, 0)[None, :], 0.0)
     return b_dy, b_dv, b_dg
 
 
@@ -209,17 +191,15 @@ def load_key_chunk(
     BG: tl.constexpr,
 ):  # fmt: skip
     """A key-major program's start for its key chunk ``i_m`` (complete: every row real): its rows ``p_m``, keys
-    (from ``k [*, H, K]``) and values, the identity ``Π`` it carries, and zeroed gradients of the keys, the values
-    and (row ``j`` for query head ``i_h · G + j``) the gates' key side, as :func:`store_key_chunk_grads` takes
-    them."""
+    (from ``k [*, H, K]``) and values, and zeroed gradients of the keys, the values and (row ``j`` for query head
+    ``i_h · G + j``) the gates' key side, as :func:`store_key_chunk_grads` takes them."""
     p_m = bos + (i_m * BT + o_t).to(tl.int64)
     b_k = tl.load(k + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-    b_pi = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     b_dg = tl.zeros([BG, BT], dtype=tl.float32)
-    return p_m, b_k, b_v, b_pi, b_dk, b_dv, b_dg
+    return p_m, b_k, b_v, b_dk, b_dv, b_dg
 
 
 @triton.jit
@@ -241,62 +221,16 @@ def store_key_chunk_grads(
 
 
 @triton.jit
-def path_bwd_kv_kernel(
-    x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, cu_seqlens, T, scale,
-    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, BG: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-    CARRY_PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False,
-):  # fmt: skip
-    """``x [*, HQ, K]`` float32 (queries carried to their chunk's start), ``kt [*, H, K]`` float32, ``v [*, H, V]``,
-    ``w [*, H, K]``, ``mw [*, H, K]`` float32 (``M W`` per chunk), ``gcum [*, HQ]``, ``do [*, HQ, V]``,
-    ``lse, delta [*, HQ]`` float32 -> ``dkt [*, H, K]``, ``dv [*, H, V]``, ``dgcum [*, HQ]`` float32 (both sides of the
-    pairs with later chunks, added to; zero-initialised). Grid ``(chunks of the longest sequence, N * H)``: a
-    program takes a key chunk and every query head of its group (``BG``: the group size rounded up to a power of
-    two), so the carried product and the key chunk carried forward are computed once for the group."""
-    i_m, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    n_chunks = tl.cdiv(L, BT)
-    if i_m + 1 >= n_chunks:
-        return
-    o_t = tl.arange(0, BT)
-    o_k, o_v, o_g = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BG)
-    m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
-
-    # Key chunk m is never a sequence's last chunk here, so its rows are all real.
-    p_m, b_kt, b_v, b_pi, b_dkt, b_dv, b_dg = load_key_chunk(
-        kt, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
-    )
-    for i_c in range(i_m + 1, n_chunks):
-        o_i = i_c * BT + o_t
-        m_i = o_i < L
-        p_i = bos + o_i.to(tl.int64)
-        # The key chunk carried to the start of chunk c: y = K̃_m Πᵀ.
-        b_y = tl.dot(b_kt, tl.trans(b_pi), input_precision=CARRY_PRECISION)
-        b_dy, b_dv, b_dg = key_chunk_grads(
-            x, do, lse, delta, gcum, dgcum, None, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
-            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, LOW_GRAD,
-        )  # fmt: skip
-        b_dkt += tl.dot(b_dy * scale, b_pi, input_precision=CARRY_PRECISION)
-        # Π ← A_c Π = Π − W_cᵀ ((M_c W_c) Π); the padding rows of a last chunk have w = 0 (identity).
-        p_w = p_i[:, None] * (H * K) + i_h * K + o_k[None, :]
-        b_w = tl.load(w + p_w, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
-        b_mw = tl.load(mw + p_w, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
-        b_pi -= tl.dot(
-            tl.trans(b_w), tl.dot(b_mw, b_pi, input_precision=CARRY_PRECISION), input_precision=CARRY_PRECISION
-        )
-    store_key_chunk_grads(dkt, dv, dgcum, b_dkt, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G)
-
-
-@triton.jit
 def path_bwd_kv_tile_kernel(
     x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, scratch, cu_seqlens, T, m_base, EVERY, SLOTS, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     CARRY_PRECISION: tl.constexpr, LOW_GRAD: tl.constexpr = False,
 ):  # fmt: skip
-    """:func:`path_bwd_kv_kernel`'s outputs for head dims whose ``K × K`` product does not fit on chip
-    (:func:`carries_key_tile`): a program carries its key chunk ``y = K̃_m Πᵀ`` (``BT × BK``) to the right instead,
+    """Inputs as :func:`path_bwd_q_kernel`'s (``m`` aside) -> ``dkt [*, H, K]``, ``dv [*, H, V]``, ``dgcum [*, HQ]``
+    float32 (both sides of the pairs with later chunks, added to; zero-initialised), the key side above K = 128
+    (:func:`carries_key_tile`). A program takes a key chunk and every query head of its group (``BG``: the group size
+    rounded up to a power of two) and carries its key chunk ``y = K̃_m Πᵀ`` (``BT × BK``) to the right,
     ``y ← y A_cᵀ = y − (y (M_c W_c)ᵀ) W_c``, checkpointing it at the start of every segment of ``EVERY`` query
     chunks, then walks the segments right to left, each recomputed from its checkpoint into scratch, with the
     gradient ``Γ`` of ``y`` (``Γ ← Γ A_c + scale · Σ_heads dS_cmᵀ x_c``): ``dK̃_m = Γ`` at ``c = m + 1``. Grid
@@ -425,7 +359,7 @@ def query_pair_grads(
     b_p = tl.where(m_i[:, None], tl.exp2(base2_logits(b_s, scale, b_lse, b_gq, b_gk, USE_G)), 0.0)
     b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
     b_ds = b_p * (b_dp - b_delta[:, None])
-    if KV:  # the key chunk's side of the pair (path_bwd_kv_kernel's key_chunk_grads), by atomics
+    if KV:  # the key chunk's side of the pair, by atomics (above K = 128 the key-tile kernel's key_chunk_grads)
         if LOW_GRAD:
             b_dkm = tl.dot(tl.trans(b_ds).to(LT), b_l.to(LT), input_precision=PRECISION)
         else:
@@ -453,8 +387,10 @@ def path_bwd_q_kernel(
     CARRY_PRECISION: tl.constexpr, DA: tl.constexpr, LOW_GRAD: tl.constexpr = False, KV: tl.constexpr = False,
     RECOMPUTE: tl.constexpr = False, CARRY_LOW: tl.constexpr = False, ADD_DX: tl.constexpr = False,
 ):  # fmt: skip
-    """Inputs as :func:`path_bwd_kv_kernel` -> ``dx [*, HQ, K]`` (stored; with ``ADD_DX`` added to what it holds)
-    and, by atomic adds,
+    """``x [*, HQ, K]`` (queries carried to their chunk's start), ``kt [*, H, K]`` (both in ``prepare.buffer_dtype``),
+    ``v [*, H, V]``, ``w [*, H, K]``, ``m [chunks, H, BT, BT]``, ``mw [*, H, K]`` float32 (``M W`` per chunk),
+    ``gcum [*, HQ]``, ``do [*, HQ, V]``, ``lse, delta [*, HQ]`` float32 -> ``dx [*, HQ, K]`` (stored; with ``ADD_DX``
+    added to what it holds) and, by atomic adds,
     either (``DA``) ``da [chunks, H, BK, BK]``, the gradient of each chunk's carry ``A_m``, or ``dw [*, H, K]`` and
     ``dm [chunks, H, BT, BT]``, all float32 and zero-initialised. Grid ``(chunks of this wave, N * HQ)``: program
     ``(j, ·)`` takes query chunk ``c_base + j`` and ``SLOTS`` scratch tiles of ``[BT, BK]`` float32: the carried
@@ -462,10 +398,11 @@ def path_bwd_q_kernel(
     recomputed from its checkpoint before the segment is walked left to right. With ``RECOMPUTE``
     (:data:`INNER_RECOMPUTE`) there is no scratch (``SLOTS``, ``EVERY`` unused): each key chunk's carried query is
     recomputed from ``x_c`` in registers, ``c − 1 − m`` carries (with ``CARRY_LOW`` on 16-bit operands, as the
-    carries of ``Γ``). With ``KV`` (:data:`INNER_ONE_KERNEL`) it also adds each pair's ``dK̃_m = scale · dSᵀ L_{c,m}``,
-    ``dV_m = Pᵀ dO`` (``dkt [*, H, K]``, ``dv [*, H, V]``) and both sides of the gates' gradient (``dgcum [*, HQ]``:
-    the key rows' ``−colsum(dS)`` at each pair, the query rows' ``rowsum(dS)`` summed over the pairs) by float32
-    atomics: :func:`path_bwd_kv_kernel`'s outputs, which is then not launched."""
+    carries of ``Γ``). With ``KV`` (up to K = 128, :func:`carries_key_tile`) it also adds each pair's
+    ``dK̃_m = scale · dSᵀ L_{c,m}``, ``dV_m = Pᵀ dO`` (``dkt [*, H, K]``, ``dv [*, H, V]``) and both sides of the
+    gates' gradient (``dgcum [*, HQ]``: the key rows' ``−colsum(dS)`` at each pair, the query rows' ``rowsum(dS)``
+    summed over the pairs) by float32 atomics: :func:`path_bwd_kv_tile_kernel`'s outputs, which is then not
+    launched."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_c = c_base + i_j
     i_n, i_hq = i_nh // HQ, i_nh % HQ
@@ -625,18 +562,13 @@ def path_bwd_between_fn(
         wave = max(1, min(n_long - 1, SCRATCH_BYTES // (per_chunk * 4)))
         return wave, torch.empty(wave * per_chunk, **f32)
 
-    one_kernel = INNER_ONE_KERNEL and not carries_key_tile(K)  # the query kernel adds the key side too
-    if carries_key_tile(K):
+    if carries_key_tile(K):  # else the query kernel adds the key side too
         wave, scratch = waves(H)
         for m_base in range(0, n_long - 1, wave):
             path_bwd_kv_tile_kernel[(min(wave, n_long - 1 - m_base), N * H)](
                 x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, scratch, cu_seqlens, T, m_base, every, slots,
                 scale, BG=BG, **common,
             )  # fmt: skip
-    elif not one_kernel:
-        path_bwd_kv_kernel[(n_long - 1, N * H)](
-            x, kt, v, w, mw, gcum, do, lse, delta, dkt, dv, dgcum, cu_seqlens, T, scale, BG=BG, **common,
-        )  # fmt: skip
     recompute = INNER_RECOMPUTE and n_long <= RECOMPUTE_MAX_CHUNKS
     if recompute:  # one launch, no scratch: every carried query recomputed in registers
         wave, scratch, every, slots = n_long - 1, torch.empty(0, **f32), 1, 0
@@ -645,7 +577,7 @@ def path_bwd_between_fn(
     for c_base in range(1, n_long, wave):
         path_bwd_q_kernel[(min(wave, n_long - c_base), N * HQ)](
             x, kt, v, w, m, mw, gcum, do, lse, delta, dx, dw, dm, da, dkt, dv, dgcum, scratch, cu_seqlens, offsets, T,
-            NC, c_base, every, slots, scale, DA=sums_da, KV=one_kernel, RECOMPUTE=recompute,
+            NC, c_base, every, slots, scale, DA=sums_da, KV=not carries_key_tile(K), RECOMPUTE=recompute,
             CARRY_LOW=recompute and INNER_CARRY_LOW and low_grad, ADD_DX=add_dx, **common,
         )  # fmt: skip
     return dkt, dv, dx, dw, dm, da, dgcum

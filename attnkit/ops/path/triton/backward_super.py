@@ -22,10 +22,6 @@ whose scratch fits ``SCRATCH_BYTES`` (``README.md`` beside the op derives the fo
   product a step) ``Z_{n,p} = Π_{n,p} F_{n,p}``, in place again.
 - ``path_bwd_super_sig_kernel``, one program per (superblock ``p``, key/value head): ``dΣ_p += Σ_n Z_{n,p}`` over the
   wave's rows (plain adds: the program owns ``dΣ_p``).
-- With ``DQ_BY_ATOMICS = False``, ``path_bwd_super_q_kernel`` gives ``dq̂`` instead of the sweep's atomic adds: one
-  program per (query tile, query head) carries the query and ``Π_{n,s}ᵀ`` across the earlier superblocks right to
-  left, recomputing the logits and ``dS`` of each pair (two more products a pair, no atomics; FLA's backward splits
-  ``dq`` the same way). Tested under the interpreter, not yet timed (``path_tune.py --super-only``).
 
 The logits ``q̂ yᵀ``, ``dS y`` and ``dSᵀ q̂`` take 16-bit operands for 16-bit inputs (``q̂`` is stored in the inputs'
 dtype, ``y`` rounded to it: the forward rounds both the same way for its logits between superblocks), and every
@@ -39,15 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from attnkit.ops.common.triton_seq import launch_grid, locate_block, seq_bounds
+from attnkit.ops.common.triton_seq import seq_bounds
 from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.path.triton import backward
-from attnkit.ops.path.triton.backward import base2_logits, key_chunk_grads, load_key_chunk, store_key_chunk_grads
+from attnkit.ops.path.triton.backward import key_chunk_grads, load_key_chunk, store_key_chunk_grads
 from attnkit.ops.path.triton.prepare import chunk_offsets, first_chunk, pair_dot, precisions
 
-# dq̂ by float32 atomics in the key-major sweep; False: path_bwd_super_q_kernel, slower on the H200 (PaTH-FoX, T = 4k,
-# D = 64: 25.80 ms against 24.85, eighth session)
-DQ_BY_ATOMICS = True
 SCRATCH_BYTES = 1 << 28  # E_{n,s} and Π_{n,s} of a wave of key superblocks (float32 K × K each a pair and group)
 # The sweep's three products a (key tile, later superblock) pair for 16-bit inputs on a GPU: the key carried to the
 # superblock, y = k̂ Π_{n,s}ᵀ (rounded to the inputs' dtype for the logits at once), dk̂ += dY Π_{n,s} and the row
@@ -64,12 +57,6 @@ PAIR_16BIT: str | None = None
 # 15.25 at 4k (peak 1464 MiB against 1548); at 32k 110.6 ms against 101.2, peak unchanged (with a 128 MiB budget
 # 116.1 ms and 1452 MiB against 1578).
 SWEEP_ORDER = "tiles"
-# PaTH-FoX, one query head a key head: the gates' column sums of a (key tile, later superblock) pair from dS summed
-# elementwise over its query tiles and reduced across the warps once, instead of a reduction every query tile.
-# Compiled for sm_90a (Triton 3.6, D = 64, bf16, twenty-ninth session) the query-tile loop drops from 893 to 737 SASS
-# instructions (no SHFL, no shared-memory round trip; PaTH's is 542) and spills grow from 652 to 780 bytes a thread.
-# Untimed: off until path_tune.py's LOCAL row "sweep gate columns once a pair" times it on a GPU.
-GATE_COLUMNS_A_PAIR = False
 
 
 def launch_config(key_dim: int, chunk: int, dtype: torch.dtype = torch.bfloat16, value_dim: int = 0) -> dict[str, int]:
@@ -110,8 +97,7 @@ def sweep_pair(
     xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi, p_s, b_kh, b_v, b_dkh, b_dv, b_dg, first, bos, L, s, R, n_tiles,
     p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    USE_G: tl.constexpr, PRECISION: tl.constexpr, ADD_DX: tl.constexpr, PAIR_PRECISION: tl.constexpr,
-    PAIR_COLUMNS: tl.constexpr = False,
+    USE_G: tl.constexpr, PRECISION: tl.constexpr, PAIR_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (key tile, later superblock ``s``) pair of :func:`path_bwd_super_kv_kernel`: the key tile (rows ``p_m``,
     ``b_kh`` float32, ``b_v``) meets every query tile of ``s`` with ``Π_{n,s}`` read from ``p_pi`` (a ``[BK, BK]``
@@ -124,20 +110,12 @@ def sweep_pair(
     b_y = pair_dot(b_kh, tl.trans(tl.load(p_pi)), PAIR_PRECISION, do.dtype.element_ty)
     b_y = b_y.to(do.dtype.element_ty)
     b_dys = tl.zeros([BT, BK], dtype=tl.float32)
-    if PAIR_COLUMNS:  # the gates' column sums: dS summed over the pair's query tiles, reduced across warps once
-        b_cols = tl.zeros([BT, BT], dtype=tl.float32)
-    else:
-        b_cols = b_dg
     for i_c in range(s * R, tl.minimum(s * R + R, n_tiles)):
-        b_dy, b_dv, b_cols = key_chunk_grads(
-            xh, do, lse, delta, gcum, dgcum, dxh, b_y, b_v, b_dv, b_cols, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
-            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, ADD_DX, PAIR_COLUMNS,
+        b_dy, b_dv, b_dg = key_chunk_grads(
+            xh, do, lse, delta, gcum, dgcum, dxh, b_y, b_v, b_dv, b_dg, bos, L, i_c, p_m, i_h, scale, o_t, o_k, o_v,
+            o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, True, True,
         )  # fmt: skip
         b_dys += b_dy
-    if PAIR_COLUMNS:
-        b_dg -= tl.sum(b_cols, 0)[None, :]
-    else:
-        b_dg = b_cols
     b_dys *= scale
     b_dkh += pair_dot(b_dys, tl.load(p_pi), PAIR_PRECISION, do.dtype.element_ty)
     for cb in tl.static_range(BK // BC):
@@ -158,9 +136,8 @@ def path_bwd_super_kv_kernel(
     GROUPS, n0, WE, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, TPP: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, ADD_DX: tl.constexpr = True,
-    PAIR_PRECISION: tl.constexpr = "tf32x3", SUPERBLOCKS_OUTER: tl.constexpr = False,
-    PAIR_COLUMNS: tl.constexpr = False,
+    PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, PAIR_PRECISION: tl.constexpr = "tf32x3",
+    SUPERBLOCKS_OUTER: tl.constexpr = False,
 ):  # fmt: skip
     """``xh [*, HQ, K]`` (queries carried to their superblock's start, in ``do``'s dtype or float32), ``kh [*, H, K]``
     float32 (keys carried to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32,
@@ -169,11 +146,10 @@ def path_bwd_super_kv_kernel(
     float32 (each program group's share of ``E_{n,s}``, written; ``rows_pi``, of the same shape, holds the program's
     ``Π_{n,s}``). Grid ``(rows of this wave × GROUPS, N * H)``: program
     ``(r · GROUPS + u, ·)`` takes key superblock ``n0 + r``'s tiles ``u · TPP … u · TPP + TPP − 1`` (``R`` tiles a
-    superblock, ``NL`` superblocks in the longest sequence, ``NSB`` rows of ``sig`` a dense sequence). Without
-    ``ADD_DX`` it leaves ``dxh`` to :func:`path_bwd_super_q_kernel`. ``SUPERBLOCKS_OUTER``: the later superblocks in
-    the outer loop and the tiles inside (:data:`SWEEP_ORDER`), ``Π_{n,s}`` carried in one slot a program
-    (``rows_pi [N * H, programs of the wave, BK, BK]``) and the tiles' gradients added to ``dkh``, ``dv`` a pair at a
-    time."""
+    superblock, ``NL`` superblocks in the longest sequence, ``NSB`` rows of ``sig`` a dense sequence).
+    ``SUPERBLOCKS_OUTER``: the later superblocks in the outer loop and the tiles inside (:data:`SWEEP_ORDER`),
+    ``Π_{n,s}`` carried in one slot a program (``rows_pi [N * H, programs of the wave, BK, BK]``) and the tiles'
+    gradients added to ``dkh``, ``dv`` a pair at a time."""
     i_ru, i_nh = tl.program_id(0), tl.program_id(1)
     i_r, i_u = i_ru // GROUPS, i_ru % GROUPS
     n = n0 + i_r
@@ -200,13 +176,13 @@ def path_bwd_super_kv_kernel(
             p_s = p_e + (s - n - 1) * (BK * BK)
             for t in range(0, TPP):
                 i_m = n * R + i_u * TPP + t
-                p_m, b_kh, b_v, _, b_dkh, b_dv, b_dg = load_key_chunk(
+                p_m, b_kh, b_v, b_dkh, b_dv, b_dg = load_key_chunk(
                     kh, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
                 )
                 b_dkh, b_dv, b_dg = sweep_pair(
                     xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi, p_s, b_kh, b_v, b_dkh, b_dv, b_dg, t == 0, bos, L,
                     s, R, n_tiles, p_m, i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G,
-                    PRECISION, ADD_DX, PAIR_PRECISION, PAIR_COLUMNS,
+                    PRECISION, PAIR_PRECISION,
                 )  # fmt: skip
                 store_key_chunk_grads(
                     dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G
@@ -233,87 +209,19 @@ def path_bwd_super_kv_kernel(
         for t in range(0, TPP):
             # A later superblock exists, so key tile i_m is complete.
             i_m = n * R + i_u * TPP + t
-            p_m, b_kh, b_v, _, b_dkh, b_dv, b_dg = load_key_chunk(
+            p_m, b_kh, b_v, b_dkh, b_dv, b_dg = load_key_chunk(
                 kh, v, bos, i_m, i_h, o_t, o_k, o_v, m_k, m_v, H, K, V, BK, BV, BT, BG
             )
             for s in range(n + 1, n_sb):
                 b_dkh, b_dv, b_dg = sweep_pair(
                     xh, do, lse, delta, gcum, dgcum, dxh, kh, p_pi + (s - n - 1) * (BK * BK) + p_kk,
                     p_e + (s - n - 1) * (BK * BK), b_kh, b_v, b_dkh, b_dv, b_dg, t == 0, bos, L, s, R, n_tiles, p_m,
-                    i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, ADD_DX,
-                    PAIR_PRECISION, PAIR_COLUMNS,
+                    i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, PAIR_PRECISION,
                 )  # fmt: skip
             store_key_chunk_grads(
                 dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G
             )
             tl.debug_barrier()  # the next tile reads the E slots this one wrote
-
-
-@triton.jit
-def path_bwd_super_q_kernel(
-    xh, kh, v, sig, gcum, do, lse, delta, dxh, cu_seqlens, q_offsets, sb_offsets, T, NSB, R, N, scale,
-    HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, PRECISION: tl.constexpr,
-    CARRY_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """``dxh [*, HQ, K]`` float32 (written) of the pairs between superblocks, query-major: one program per (query tile
-    ``c`` of superblock ``s``, query head) walks the earlier superblocks ``n = s − 1, …, 0`` carrying the query,
-    ``u = q̂ Π_{n,s}`` (``u ← u Σ_nᵀ``), and ``Π_{n,s}ᵀ`` (``Πᵀ ← Σ_n Πᵀ``, ``K × K``): ``dq̂ = scale · Σ_n (Σ_{m ∈ n}
-    dS_m k̂_m) Π_{n,s}ᵀ``, with ``dS`` recomputed from ``u k̂ᵀ`` (16-bit operands for 16-bit inputs, as the key-major
-    sweep's logits) and no atomics. Inputs as :func:`path_bwd_super_kv_kernel`'s; ``q_offsets``: the first tile of
-    each packed sequence (``block_offsets``), the grid ``(tiles of the batch + N, HQ)`` (packed, the last programs
-    first) or ``(tiles of the longest sequence, N * HQ)``."""
-    if IS_VARLEN:
-        i_n, i_c = locate_block(q_offsets, tl.num_programs(0) - 1 - tl.program_id(0), N, LOG_N)
-        if i_n >= N:
-            return
-        i_hq = tl.program_id(1)
-    else:
-        i_c = tl.num_programs(0) - 1 - tl.program_id(0)
-        i_n, i_hq = tl.program_id(1) // HQ, tl.program_id(1) % HQ
-    i_h = i_hq // (HQ // H)
-    bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
-    s = i_c // R
-    if s == 0 or i_c * BT >= L:
-        return
-    sb0 = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN)
-    o_t = tl.arange(0, BT)
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_k, m_v = (o_k < K)[None, :], (o_v < V)[None, :]
-    p_kk = o_k[:, None] * BK + o_k[None, :]
-    o_i = i_c * BT + o_t
-    m_i = o_i < L
-    p_i = bos + o_i.to(tl.int64)
-    p_q = p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
-    b_u = tl.load(xh + p_q, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
-    b_do = tl.load(do + p_i[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
-    b_lse = tl.load(lse + p_i * HQ + i_hq, mask=m_i, other=0.0)
-    b_delta = tl.load(delta + p_i * HQ + i_hq, mask=m_i, other=0.0)
-    b_gq = tl.zeros([BT], dtype=tl.float32)
-    if USE_G:
-        b_gq = tl.load(gcum + p_i * HQ + i_hq, mask=m_i, other=0.0)
-    b_pit = tl.where((o_k[:, None] == o_k[None, :]) & m_k, 1.0, 0.0)  # Π_{s−1,s}ᵀ = I
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    for i_back in range(0, s):
-        n = s - 1 - i_back
-        b_u16 = b_u.to(do.dtype.element_ty)
-        b_g = tl.zeros([BT, BK], dtype=tl.float32)
-        for jj in range(0, R):  # superblock n lies before the query's: its tiles are complete
-            p_j = bos + ((n * R + jj) * BT + o_t).to(tl.int64)
-            b_k = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
-            b_k = b_k.to(do.dtype.element_ty)
-            b_v = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
-            b_s = tl.dot(b_u16, tl.trans(b_k), input_precision=PRECISION)
-            b_gk = tl.load(gcum + p_j * HQ + i_hq) if USE_G else b_gq  # unused without gates
-            b_p = tl.where(m_i[:, None], tl.exp2(base2_logits(b_s, scale, b_lse, b_gq, b_gk, USE_G)), 0.0)
-            b_ds = b_p * (tl.dot(b_do, tl.trans(b_v.to(b_do.dtype)), input_precision=PRECISION) - b_delta[:, None])
-            b_g += tl.dot(b_ds.to(b_do.dtype), b_k, input_precision=PRECISION)
-        b_dq += tl.dot(b_g, b_pit, input_precision=CARRY_PRECISION)
-        if n > 0:  # u ← u Σ_nᵀ, Πᵀ ← Σ_n Πᵀ
-            b_sig = tl.load(sig + ((sb0 + n) * H + i_h) * (BK * BK) + p_kk)
-            b_u = tl.dot(b_u, tl.trans(b_sig), input_precision=CARRY_PRECISION)
-            b_pit = tl.dot(b_sig, b_pit, input_precision=CARRY_PRECISION)
-    tl.store(dxh + p_q, b_dq * scale, mask=m_i[:, None] & m_k)
 
 
 @triton.jit
@@ -498,14 +406,13 @@ def path_bwd_super_fn(
     rows_e = torch.empty(max(e for _, _, e in plan) * slot // 4, **f32)
     rows_pi = torch.empty(max(n1 - n0 for n0, n1, _ in plan) * slot // 4, **f32) if outer else torch.empty_like(rows_e)
     shape = (cu_seqlens, sb_offsets, T, NSB, NL, tiles, groups)
-    pair_columns = GATE_COLUMNS_A_PAIR and gcum is not None and HQ == H
     for n0, n1, entries in plan:
         path_bwd_super_kv_kernel[((n1 - n0) * groups, N * H)](
             xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, *shape, n0, entries, scale,
             HQ=HQ, H=H,
             K=K, V=V, BK=BK, BV=BV, BT=BT, BG=triton.next_power_of_2(HQ // H), TPP=tpp, USE_G=gcum is not None,
-            IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, ADD_DX=DQ_BY_ATOMICS,
-            PAIR_PRECISION=pair, SUPERBLOCKS_OUTER=outer, PAIR_COLUMNS=pair_columns, **launch,
+            IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, PAIR_PRECISION=pair,
+            SUPERBLOCKS_OUTER=outer, **launch,
         )  # fmt: skip
         if NL < 3:  # no superblock lies between two others: Σ has no gradient here
             continue
@@ -515,11 +422,4 @@ def path_bwd_super_fn(
         path_bwd_super_sig_kernel[(NL, N * H)](
             dsig, rows_e, *shape, n0, n1, entries, H=H, BK=BK, BT=BT, IS_VARLEN=varlen, **launch
         )
-    if not DQ_BY_ATOMICS:
-        grid, q_offsets, _, log_n = launch_grid(cu_seqlens, B, T, HQ, BT)
-        path_bwd_super_q_kernel[grid](
-            xh, kh, v, sig, gcum, do, lse, delta, dxh, cu_seqlens, q_offsets, sb_offsets, T, NSB, tiles, N, scale,
-            HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=gcum is not None, IS_VARLEN=varlen, LOG_N=log_n,
-            PRECISION=precision, CARRY_PRECISION=carry, **launch,
-        )  # fmt: skip
     return dxh, dkh, dv, dsig, dgcum
