@@ -182,6 +182,9 @@ def delta_bwd_state_kernel(
         if not PREFETCH:
             b_a, b_w, b_f1, b_f2 = n_a, n_w, n_f1, n_f2
         if LOCAL:
+            # Slot i_c's local terms were just read (in the step) or a step ago (PREFETCH: and du's slot i_c − 1 now),
+            # by other threads than those that overwrite them: every load is performed before any store to them.
+            tl.debug_barrier()
             tl.store(dhs + p_dhs, b_dh, mask=m_kv)
         b_du, b_dh = bwd_state_step(b_a, b_w, b_dh, b_f1, b_f2, rows, cols, PRECISION, LOW, LOCAL)
         _, _, p_v, m_v = seq_tiles(row0, i_c, L, o_k, o_v, K, V, BT)
