@@ -68,15 +68,18 @@ class VLAAttention(TokenMixer):
         return self.o_proj(self.o_norm(o.flatten(2)))
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        o, (S, A, n) = vla_attention(
+        o, state = vla_attention(
             *self._qkvu(x),
             lam0=self.lam0,
             eps=self.eps,
             normalize_write=self.normalize_write,
-            output_final_state=True,
+            output_final_state=use_cache,  # training asks for no state: the kernels then skip the final A's inverse
             cu_seqlens=cu_seqlens,
             backend=self.backend,
         )
+        if not use_cache:
+            return self._out(o), {}, {}
+        S, A, n = state
         return self._out(o), {}, {"S": S, "A": A, "n": n}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:

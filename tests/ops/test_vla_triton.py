@@ -31,6 +31,7 @@ from tests.helpers import (
     full_size_ops_outside_kernels,
     launch_arguments,
     launch_counter,
+    recorded_launches,
     rel_rms,
 )
 from tests.ops.test_vla import make_inputs, make_state
@@ -1075,3 +1076,41 @@ def test_deltanet_baseline_triton_backend():
     expected = grads_of(fn("torch"), inputs, [S0.to(DEVICE)])
     for name, x, y in zip(["o", "S", "dq", "dk", "dv", "dbeta", "dS0"], actual, expected):
         assert_close(name, x, y, 1e-4)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_no_final_state_skips_the_final_inverse(monkeypatch, packed):
+    """``output_final_state=False`` (what training asks for): the Gram kernel skips the final ``A``'s sweep
+    (``WRITE_END`` false), and the output and every gradient are those of a call that asks for the state, bit for
+    bit."""
+    import attnkit.ops.vla.triton.gates as gates
+
+    offsets = [0, 5, 5, 37] if packed else None
+    B, T = (1, 37) if packed else (2, 29)
+    inputs = [x.float().to(DEVICE) for x in make_inputs(B, T, 2, 16, 16)]
+    kwargs = {} if offsets is None else dict(cu_seqlens=torch.tensor(offsets, device=DEVICE))
+    ends = recorded_launches(monkeypatch, gates, "gram_prefix_kernel", lambda grid, kw: kw["WRITE_END"])
+    results = []
+    for final in (True, False):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        o, state = vla_attention(*xs, output_final_state=final, backend="triton", **kwargs)
+        assert (state is None) == (not final)
+        gen = torch.Generator().manual_seed(0)
+        gs = torch.autograd.grad((o * torch.randn(o.shape, generator=gen).to(o)).sum(), xs)
+        results.append((o, *gs))
+    assert ends == [True, False]
+    for name, with_state, without in zip(("o", "dq", "dk", "dv", "du"), *results):
+        assert torch.equal(with_state, without), name
+    if packed:
+        return  # (packed, A0 has chunk slots no chunk fills: opcheck would compare their garbage)
+    # the operators' fake shapes (A_end empty without the final state) and autograd, both ways
+    from attnkit.ops.vla.parallel import vla_write_bwd_op, vla_write_fwd_op
+
+    k_hat = torch.nn.functional.normalize(inputs[1], dim=-1).contiguous()
+    for final in (True, False):
+        args = (k_hat, inputs[3], None, None, 0.1, 16, True, final)
+        torch.library.opcheck(vla_write_fwd_op, args)
+        alpha, a_end, a0, r, anorm = vla_write_fwd_op(*args)
+        assert a_end.shape == ((B, 2, 16, 16) if final else (0,))
+        bwd = (inputs[3], alpha, a0, r, anorm, a_end, torch.randn_like(alpha), None, None, 16, True)
+        torch.library.opcheck(vla_write_bwd_op, bwd)

@@ -79,9 +79,8 @@ def vla_attention(
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.vla.parallel import vla_triton
 
-        args = (lam0, eps, normalize_output, normalize_write, initial_state, cu_seqlens)
-        o, state = vla_triton(q, k, v, u, *args)
-        return o, (state if output_final_state else None)
+        args = (lam0, eps, normalize_output, normalize_write, initial_state, cu_seqlens, output_final_state)
+        return vla_triton(q, k, v, u, *args)
 
     def dense(q, k, v, u, state):
         return vla_chunk(q, k, v, u, lam0, eps, normalize_output, state, normalize_write=normalize_write)

@@ -147,24 +147,26 @@ def vla_write_fwd_op(
     lam0: float,
     chunk_size: int,
     normalize: bool,
+    final: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate stage in kernels alone: ``k_hat [B, T, H, K]`` float32, ``u [B, T, H, K]`` (any strides with
     adjacent channels, any float dtype), ``lam_init [N, H, K, K]`` (``A_init⁻¹``) or None (``lam0·I``) ->
-    ``(alpha, A_end, A0, R, ‖a‖)``; packed sequences in the same launches."""
+    ``(alpha, A_end, A0, R, ‖a‖)``; packed sequences in the same launches. Without ``final`` (the caller wants no
+    final state) ``A_end`` is empty and its inversion is not run."""
     k_hat = k_hat.contiguous()
     u = u if u.stride(-1) == 1 else u.contiguous()
     lam_init = None if lam_init is None else lam_init.contiguous()
-    return vla_write_fwd_fn(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, _precision(), normalize)
+    return vla_write_fwd_fn(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, _precision(), normalize, final)
 
 
 @vla_write_fwd_op.register_fake
-def _(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize):
+def _(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize, final=True):
     B, T, H, K = k_hat.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     NC = -(-T // chunk_size) + (0 if cu_seqlens is None else N)
     return (
         k_hat.new_empty(B, T, H, K),
-        k_hat.new_empty(N, H, K, K),
+        k_hat.new_empty(N, H, K, K) if final else k_hat.new_empty(0),
         k_hat.new_empty(B, H, NC, K, K),
         k_hat.new_empty(B, T, H, K),
         k_hat.new_empty(B, T, H),
@@ -196,11 +198,13 @@ def vla_write_bwd_op(
 
 @vla_write_bwd_op.register_fake
 def _(u, alpha, a0, r, anorm, a_end, dalpha, da_end, cu_seqlens, chunk_size, normalize):
-    return alpha.new_empty(alpha.shape), u.new_empty(u.shape), a_end.new_empty(a_end.shape)
+    B, _, H, K = u.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return alpha.new_empty(alpha.shape), u.new_empty(u.shape), alpha.new_empty(N, H, K, K)
 
 
 def _setup_write(ctx, inputs, output):
-    _, u, lam_init, cu_seqlens, _, chunk_size, normalize = inputs
+    _, u, lam_init, cu_seqlens, _, chunk_size, normalize, *_ = inputs
     ctx.has_init = lam_init is not None
     alpha, a_end, a0, r, anorm = output
     ctx.mark_non_differentiable(a0, r, anorm)
@@ -211,13 +215,13 @@ def _setup_write(ctx, inputs, output):
 
 def _write_backward(ctx, dalpha, da_end, *_):
     if dalpha is None and da_end is None:
-        return (None,) * 7
+        return (None,) * 8
     u, alpha, a0, r, anorm, a_end = ctx.saved_tensors
     dalpha = torch.zeros_like(alpha) if dalpha is None else dalpha
     dk_hat, du, dlam_init = vla_write_bwd_op(
         u, alpha, a0, r, anorm, a_end, dalpha, da_end, ctx.cu_seqlens, ctx.chunk_size, ctx.normalize
     )
-    return dk_hat, du, dlam_init if ctx.has_init else None, None, None, None, None
+    return dk_hat, du, dlam_init if ctx.has_init else None, None, None, None, None, None
 
 
 vla_write_fwd_op.register_autograd(_write_backward, setup_context=_setup_write)
@@ -232,6 +236,7 @@ def vla_gates_triton(
     chunk_size: int,
     normalize_write: bool = True,
     cu_seqlens: torch.Tensor | None = None,
+    final: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attnkit.ops.vla.torch_impl.vla_chunk_gates` through the kernels (same results, in the ``[B, T, H, K]``
     layout: ``k_hat`` float32, ``u`` any strides and float dtype; ``T`` need not fill whole chunks), ``cu_seqlens``:
@@ -247,7 +252,7 @@ def vla_gates_triton(
     lam_init = None
     if A_init is not None:
         lam_init = torch.linalg.inv_ex(0.5 * (A_init + A_init.transpose(-1, -2)).double())[0].float()
-    alpha, A_end, *_ = vla_write_fwd_op(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize_write)
+    alpha, A_end, *_ = vla_write_fwd_op(k_hat, u, lam_init, cu_seqlens, lam0, chunk_size, normalize_write, final)
     return alpha, A_end
 
 
@@ -378,10 +383,12 @@ def vla_triton(
     normalize_write: bool,
     initial_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     cu_seqlens: torch.Tensor | None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    final_state: bool = True,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """VLA through the kernels (inputs trusted, ``T > 0``; see ``vla_attention``): the gates, the ``S`` update and
     the normaliser, each one launch per kernel for a whole batch or all packed sequences (``cu_seqlens``, no host
-    sync). Returns ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)``, one per sequence."""
+    sync). Returns ``o [B, T, H, V]`` in ``v.dtype`` and the final ``(S, A, n)``, one per sequence, or None without
+    ``final_state`` (then the final ``A``'s inversion, ``K`` sweep steps a sequence and head, is not run)."""
     dtype = compute_dtype(q, k, v, u, *(initial_state or ()))
     B, T, H, K = k.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -392,9 +399,14 @@ def vla_triton(
     else:
         S0, A_init, n0 = initial_state
     k_hat = vla_unit_keys_op(k)[0]
-    alpha, A_end = vla_gates_triton(k_hat, u, lam0, A_init, gates_chunk_size(), normalize_write, cu_seqlens)
+    alpha, A_end = vla_gates_triton(
+        k_hat, u, lam0, A_init, gates_chunk_size(), normalize_write, cu_seqlens, final_state
+    )
     # 16-bit inputs: one TF32 pass per dot of the S update (its float32 operands carry 16-bit information).
     o, S_end = delta_parallel.delta_rule_triton(q, k_hat, v, alpha, S0, v.dtype.itemsize == 2, cu_seqlens)
     out, n_end = vla_normalize_triton(o, q, k, n0, eps, cu_seqlens)
+    out = out if normalize_output else o
+    if not final_state:
+        return out, None
     # The final states are [N, H, ·] (float64 when the caller's state is).
-    return (out if normalize_output else o), tuple(x.to(dtype) for x in (S_end, A_end, n_end))
+    return out, tuple(x.to(dtype) for x in (S_end, A_end, n_end))

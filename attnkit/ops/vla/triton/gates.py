@@ -95,12 +95,12 @@ def gram_prefix_kernel(
     u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, lam0, sub, sut, suh, sud,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, USE_INIT: tl.constexpr,
     PRECISION: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, WRITE_END: tl.constexpr = True,
 ):  # fmt: skip
     """The penalty at every chunk's start, ``lam [BH, NC, K, K]`` (``Λ_c = Λ_init + Σ_{chunks before c} UᵀU``), and
-    the final inverse penalty ``a_end [NH, K, K]`` (``Λ_end⁻¹`` by the sweep, symmetrised), float32, from
-    ``u [B, T, H, K]`` and ``lam_init [NH, K, K]`` (``lam0·I`` without ``USE_INIT``). Grid ``(NH,)``: one program
-    per sequence and head walks its chunks."""
+    with ``WRITE_END`` the final inverse penalty ``a_end [NH, K, K]`` (``Λ_end⁻¹`` by the sweep, symmetrised),
+    float32, from ``u [B, T, H, K]`` and ``lam_init [NH, K, K]`` (``lam0·I`` without ``USE_INIT``). Grid ``(NH,)``:
+    one program per sequence and head walks its chunks."""
     i_nh = tl.program_id(0)
     i_b, i_h, bos, L, c0 = seq_site(cu_seqlens, offsets, i_nh, H, T, IS_VARLEN)
     i_bh = i_b * H + i_h
@@ -113,8 +113,9 @@ def gram_prefix_kernel(
         tl.store(lam + (i_bh * NC + c0 + i_c) * K * K + p_kk, b_lam, mask=m_kk)
         b_u = row_tile(u, i_b, i_h, bos, i_c, L, sub, sut, suh, sud, o_k, K, BT)[0].to(tl.float32)
         b_lam += tl.dot(tl.trans(b_u), b_u, input_precision=PRECISION)
-    b_a = padded_inverse(b_lam, K, BK)
-    tl.store(a_end + p_state, 0.5 * (b_a + tl.trans(b_a)), mask=m_kk)
+    if WRITE_END:  # K sweep steps a program: only where the final state is asked for
+        b_a = padded_inverse(b_lam, K, BK)
+        tl.store(a_end + p_state, 0.5 * (b_a + tl.trans(b_a)), mask=m_kk)
 
 
 @triton.jit
@@ -444,21 +445,22 @@ def vla_write_fwd_fn(
     chunk_size: int,
     precision: str,
     normalize: bool = True,
+    final: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole gate stage: the chunks' penalties (:func:`gram_prefix_kernel`), then the write directions.
     ``k_hat [B, T, H, K]`` float32 contiguous, ``u [B, T, H, K]`` (any strides and float dtype), ``lam_init
     [N, H, K, K]`` (``A_init⁻¹``) or None for ``lam0·I`` -> ``(alpha [B, T, H, K], A_end [N, H, K, K], A0, R,
-    ‖a‖)``, float32."""
+    ‖a‖)``, float32; without ``final`` ``A_end`` is empty (``[0]``), its sweep not run."""
     B, T, H, K = k_hat.shape
     offsets, NC, varlen = chunk_layout(cu_seqlens, B, T, chunk_size)
     N = varlen["N"]
     lam = torch.empty(B, H, NC, K, K, dtype=torch.float32, device=u.device)
-    a_end = torch.empty(N, H, K, K, dtype=torch.float32, device=u.device)
+    a_end = torch.empty((N, H, K, K) if final else (0,), dtype=torch.float32, device=u.device)
     warps = launch_config(K)["num_warps"]
     gram_prefix_kernel[(N * H,)](
         u, lam_init, lam, a_end, cu_seqlens, offsets, T, NC, lam0, H=H, K=K, BK=block_dim(K), BT=chunk_size,
-        USE_INIT=lam_init is not None, PRECISION=precision, IS_VARLEN=cu_seqlens is not None, num_warps=warps,
-        **u_strides(u),
+        USE_INIT=lam_init is not None, PRECISION=precision, IS_VARLEN=cu_seqlens is not None, WRITE_END=final,
+        num_warps=warps, **u_strides(u),
     )  # fmt: skip
     alpha, a0, r, anorm = vla_gates_fwd_fn(
         k_hat, u, lam, chunk_size, precision, normalize=normalize, cu_seqlens=cu_seqlens, offsets=offsets
