@@ -28,10 +28,11 @@ from benchmarks.ops import environment  # noqa: E402
 SETTINGS = ("16,1024,4", "default", "16,8192,4", "4,8192,4", "4,8192,8", "4,16384,8", "2,8192,4", "1,8192,4")
 
 
-def apply(setting: str) -> tuple[int, int, int]:
-    """``(MAX_HEADS, TILE_ELEMENTS, NUM_WARPS)`` of ``setting`` ("default": the module's own)."""
+def apply(setting: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``(MAX_HEADS, TILE_ELEMENTS, NUM_WARPS)`` of ``setting`` ("default": ``default``, the module's own as
+    imported, whatever the settings before it set)."""
     if setting == "default":
-        return scan.MAX_HEADS, scan.TILE_ELEMENTS, scan.NUM_WARPS
+        return default
     heads, tile, warps = (int(part) for part in setting.split(","))
     return heads, tile, warps
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for reverse in (False, True):
                     want = reference_sums(x, cu, reverse)
                     for setting in args.settings:
-                        scan.MAX_HEADS, scan.TILE_ELEMENTS, scan.NUM_WARPS = apply(setting)
+                        scan.MAX_HEADS, scan.TILE_ELEMENTS, scan.NUM_WARPS = apply(setting, saved)
                         y = scan.segment_cumsum(x, cu, 1.0, reverse, torch.float32)
                         err = ((y.double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
                         us = None
