@@ -30,13 +30,14 @@ from tests.ops.test_vla_triton import DEVICE, bthd, delta_inputs, grads_of  # no
 NAMES = ("o", "S", "dq", "dk", "dv", "da", "dS0")
 
 
-def probe(packed: bool, prefetch: bool) -> list[dict]:
-    """One case's rows: per output, the two forms' repeat differences and their difference from each other."""
-    torch.manual_seed(0)
+def local_du_case(packed: bool):
+    """``(inputs, state, run)`` of ``test_state_pass_local_du``: dense in DeltaNet's form (``a = β k`` from ``beta``
+    near 2, queries scaled; an odd length, a partial last chunk, an initial state) or packed (generic ``a``; empty
+    sequences first and between, partial chunks, two value blocks), for :func:`tests.ops.test_vla_triton.grads_of`."""
     offsets = [0, 0, 7, 40, 40, 75] if packed else None
     B, H, T, K, V = (1, 2, 75, 16, 80) if packed else (2, 2, 53, 16, 32)
     inputs = delta_inputs(B, H, T, K, V)
-    if not packed:  # beta [B, H, T, 1] near 2
+    if not packed:  # the fourth input is beta [B, H, T, 1]
         inputs[3] = 1.9 + 0.1 * torch.rand(B, H, T, 1, device=DEVICE)
     state = [torch.randn(len(offsets) - 1 if packed else B, H, V, K, device=DEVICE)]
     cu = torch.tensor(offsets, device=DEVICE) if packed else None
@@ -49,6 +50,13 @@ def probe(packed: bool, prefetch: bool) -> list[dict]:
             o, S = delta_rule_triton(q, k, v, None, st[0], False, None, beta=a[..., 0], scale=0.25)
         return o.transpose(1, 2), (S,)
 
+    return inputs, state, run
+
+
+def probe(packed: bool, prefetch: bool) -> list[dict]:
+    """One case's rows: per output, the two forms' repeat differences and their difference from each other."""
+    torch.manual_seed(0)
+    inputs, state, run = local_du_case(packed)
     saved = (delta_fwd.STATE_PREFETCH, delta_fwd.STATE_BV, delta_bwd.LOCAL_DU)
     try:
         delta_fwd.STATE_PREFETCH = True if prefetch else "forward"

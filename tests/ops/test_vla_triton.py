@@ -582,26 +582,12 @@ def test_state_pass_local_du(monkeypatch, packed, prefetch):
     packed (generic ``a``; empty sequences first and between, partial chunks, two value blocks, a state-pass block
     narrower than the local kernel's)."""
     from attnkit.ops.common.triton import delta_bwd, delta_fwd
+    from benchmarks.delta_local_du_probe import local_du_case  # (it imports this module: here, not at the top)
 
-    offsets = [0, 0, 7, 40, 40, 75] if packed else None
-    B, H, T, K, V = (1, 2, 75, 16, 80) if packed else (2, 2, 53, 16, 32)
-    inputs = delta_inputs(B, H, T, K, V)
-    if not packed:  # the fourth input is beta [B, H, T, 1]
-        inputs[3] = 1.9 + 0.1 * torch.rand(B, H, T, 1, device=DEVICE)
-    state = [torch.randn(len(offsets) - 1 if packed else B, H, V, K, device=DEVICE)]
-    cu = torch.tensor(offsets, device=DEVICE) if packed else None
+    inputs, state, run = local_du_case(packed)
     monkeypatch.setattr(delta_fwd, "STATE_PREFETCH", True if prefetch else "forward")
     if packed:
         monkeypatch.setattr(delta_fwd, "STATE_BV", 16)
-
-    def run(q, k, v, a, st):
-        q, k, v, a = bthd(q, k, v, a)
-        if packed:
-            o, S = delta_rule_triton(q, k, v, a, st[0], False, cu)
-        else:
-            o, S = delta_rule_triton(q, k, v, None, st[0], False, None, beta=a[..., 0], scale=0.25)
-        return o.transpose(1, 2), (S,)
-
     monkeypatch.setattr(delta_bwd, "LOCAL_DU", False)
     computed = grads_of(run, inputs, state)
     launches = launch_counter(monkeypatch, delta_bwd, "delta_bwd_local_kernel")
