@@ -169,8 +169,8 @@ WANTED = {
                       "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel", "delta_bwd_sum_kernel"),
     "delta_state": ("delta_fwd_state_kernel", "delta_bwd_state_kernel", "delta_bwd_local_kernel"),
     "vla": ("unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
-            "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",
-            "normalize_dden_kernel", "normalize_bwd_kernel"),
+            "vla_gates_fwd_kernel", "vla_gates_bwd_g_kernel", "vla_gates_bwd_u_kernel", "normalize_prefix_kernel",
+            "normalize_fwd_kernel", "normalize_dden_kernel", "normalize_bwd_kernel"),
 }
 seen = set()
 for step in steps:
@@ -226,8 +226,8 @@ for step in steps:
         # delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT, STATE_PREFETCH; delta_bwd.LOCAL_DU
         ("delta_state", {"delta_fwd_state_kernel", "delta_bwd_state_kernel", "delta_bwd_local_kernel"}),
         ("vla", {"unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
-                 "vla_gates_fwd_kernel", "vla_gates_bwd_kernel", "normalize_prefix_kernel", "normalize_fwd_kernel",
-                 "normalize_dden_kernel", "normalize_bwd_kernel"}),
+                 "vla_gates_fwd_kernel", "vla_gates_bwd_g_kernel", "vla_gates_bwd_u_kernel",
+                 "normalize_prefix_kernel", "normalize_fwd_kernel", "normalize_dden_kernel", "normalize_bwd_kernel"}),
     ],
 )  # fmt: skip
 def test_untested_kernels_compile_for_the_gpu(group, kernels):
