@@ -68,7 +68,8 @@ def gate_sweep(B: int, T: int, H: int) -> list[dict]:
                 bwd = do_bench(lambda: vla_gates_bwd_fn(u, *saved, dalpha, 64, "tf32x3"))  # noqa: B023
             diff = max(((x - y).norm() / y.norm()).item() for x, y in zip(got, expected))
             rows.append({"K": K, "H": h, "bwd_columns": columns, "bwd_ms": bwd, "rel_diff": diff})
-            print(f"  gates K={K} H={h} backward in {columns}-column blocks: {bwd:.3f} ms ({diff:.1e})", flush=True)
+            blocks = "one program a chunk" if columns is None else f"{columns}-column blocks"
+            print(f"  gates K={K} H={h} backward in {blocks}: {bwd:.3f} ms ({diff:.1e})", flush=True)
     return rows
 
 
