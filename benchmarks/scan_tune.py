@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -23,18 +24,19 @@ if str(ROOT) not in sys.path:
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops.common.triton import scan  # noqa: E402
+from benchmarks.kernel_profile import applied  # noqa: E402
 from benchmarks.ops import environment  # noqa: E402
 
 SETTINGS = ("16,1024,4", "default", "16,8192,4", "4,8192,4", "4,8192,8", "4,16384,8", "2,8192,4", "1,8192,4")
 
 
-def apply(setting: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
-    """``(MAX_HEADS, TILE_ELEMENTS, NUM_WARPS)`` of ``setting`` ("default": ``default``, the module's own as
-    imported, whatever the settings before it set)."""
+def assignments(setting: str) -> list[str]:
+    """``setting`` as :func:`benchmarks.kernel_profile.applied`'s ``MODULE.NAME=VALUE`` list ("default": none, the
+    module's own tiling)."""
     if setting == "default":
-        return default
-    heads, tile, warps = (int(part) for part in setting.split(","))
-    return heads, tile, warps
+        return []
+    names = ("MAX_HEADS", "TILE_ELEMENTS", "NUM_WARPS")
+    return [f"{scan.__name__}.{name}={int(part)}" for name, part in zip(names, setting.split(","), strict=True)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,36 +47,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    saved = (scan.MAX_HEADS, scan.TILE_ELEMENTS, scan.NUM_WARPS)
     rows = []
-    try:
-        for shape in args.shapes:
-            B, T, HQ = (int(part) for part in shape.split(":"))
-            cases = [(B, T, None)]
-            if args.packed:
-                cut = torch.randperm(B * T - 1, generator=torch.Generator().manual_seed(0))[:7].add(1).sort().values
-                cases.append((1, B * T, torch.tensor([0, *cut.tolist(), B * T], device=args.device)))
-            for b, t, cu in cases:
-                x = torch.randn(b, t, HQ, device=args.device)
-                for reverse in (False, True):
-                    want = reference_sums(x, cu, reverse)
-                    for setting in args.settings:
-                        scan.MAX_HEADS, scan.TILE_ELEMENTS, scan.NUM_WARPS = apply(setting, saved)
-                        y = scan.segment_cumsum(x, cu, 1.0, reverse, torch.float32)
-                        err = ((y.double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
-                        us = None
-                        if args.device != "cpu":
-                            from triton.testing import do_bench
+    for shape in args.shapes:
+        B, T, HQ = (int(part) for part in shape.split(":"))
+        cases = [(B, T, None)]
+        if args.packed:
+            cut = torch.randperm(B * T - 1, generator=torch.Generator().manual_seed(0))[:7].add(1).sort().values
+            cases.append((1, B * T, torch.tensor([0, *cut.tolist(), B * T], device=args.device)))
+        for b, t, cu in cases:
+            x = torch.randn(b, t, HQ, device=args.device)
+            for reverse in (False, True):
+                want = reference_sums(x, cu, reverse)
 
-                            def call(x=x, cu=cu, reverse=reverse):
-                                return scan.segment_cumsum(x, cu, 1.0, reverse, torch.float32)
+                def call(x=x, cu=cu, reverse=reverse):
+                    return scan.segment_cumsum(x, cu, 1.0, reverse, torch.float32)
 
-                            us = 1e3 * do_bench(call)
+                for setting in args.settings:
+                    with applied(assignments(setting)):
+                        err = ((call().double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
+                        us = None if args.device == "cpu" else 1e3 * do_bench(call)
                         config = scan.launch_config(t, HQ)
-                        rows.append(dict(shape=f"{b}:{t}:{HQ}", packed=cu is not None, reverse=reverse,
-                                         setting=setting, **config, us=us, error=err))  # fmt: skip
-    finally:
-        scan.MAX_HEADS, scan.TILE_ELEMENTS, scan.NUM_WARPS = saved
+                    rows.append(dict(shape=f"{b}:{t}:{HQ}", packed=cu is not None, reverse=reverse, setting=setting,
+                                     **config, us=us, error=err))  # fmt: skip
     head = ("shape", "packed", "rev", "setting", "BH", "BT", "warps", "us", "error")
     print(" ".join(f"{name:>{w}}" for name, w in zip(head, (12, 6, 4, 10, 3, 5, 5, 8, 8))))
     for r in rows:
