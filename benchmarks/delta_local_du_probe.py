@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
 
 from attnkit.ops.common.delta_parallel import delta_rule_triton  # noqa: E402
 from attnkit.ops.common.triton import delta_bwd, delta_fwd  # noqa: E402
+from benchmarks.kernel_profile import applied  # noqa: E402
 from tests.ops.test_vla_triton import DEVICE, bthd, delta_inputs, grads_of  # noqa: E402
 
 NAMES = ("o", "S", "dq", "dk", "dv", "da", "dS0")
@@ -57,16 +58,12 @@ def probe(packed: bool, prefetch: bool) -> list[dict]:
     """One case's rows: per output, the two forms' repeat differences and their difference from each other."""
     torch.manual_seed(0)
     inputs, state, run = local_du_case(packed)
-    saved = (delta_fwd.STATE_PREFETCH, delta_fwd.STATE_BV, delta_bwd.LOCAL_DU)
-    try:
-        delta_fwd.STATE_PREFETCH = True if prefetch else "forward"
-        delta_fwd.STATE_BV = 16 if packed else None
-        runs = {}
-        for local in (False, True):
-            delta_bwd.LOCAL_DU = local
+    passes = [f"{delta_fwd.__name__}.STATE_PREFETCH={True if prefetch else 'forward'!r}",
+              f"{delta_fwd.__name__}.STATE_BV={16 if packed else None}"]  # fmt: skip
+    runs = {}
+    for local in (False, True):
+        with applied([*passes, f"{delta_bwd.__name__}.LOCAL_DU={local}"]):
             runs[local] = [grads_of(run, inputs, state) for _ in range(2)]
-    finally:
-        delta_fwd.STATE_PREFETCH, delta_fwd.STATE_BV, delta_bwd.LOCAL_DU = saved
 
     def rel(x, y):
         return ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
