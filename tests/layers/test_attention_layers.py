@@ -214,6 +214,36 @@ def test_gates_reach_the_ops_in_float32_under_autocast(monkeypatch, name):
     assert seen[0][:3] == [torch.bfloat16] * 3 and gates == [torch.float32] * len(gates), seen
 
 
+@pytest.mark.parametrize("name", ["path-gqa", "path-fox"])
+def test_path_low_rank_projection_stacked_with_the_gates(monkeypatch, name):
+    """PaTH's ``w_down`` runs in the gates' float32 product (one ``linear_fp32`` call on ``w_down``, ``beta_proj``
+    and, for PaTH-FoX, ``g_proj``) in the prefill and the decoding step alike, under bf16 autocast; and a layer whose
+    weights are bf16 runs without autocast (``r`` back in the input's dtype before ``w_up``), forward and backward."""
+    import attnkit.layers.path as path_layer
+
+    calls, fn = [], path_layer.linear_fp32
+
+    def spy(x, *layers):
+        outs = fn(x, *layers)
+        calls.append((layers, [o.dtype for o in outs]))
+        return outs
+
+    monkeypatch.setattr(path_layer, "linear_fp32", spy)
+    layer = make(name)
+    expected = (layer.w_down, layer.beta_proj) + ((layer.g_proj,) if name == "path-fox" else ())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, state = layer(torch.randn(2, 9, HIDDEN), use_cache=True)
+        layer(torch.randn(2, 1, HIDDEN), past_state=state, use_cache=True)
+    assert len(calls) == 2
+    for layers, dtypes in calls:
+        assert layers == expected and dtypes == [torch.float32] * len(expected)
+    half = make(name).to(torch.bfloat16).train()
+    x = torch.randn(2, 9, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = half(x)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and x.grad is not None and half.w_down.weight.grad is not None
+
+
 @pytest.mark.parametrize("biases", [(True, True), (False, True), (False, False)], ids=["both", "one", "none"])
 def test_stacked_gate_projections_equal_one_at_a_time(biases):
     """``linear_fp32`` with several layers (PaTH-FoX's ``beta`` and ``g`` projections in one product) gives each
