@@ -21,13 +21,6 @@ from tests.helpers import assert_close
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["one-pass", "two-pass"])
-def two_pass(request, monkeypatch):
-    """Every test with the backward in one kernel and in two (:data:`direction.TWO_PASS_BWD`)."""
-    monkeypatch.setattr(direction, "TWO_PASS_BWD", request.param)
-    return request.param
-
-
 def reference(u: torch.Tensor, weight: torch.Tensor, heads: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """The formula, sequence by sequence (empty ones left out) through ``F.conv1d`` left-padded by ``W − 1``, in
     ``u``'s dtype."""

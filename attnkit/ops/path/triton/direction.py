@@ -13,7 +13,11 @@ recomputes the forward: with ``s = silu(conv)``, ``m = max(‖s‖, ε)`` and ``
 
 the first sum over ``t + i`` in ``t``'s sequence: a program recomputes ``dconv`` at its rows shifted by each tap
 (``W²`` loads of ``u`` tiles, mostly cache hits) rather than storing it, and writes its share of ``dweight`` to its own
-slot of a ``[programs, C, W]`` buffer that one sum reduces (deterministic, no atomics). Packed sequences
+slot of a ``[programs, C, W]`` buffer that one sum reduces (deterministic, no atomics). Storing ``dconv`` once a
+position instead (a float32 ``[B, T, C]`` buffer, then ``du`` and ``dweight`` from its shifted tiles) was slower on an
+H100: 251 against 236 µs at ``[4, 4096, 1024]``, bf16 ``u`` (thirty-sixth session,
+``direction_ab_session36_h100.json``).
+Packed sequences
 (``cu_seqlens``, ``B == 1``) run in the same launches (:func:`~attnkit.ops.common.triton_seq.launch_grid`).
 """
 
@@ -28,11 +32,6 @@ from attnkit.ops.common.triton_utils import block_dim, interpreting
 from attnkit.ops.common.validation import check_cu_seqlens
 
 EPS = 1e-12  # F.normalize's
-# The backward in two passes (untimed, off): ``dconv`` computed once a position and stored (float32 ``[B, T, H·D]``),
-# then ``du`` and ``dweight`` from its shifted tiles, instead of one kernel recomputing ``dconv`` at every tap's shift
-# (``W`` convolutions, normalisations and reductions a block); an H100 profile of a PaTH training step had
-# ``direction_bwd_kernel`` at 226 µs on ``[4, 4096, 1024]``, about 5× what its bytes take (thirty-sixth session).
-TWO_PASS_BWD = False
 
 
 @triton.jit
@@ -74,58 +73,20 @@ def silu_normalize(b_c, eps):
 
 
 @triton.jit
-def block_site(cu_seqlens, offsets, N, T, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-               LOG_N: tl.constexpr, IS_VARLEN: tl.constexpr):  # fmt: skip
-    """A program's row ``i_b``, its sequence's first token ``bos`` and length ``L``, its positions ``o_t`` and its
-    head's channels ``o_c`` (mask ``m_d``) (:func:`~attnkit.ops.common.triton_seq.program_block`)."""
-    i_b, i_h, bos, L, i_blk = program_block(cu_seqlens, offsets, N, T, H, LOG_N, IS_VARLEN)
-    o_t = i_blk * BT + tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    return i_b, bos, L, o_t, i_h * D + o_d, o_d < D
-
-
-@triton.jit
 def direction_fwd_kernel(
     u, weight, w, cu_seqlens, offsets, N, T, s_b, s_t, s_c, eps,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
     LOG_N: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """``u [B, T, H·D]`` (strided), ``weight [H·D, W]`` -> ``w [B, T, H, D]`` float32. Grid :func:`launch_grid`."""
-    i_b, bos, L, o_t, o_c, m_d = block_site(cu_seqlens, offsets, N, T, H, D, BD, BT, LOG_N, IS_VARLEN)
+    i_b, i_h, bos, L, i_blk = program_block(cu_seqlens, offsets, N, T, H, LOG_N, IS_VARLEN)
+    o_t = i_blk * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_c = i_h * D + o_d
     b_c = conv_tile(u, weight, i_b, bos, o_t, L, o_c, m_d, s_b, s_t, s_c, W, BT, BD)
     b_w, _, _, _ = silu_normalize(b_c, eps)
     tl.store(w + token_offsets(i_b, bos, o_t, T, o_c, H * D), b_w, mask=(o_t < L)[:, None] & m_d[None, :])
-
-
-@triton.jit
-def dconv_tile(
-    u, weight, dw, i_b, bos, o_r, L, T, o_c, m_d, s_b, s_t, s_c, eps,
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    """``dconv`` at positions ``o_r`` (float32 ``[BT, BD]``, zero outside ``[0, L)``) from ``dw [B, T, H, D]`` and the
-    recomputed forward (module docstring)."""
-    b_c = conv_tile(u, weight, i_b, bos, o_r, L, o_c, m_d, s_b, s_t, s_c, W, BT, BD)
-    b_w, b_sig, b_n, b_m = silu_normalize(b_c, eps)
-    m_r = (o_r < L)[:, None] & m_d[None, :]
-    b_dw = tl.load(dw + token_offsets(i_b, bos, o_r, T, o_c, H * D), mask=m_r, other=0.0)
-    b_proj = tl.where(b_n > eps, tl.sum(b_w * b_dw, 1), 0.0)
-    b_ds = (b_dw - b_w * b_proj[:, None]) / b_m[:, None]
-    return b_ds * b_sig * (1.0 + b_c * (1.0 - b_sig))
-
-
-@triton.jit
-def store_input_grads(
-    u, du, dweight, b_du, b_dc, i_b, bos, o_t, L, T, o_c, m_d, s_b, s_t, s_c,
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-):  # fmt: skip
-    """Stores a program's ``du`` tile and, in its slot of ``dweight``, ``Σ_t dconv[t] · u[t − i]`` over its positions
-    for every tap ``i`` (``b_dc``: ``dconv`` at its own positions)."""
-    slot = i_b * tl.num_programs(0) + tl.program_id(0)
-    for i in tl.static_range(W):
-        b_u = shifted_u(u, i_b, bos, o_t, i, L, o_c, m_d, s_b, s_t, s_c)
-        tl.store(dweight + (slot * H * D + o_c) * W + (W - 1 - i), tl.sum(b_dc * b_u, 0), mask=m_d)
-    m_t = (o_t < L)[:, None] & m_d[None, :]
-    tl.store(du + token_offsets(i_b, bos, o_t, T, o_c, H * D), b_du.to(du.dtype.element_ty), mask=m_t)
 
 
 @triton.jit
@@ -136,54 +97,33 @@ def direction_bwd_kernel(
 ):  # fmt: skip
     """``dw [B, T, H, D]`` float32 -> ``du [B, T, H·D]`` (contiguous, ``du``'s dtype) and this program's share of
     ``dweight`` in its slot of ``dweight [programs, H·D, W]`` float32. Grid :func:`launch_grid`."""
-    i_b, bos, L, o_t, o_c, m_d = block_site(cu_seqlens, offsets, N, T, H, D, BD, BT, LOG_N, IS_VARLEN)
+    i_b, i_h, bos, L, i_blk = program_block(cu_seqlens, offsets, N, T, H, LOG_N, IS_VARLEN)
+    o_t = i_blk * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_c = i_h * D + o_d
+    m_t = o_t < L
     b_du = tl.zeros([BT, BD], dtype=tl.float32)
-    b_own = tl.zeros([BT, BD], dtype=tl.float32)
     for j in tl.static_range(W):
         # dconv at the positions j after this block's: tap j of those tokens reads this block's u
-        b_dc = dconv_tile(u, weight, dw, i_b, bos, o_t + j, L, T, o_c, m_d, s_b, s_t, s_c, eps, H, D, W, BT, BD)
+        o_r = o_t + j
+        m_r = (o_r < L)[:, None] & m_d[None, :]
+        b_c = conv_tile(u, weight, i_b, bos, o_r, L, o_c, m_d, s_b, s_t, s_c, W, BT, BD)
+        b_w, b_sig, b_n, b_m = silu_normalize(b_c, eps)
+        b_dw = tl.load(dw + token_offsets(i_b, bos, o_r, T, o_c, H * D), mask=m_r, other=0.0)
+        b_proj = tl.where(b_n > eps, tl.sum(b_w * b_dw, 1), 0.0)
+        b_ds = (b_dw - b_w * b_proj[:, None]) / b_m[:, None]
+        b_dc = b_ds * b_sig * (1.0 + b_c * (1.0 - b_sig))
         b_k = tl.load(weight + o_c * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
         b_du += b_dc * b_k[None, :]
         if j == 0:
-            b_own = b_dc
-    store_input_grads(u, du, dweight, b_du, b_own, i_b, bos, o_t, L, T, o_c, m_d, s_b, s_t, s_c, H, D, W)
-
-
-@triton.jit
-def direction_bwd_conv_kernel(
-    u, weight, dw, dconv, cu_seqlens, offsets, N, T, s_b, s_t, s_c, eps,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    LOG_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-):  # fmt: skip
-    """:data:`TWO_PASS_BWD`'s first pass: ``dconv [B, T, H·D]`` float32 (contiguous) at this program's positions, from
-    ``dw [B, T, H, D]`` and the recomputed forward, each position once. Grid :func:`launch_grid`."""
-    i_b, bos, L, o_t, o_c, m_d = block_site(cu_seqlens, offsets, N, T, H, D, BD, BT, LOG_N, IS_VARLEN)
-    b_dc = dconv_tile(u, weight, dw, i_b, bos, o_t, L, T, o_c, m_d, s_b, s_t, s_c, eps, H, D, W, BT, BD)
-    p_t = token_offsets(i_b, bos, o_t, T, o_c, H * D)
-    tl.store(dconv + p_t, b_dc, mask=(o_t < L)[:, None] & m_d[None, :])
-
-
-@triton.jit
-def direction_bwd_taps_kernel(
-    u, weight, dconv, du, dweight, cu_seqlens, offsets, N, T, s_b, s_t, s_c,
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    LOG_N: tl.constexpr, IS_VARLEN: tl.constexpr,
-):  # fmt: skip
-    """:data:`TWO_PASS_BWD`'s second pass: ``du[t] = Σ_j dconv[t + j] · weight[:, W − 1 − j]`` (``t + j`` inside the
-    sequence) and this program's share of ``dweight`` in its slot, as :func:`direction_bwd_kernel` writes them.
-    Grid :func:`launch_grid`."""
-    i_b, bos, L, o_t, o_c, m_d = block_site(cu_seqlens, offsets, N, T, H, D, BD, BT, LOG_N, IS_VARLEN)
-    b_du = tl.zeros([BT, BD], dtype=tl.float32)
-    b_own = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in tl.static_range(W):
-        o_r = o_t + j
-        b_r = tl.load(dconv + token_offsets(i_b, bos, o_r, T, o_c, H * D), mask=(o_r < L)[:, None] & m_d[None, :],
-                      other=0.0)  # fmt: skip
-        b_k = tl.load(weight + o_c * W + (W - 1 - j), mask=m_d, other=0.0).to(tl.float32)
-        b_du += b_r * b_k[None, :]
-        if j == 0:
-            b_own = b_r
-    store_input_grads(u, du, dweight, b_du, b_own, i_b, bos, o_t, L, T, o_c, m_d, s_b, s_t, s_c, H, D, W)
+            slot = i_b * tl.num_programs(0) + tl.program_id(0)
+            for i in tl.static_range(W):
+                b_u = shifted_u(u, i_b, bos, o_t, i, L, o_c, m_d, s_b, s_t, s_c)
+                tl.store(dweight + (slot * H * D + o_c) * W + (W - 1 - i), tl.sum(b_dc * b_u, 0), mask=m_d)
+    tl.store(
+        du + token_offsets(i_b, bos, o_t, T, o_c, H * D), b_du.to(du.dtype.element_ty), mask=m_t[:, None] & m_d[None, :]
+    )
 
 
 def block_tokens(head_dim: int) -> int:
@@ -226,12 +166,7 @@ def path_direction_bwd_fn(
         return du, torch.zeros(weight.shape, dtype=torch.float32, device=u.device)
     grid, common, args = _launch(u, weight, cu_seqlens, heads)
     partial = torch.empty(grid[0] * grid[1] // heads, C, weight.shape[1], dtype=torch.float32, device=u.device)
-    if TWO_PASS_BWD:
-        dconv = torch.empty(B, T, C, dtype=torch.float32, device=u.device)
-        direction_bwd_conv_kernel[grid](u, weight, dw, dconv, *common, **args)
-        direction_bwd_taps_kernel[grid](u, weight, dconv, du, partial, *common[:-1], **args)
-    else:
-        direction_bwd_kernel[grid](u, weight, dw, du, partial, *common, **args)
+    direction_bwd_kernel[grid](u, weight, dw, du, partial, *common, **args)
     return du, partial.sum(0)
 
 
