@@ -2,7 +2,7 @@
 gradients against the float64 PyTorch backend on the same rounded inputs, one run per setting.
 
     python benchmarks/delta_accuracy.py [--seq-lens 4096 32768] [--head-dims 64 128] [--out DIR] [--name NAME]
-        [--settings "" "attnkit.ops.common.triton.delta_bwd.WY_16BIT=True" ...]
+        [--settings "" "attnkit.ops.common.triton.delta_bwd.WY_WARPS=4" ...]
 
 Inputs as a DeltaNet layer hands them under bf16 autocast: ``q``, ``v`` normal, unit keys (bf16, or ``--dtype``: under
 ``TRITON_INTERPRET=1`` bf16 products are wrong), ``beta`` float32

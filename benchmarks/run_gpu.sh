@@ -151,7 +151,7 @@ for step in $steps; do
                 > "$OUT/prepare.log" 2>&1 ;;
         deltastate)  # issue 17: the delta rule's state passes (delta_fwd.STATE_BV, STATE_STAGES, STATE_16BIT,
             # STATE_PREFETCH; delta_bwd.LOCAL_DU), prepare kernel (delta_fwd.PREPARE_16BIT_Z) and WY-form backward
-            # (delta_bwd.WY_16BIT, WY_WARPS, WY_MAXNREG) kernel by kernel,
+            # (delta_bwd.WY_WARPS, WY_MAXNREG) kernel by kernel,
             # DeltaNet at D = 64: at T = 32k, B = 1 (16
             # sequence-head programs) with FLA's chunk_delta_rule beside the default (16-column blocks there, the
             # forward's tiles read a chunk ahead, the backward's triu(A Qᵀ) dO in its own chunk-parallel kernel), the

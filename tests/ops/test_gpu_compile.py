@@ -61,10 +61,10 @@ def delta_strided(K, V, dtype, deltanet):
     o, _, saved = delta_fwd.delta_fwd_fn(q, k, v, a, None, 64, "tf32", None, beta, K**-0.5)
     delta_bwd_fn(q, k, v, a, saved, torch.randn_like(o), None, 64, "tf32", None, beta, K**-0.5)
 
-def delta_wy(K, V, low, warps):
-    # the WY-form kernel's 16-bit operands (delta_bwd.WY_16BIT) and warps (WY_WARPS), DeltaNet's beta form
+def delta_wy(K, V, warps):
+    # the WY-form kernel's warps (delta_bwd.WY_WARPS), DeltaNet's beta form
     from attnkit.ops.common.triton import delta_bwd
-    delta_bwd.WY_16BIT, delta_bwd.WY_WARPS = low, warps
+    delta_bwd.WY_WARPS = warps
     delta_strided(K, V, torch.bfloat16, True)
 
 def delta_state(K, V, bv, stages, low=False, prefetch=False, local=False):
@@ -137,8 +137,7 @@ steps = {
     "path_float32_wide": [functools.partial(path_float32, K, V) for K, V in ((64, 128), (128, 128))],
     "fox_float32": [functools.partial(fox_float32, K) for K in (64, 128, 256)],
     "delta_bwd": [functools.partial(delta_bwd, K, V) for K, V in ((64, 64), (128, 128))] +
-                 [functools.partial(delta_wy, K, K, low, warps) for K, low, warps in
-                  ((64, True, None), (64, False, 4), (64, True, 4), (128, True, None))],
+                 [functools.partial(delta_wy, K, K, warps) for K, warps in ((64, 4),)],
     "delta_strided": [functools.partial(delta_strided, K, V, d, n) for K, V, d, n in
                       ((64, 64, torch.bfloat16, True), (128, 128, torch.bfloat16, True), (64, 64, torch.float32, False),
                        (128, 128, torch.float16, False))],
@@ -218,7 +217,7 @@ for step in steps:
         # FoX's float32 option, 3xTF32 (forward.FLOAT32_PRECISION): on the tensor cores and within shared memory at
         # K = 64 and 256, exact at 128 (3xTF32 there wanted 262-328 KB)
         ("fox_float32", {"fox_fwd_kernel", "fox_bwd_dkdv_kernel", "fox_bwd_dq_kernel"}),
-        # and the WY-form kernel's delta_bwd.WY_16BIT and WY_WARPS
+        # and the WY-form kernel's delta_bwd.WY_WARPS
         ("delta_bwd", {"delta_bwd_read_kernel", "delta_bwd_wy_kernel"}),
         ("delta_strided", {"delta_prepare_kernel", "delta_fwd_state_kernel", "delta_fwd_output_kernel",
                            "delta_bwd_state_kernel", "delta_bwd_read_kernel", "delta_bwd_wy_kernel",

@@ -665,50 +665,6 @@ def test_state_passes_on_16bit_operands(monkeypatch, with_state):
     assert all(torch.equal(x, y) for x, y in zip(grads_of(delta_triton_fn, inputs, state), floats))
 
 
-@pytest.mark.parametrize("deltanet", [False, True], ids=["generic", "deltanet-beta-near-2"])
-def test_wy_products_on_16bit_operands(monkeypatch, deltanet):
-    """``delta_bwd.WY_16BIT``: with float16 inputs the WY-form backward kernel multiplies float16 operands (``dU``, the
-    chunk states, ``T`` and its own ``dW``, ``dT``, ``dZ`` rounded for each product): the gradients over three chunks
-    and a partial fourth (two value blocks in the generic form) within the 16-bit bars of the float32 PyTorch rule on
-    the same rounded inputs, and not the float32-operand launch's (the rounding is there); the output and final state
-    untouched; float32 inputs keep float32 operands."""
-    from attnkit.ops.common.triton import delta_bwd
-
-    B, H, T, K, V = (1, 2, 110, 16, 32) if deltanet else (1, 2, 110, 32, 80)
-    q, k, v, a = delta_inputs(B, H, T, K, V)
-    beta = 1.9 + 0.1 * torch.rand(B, H, T, device=DEVICE)
-    state = [torch.randn(B, H, V, K, device=DEVICE)]
-
-    def run(q, k, v, a, st):
-        q, k, v, a = bthd(q, k, v, a)
-        if deltanet:  # a is beta [B, H, T, 1] here
-            o, S = delta_rule_triton(q, k, v, None, st[0], False, None, beta=a[..., 0], scale=0.25)
-        else:
-            o, S = delta_rule_triton(q, k, v, a, st[0], False, None)
-        return o.transpose(1, 2), (S,)
-
-    def reference(q, k, v, a, st):
-        if deltanet:
-            q, a = q * 0.25, k * a
-        o, S = chunk_generalized_delta_rule(q, k, v, a, st[0], 16)
-        return o, (S,)
-
-    fourth = beta[..., None] if deltanet else a
-    half = [x.half() for x in (q, k, v)] + [fourth if deltanet else fourth.half()]
-    floats = [q, k, v, fourth]
-    wide, wide_floats = grads_of(run, half, state), grads_of(run, floats, state)
-    monkeypatch.setattr(delta_bwd, "WY_16BIT", True)
-    narrow = grads_of(run, half, state)
-    expected = grads_of(reference, [x.float() for x in half], state)
-    names = ["o", "S", "dq", "dk", "dv", "da", "dS0"]
-    for name, x, y in zip(names, narrow, expected):
-        assert_close(name, x.float(), y, 5e-3 if name in ("o", "S") else 1e-2)
-    assert torch.equal(narrow[0], wide[0]) and torch.equal(narrow[1], wide[1])  # the forward is not this kernel's
-    assert not torch.equal(narrow[3], wide[3]) and not torch.equal(narrow[4], wide[4])  # dk, dv: rounded operands
-    assert torch.equal(narrow[2], wide[2])  # dq comes from the read kernel
-    assert all(torch.equal(x, y) for x, y in zip(grads_of(run, floats, state), wide_floats))
-
-
 def gate_inputs(B, H, NC, K, lam0, seed=0):
     gen = torch.Generator().manual_seed(seed)
     C = gates_chunk_size()

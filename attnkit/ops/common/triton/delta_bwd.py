@@ -30,7 +30,6 @@ from attnkit.ops.common.triton.delta_fwd import (
     few_state_programs,
     launch_config,
     launch_dims,
-    low_name,
     operand,
     query_chunk,
     register_cap,
@@ -60,16 +59,10 @@ from attnkit.ops.common.triton.delta_fwd import (
 LOCAL_DU: bool | None = None
 # The WY-form kernel (delta_bwd_wy_kernel) loads each tile where its first product needs it and takes Tᵀ once: compiled
 # for sm_90a (Triton 3.6, DeltaNet, bf16, thirty-third session) its shared memory went from 144 to 80 KB at K = 64
-# (eight warps, 208 -> 219 registers, no spills) and from 208 to 128 KB at K = 128, the same products. Three settings,
+# (eight warps, 208 -> 219 registers, no spills) and from 208 to 128 KB at K = 128, the same products. Two settings,
 # off and untimed (`run_gpu.sh deltastate` times them): WY_WARPS, its warps (None: launch_config's wide rule, eight
 # from K = 64; four at K = 64 compile to 201 registers and no spills, so two programs share an SM where one did);
-# WY_MAXNREG, a cap on its registers a thread (eight warps capped at 128: 268 bytes of spills, two programs an SM);
-# WY_16BIT, its products on operands rounded to the inputs' 16-bit dtype (dU, the chunk states, T and the
-# intermediate dW, dT, dZ; k and v are exact in it), float32 sums, as FLA's WY backward takes them: 32 KB of shared
-# memory and 1552 instructions against 2248 at K = 64. In float16 its errors stay within the bars (its test); in
-# bf16 they would not: emulated under the interpreter (bf16-rounded operands, exact sums; K = 32, T = 200) dk and da
-# (dbeta for DeltaNet) came 1.0-2.0e-2 from the float64 rule against 3-8e-4 with float16 operands (bar 1e-2).
-WY_16BIT = False
+# WY_MAXNREG, a cap on its registers a thread (eight warps capped at 128: 268 bytes of spills, two programs an SM).
 WY_WARPS: int | None = None
 WY_MAXNREG: int | None = None
 
@@ -283,14 +276,12 @@ def delta_bwd_wy_kernel(
     skb, skt, skh, skd, sab, sat, sah, sad, sbeb, sbet, sbeh, svb, svt, svh, svd,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PRECISION: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    LOW: tl.constexpr = "",
 ):  # fmt: skip
     """The gradients through the WY representation: with ``dW = −dU hᵀ`` and ``T`` from the forward,
     ``dV = Tᵀ dU`` (``[B, T, H, V]``, its dtype) and ``dK = Tᵀ dW + dZ A`` and the ``dZᵀ K`` share of ``dA``
     (``dZ`` is linear in ``dT = dW Kᵀ + dU Vᵀ``). Grid ``(chunk slots, BH, NV)``. ``ONE_BLOCK``: ``dA`` adds the
     read kernel's share from ``da_read`` (float32, written by the launch before) and the kernel writes the finished
-    gradients (:func:`write_grads`); else ``dk`` and ``da`` take float32 shares ``[NV, BH, T, K]``. ``LOW``
-    (:data:`WY_16BIT`): every product on operands rounded to that 16-bit dtype, float32 sums."""
+    gradients (:func:`write_grads`); else ``dk`` and ``da`` take float32 shares ``[NV, BH, T, K]``."""
     i_p, i_v = tl.program_id(0), tl.program_id(2)
     i_b, i_h, bos, L, i_c = chunk_site(cu_seqlens, offsets, i_p, tl.program_id(1), T, N, H, IS_VARLEN, LOG_N)
     i_bh = i_b * H + i_h
@@ -303,24 +294,23 @@ def delta_bwd_wy_kernel(
     cols = tl.arange(0, BT)[None, :]
     # Each tile loaded where its first product needs it and dropped after its last (the registers of one program).
     b_du = tl.load(du + p_v, mask=m_v, other=0.0)
-    b_dw = -tl.dot(operand(b_du, LOW), operand(tl.trans(tl.load(hs + p_hs, mask=m_kv, other=0.0)), LOW),
-                   input_precision=PRECISION)  # fmt: skip
+    b_dw = -tl.dot(b_du, tl.trans(tl.load(hs + p_hs, mask=m_kv, other=0.0)), input_precision=PRECISION)
     p_t, m_t, _, _ = seq_tiles(row0, i_c, L, tl.arange(0, BT), tl.arange(0, BT), BT, BT, BT)
-    b_tt = operand(tl.trans(tl.load(tm + p_t, mask=m_t, other=0.0)), LOW)  # Tᵀ, the left operand of four products
-    b_dv = tl.dot(b_tt, operand(b_du, LOW), input_precision=PRECISION)
+    b_tt = tl.trans(tl.load(tm + p_t, mask=m_t, other=0.0))  # Tᵀ, the left operand of four products
+    b_dv = tl.dot(b_tt, b_du, input_precision=PRECISION)
     p_dv, m_dv = dense_rows(i_b, i_h, bos, i_c, L, T, H, o_v, V, BT)
     tl.store(dv + p_dv, b_dv.to(dv.dtype.element_ty), mask=m_dv)
     b_v = row_tile(v, i_b, i_h, bos, i_c, L, svb, svt, svh, svd, o_v, V, BT)[0]
-    b_dt = tl.dot(operand(b_du, LOW), operand(tl.trans(b_v.to(tl.float32)), LOW), input_precision=PRECISION)
+    b_dt = tl.dot(b_du, tl.trans(b_v.to(tl.float32)), input_precision=PRECISION)
     b_k = row_tile(k, i_b, i_h, bos, i_c, L, skb, skt, skh, skd, o_k, K, BT)[0].to(tl.float32)
-    b_dt += tl.dot(operand(b_dw, LOW), operand(tl.trans(b_k), LOW), input_precision=PRECISION)
-    b_dk = tl.dot(b_tt, operand(b_dw, LOW), input_precision=PRECISION)
-    b_dz = tl.dot(b_tt, operand(b_dt, LOW), input_precision=PRECISION)
-    b_dz = -tl.dot(operand(b_dz, LOW), b_tt, input_precision=PRECISION)
+    b_dt += tl.dot(b_dw, tl.trans(b_k), input_precision=PRECISION)
+    b_dk = tl.dot(b_tt, b_dw, input_precision=PRECISION)
+    b_dz = tl.dot(b_tt, b_dt, input_precision=PRECISION)
+    b_dz = -tl.dot(b_dz, b_tt, input_precision=PRECISION)
     b_dz = tl.where(rows > cols, b_dz, 0.0)
     b_a = write_rows(a, beta, i_b, i_h, bos, i_c, L, sab, sat, sah, sad, sbeb, sbet, sbeh, o_k, K, BT)
-    b_dk += tl.dot(operand(b_dz, LOW), operand(b_a, LOW), input_precision=PRECISION)
-    b_da = tl.dot(operand(tl.trans(b_dz), LOW), operand(b_k, LOW), input_precision=PRECISION)
+    b_dk += tl.dot(b_dz, b_a, input_precision=PRECISION)
+    b_da = tl.dot(tl.trans(b_dz), b_k, input_precision=PRECISION)
     p_part = i_v.to(tl.int64) * tl.num_programs(1) * T * K + p_k
     if ONE_BLOCK:
         b_da += tl.load(da_read + p_part, mask=m_k, other=0.0)
@@ -411,7 +401,6 @@ def delta_bwd_fn(
     grid = (NC, B * H, NV)
     hs, u_new = saved["hs"], saved["u_new"]
     wy = dims | launch_config(K, wide=True)
-    wy["LOW"] = low_name(k.dtype) if WY_16BIT else ""
     if WY_WARPS is not None:
         wy["num_warps"] = WY_WARPS
     wy |= register_cap(WY_MAXNREG)
