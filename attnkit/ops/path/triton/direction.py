@@ -127,19 +127,30 @@ def direction_bwd_kernel(
 
 
 def block_tokens(head_dim: int) -> int:
-    """Positions a program: ``[BT, BD]`` tiles of about 2048 floats on a GPU (8 a thread with 8 warps; the backward
-    holds several, and larger tiles spilled: 4–7× slower on the H200 at ``BT = 128, D = 64`` with 4 warps); 16
+    """Positions a forward program: ``[BT, BD]`` tiles of about 2048 floats on a GPU (8 a thread with 8 warps); 16
     under the interpreter, so that the tests' short sequences cross blocks."""
     return 16 if interpreting() else max(16, min(128, 2048 // block_dim(head_dim)))
 
 
-def _launch(u: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None, heads: int):
+def backward_tiles(head_dim: int) -> tuple[int, int]:
+    """``(positions, warps)`` of a backward program: tiles of about 512 floats a warp, 8 positions at least (16 under
+    the interpreter). Its reductions along the rows then stay inside a warp: at ``[4, 4096, 1024]``, ``D = 64`` on an
+    H100 the backward took 130 µs with 8 positions on one warp, 146 with 16 on two, 215 with 16 on four, 236–251 with
+    32–128 positions on four or eight warps, the earlier 32 on eight (``direction_tune_session36_h100.json``; the
+    forward 40–44 µs in every one). ``D = 128`` (two warps) is the same rule, untimed."""
+    if interpreting():
+        return 16, 1
+    positions = max(8, 512 // block_dim(head_dim))
+    return positions, max(1, positions * block_dim(head_dim) // 512)
+
+
+def _launch(u: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None, heads: int, backward: bool = False):
     B, T, C = u.shape
     D = C // heads
-    BT = block_tokens(D)
+    BT, warps = backward_tiles(D) if backward else (block_tokens(D), 8)
     grid, offsets, N, LOG_N = launch_grid(cu_seqlens, B, T, heads, BT)
     args = dict(H=heads, D=D, BD=block_dim(D), W=weight.shape[1], BT=BT, LOG_N=LOG_N, IS_VARLEN=cu_seqlens is not None)
-    args["num_warps"] = 8
+    args["num_warps"] = warps
     return grid, (cu_seqlens, offsets, N, T, *u.stride(), EPS), args
 
 
@@ -164,7 +175,7 @@ def path_direction_bwd_fn(
     du = torch.empty(B, T, C, dtype=u.dtype, device=u.device)
     if du.numel() == 0:
         return du, torch.zeros(weight.shape, dtype=torch.float32, device=u.device)
-    grid, common, args = _launch(u, weight, cu_seqlens, heads)
+    grid, common, args = _launch(u, weight, cu_seqlens, heads, backward=True)
     partial = torch.empty(grid[0] * grid[1] // heads, C, weight.shape[1], dtype=torch.float32, device=u.device)
     direction_bwd_kernel[grid](u, weight, dw, du, partial, *common, **args)
     return du, partial.sum(0)
