@@ -576,11 +576,13 @@ def test_state_passes_prefetch(monkeypatch, packed):
 def test_state_pass_local_du(monkeypatch, packed, prefetch):
     """``delta_bwd.LOCAL_DU``: the chunk-parallel kernel writes ``triu(A Qᵀ) dO`` into ``du`` and ``Qᵀ dO`` into
     ``dhs``, and the backward's state pass reads them (in the step, or a chunk ahead with the backward's prefetch)
-    where it computed them: the same output, final state and every gradient as the pass that computes them, bit for
-    bit; dense in DeltaNet's form
-    (``a = β k`` from ``beta`` near 2, queries scaled; an odd length, a partial last chunk, an initial state) and
-    packed (generic ``a``; empty sequences first and between, partial chunks, two value blocks, a state-pass block
-    narrower than the local kernel's)."""
+    where it computed them: the same output, final state and every gradient as the pass that computes them, dense in
+    DeltaNet's form (``a = β k`` from ``beta`` near 2, queries scaled; an odd length, a partial last chunk, an initial
+    state) and packed (generic ``a``; empty sequences first and between, partial chunks, two value blocks, a
+    state-pass block narrower than the local kernel's). Under the interpreter (exact dots) bit for bit. On a GPU the
+    two forms are different compiled kernels, so their float32 sums may round apart: there the local form runs twice
+    and its runs agree bit for bit (a race shows as run-to-run differences), and every output is within 2e-6 of the
+    computing form's, relative to its largest entry (a wrong read is far larger)."""
     from attnkit.ops.common.triton import delta_bwd, delta_fwd
     from benchmarks.delta_local_du_probe import local_du_case  # (it imports this module: here, not at the top)
 
@@ -594,8 +596,18 @@ def test_state_pass_local_du(monkeypatch, packed, prefetch):
     monkeypatch.setattr(delta_bwd, "LOCAL_DU", True)
     local = grads_of(run, inputs, state)
     assert len(launches) == 1
-    for name, x, c in zip(["o", "S", "dq", "dk", "dv", "da", "dS0"], local, computed):
-        assert torch.equal(x, c), name
+    names = ["o", "S", "dq", "dk", "dv", "da", "dS0"]
+    if DEVICE == "cpu":  # the interpreter's dots are exact: the two forms agree bit for bit
+        for name, x, c in zip(names, local, computed):
+            assert torch.equal(x, c), name
+    else:
+        # Measured on an H100 (torch 2.11, Triton 3.6, thirty-sixth session; benchmarks/delta_local_du_probe.py):
+        # each form bit-identical run to run; dense-prefetched's forms a few float32 ulps apart (largest relative
+        # differences dk 3.8e-7, dv 3.0e-7, da 4.0e-7, dS0 2.9e-7; o, S, dq equal), the other three cases bit-equal.
+        again = grads_of(run, inputs, state)
+        for name, x, y, c in zip(names, local, again, computed):
+            assert torch.equal(x, y), name  # a race in the local form shows as run-to-run differences
+            assert (x - c).abs().max() <= 2e-6 * c.abs().max(), name
     assert computed[5].abs().sum() > 0  # the gradient reaches a (beta)
 
 
