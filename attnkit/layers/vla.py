@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit.ops.common.validation import check_scalar
-from attnkit.ops.vla import vla_attention, vla_decode_step
+from attnkit.ops.vla import vla_attention, vla_backend, vla_decode_step
 
 from .base import State, TokenMixer
 
@@ -54,22 +54,37 @@ class VLAAttention(TokenMixer):
         self.o_norm = nn.LayerNorm(width)
         self.o_proj = nn.Linear(width, self.hidden_size, bias=False)
 
-    def _qkvu(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkvu(
+        self, x: torch.Tensor, fuse: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v, u [B, T, H, D]``. ``fuse`` (the prefill's), where the attention runs its Triton kernels: ``u``'s
+        normalisation and scale in one kernel forward and one backward (``attnkit::vla_unit_keys`` with a floor and a
+        scale) rather than a cast, a norm, a division and a product, each with its backward, on ``[B, T, H·D]``
+        float32. The decoding step keeps the PyTorch formula (one token)."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         q = F.elu(self.q_proj(x).view(B, T, H, D)) + 1
         k = F.elu(self.k_proj(x).view(B, T, H, D)) + 1
         v = self.v_proj(x).view(B, T, H, D)
+        u = self.u_proj(x).view(B, T, H, D)
+        if fuse and vla_backend(self.backend, q, v) == "triton":
+            # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
+            from attnkit.ops.vla.parallel import vla_unit_keys_op
+
+            return q, k, v, vla_unit_keys_op(u, 1e-12, D**-0.5)[0]  # F.normalize's floor
         acc = torch.promote_types(v.dtype, torch.float32)  # float32 at least, float64 for the reference tests
-        u = F.normalize(self.u_proj(x).view(B, T, H, D).to(acc), dim=-1) * D**-0.5
-        return q, k, v, u
+        return q, k, v, F.normalize(u.to(acc), dim=-1) * D**-0.5
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.o_norm(o.flatten(2)))
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
+        q, k, v, u = self._qkvu(x, fuse=True)
         o, state = vla_attention(
-            *self._qkvu(x),
+            q,
+            k,
+            v,
+            u,
             lam0=self.lam0,
             eps=self.eps,
             normalize_write=self.normalize_write,

@@ -66,3 +66,33 @@ def test_linear_layer_reaches_its_kernels():
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(1, 5, 32)
     assert rel_rms(layer(x)[0], reference(x)[0]) < 1e-5
+
+
+def test_vla_layer_fuses_its_directions_where_the_op_runs_kernels(monkeypatch):
+    """``backend="triton"``: the VLA layer's ``u`` comes from the fused normalisation (``attnkit::vla_unit_keys``
+    with a floor and a scale, called once on ``u``'s projection) and the layer gives the PyTorch backend's output and
+    gradients with the same weights; ``backend="torch"`` never calls it."""
+    import attnkit.ops.vla.parallel as vla_parallel
+    from attnkit.layers import VLAAttention
+
+    calls, op = [], vla_parallel.vla_unit_keys_op
+
+    def spy(x, *args):
+        calls.append(args)
+        return op(x, *args)
+
+    monkeypatch.setattr(vla_parallel, "vla_unit_keys_op", spy)
+    torch.manual_seed(0)
+    layer = VLAAttention(32, 2, backend="triton")
+    reference = VLAAttention(32, 2, backend="torch")
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 9, 32)
+    outs = []
+    for module in (layer, reference):
+        calls.clear()
+        out = module(x)[0]
+        out.square().sum().backward()
+        outs.append((out, module.u_proj.weight.grad, module.q_proj.weight.grad))
+        assert calls == ([(1e-12, 16**-0.5), ()] if module is layer else [])  # u's, then k's inside the op
+    for actual, expected in zip(*outs):
+        assert rel_rms(actual, expected) < 1e-5

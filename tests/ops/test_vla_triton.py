@@ -798,6 +798,35 @@ def test_unit_keys_kernels_match_torch():
     torch.library.opcheck(vla_unit_keys_bwd_op, (k_hat, norm, torch.randn_like(k_hat), torch.float16))
 
 
+def test_unit_rows_with_a_floor_and_a_scale_match_normalize():
+    """``vla_unit_keys_op(x, eps, scale)`` (the VLA layer's directions ``u``): ``F.normalize(x, eps=eps) · scale`` and
+    its gradient from autograd in float64, a zero row included (zero forward, ``scale · dy / eps`` backward, as
+    PyTorch's); bf16 input read through strides; opcheck of both operators with the floor and the scale."""
+    from attnkit.ops.vla.parallel import vla_unit_keys_bwd_op, vla_unit_keys_op
+
+    x = torch.randn(2, 19, 3, 48, device=DEVICE)[..., 8:32]  # strided rows of 24 channels
+    x[1, 4, 2] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        xi = x.detach().to(dtype).requires_grad_()
+        y = vla_unit_keys_op(xi, 1e-12, 24**-0.5)[0]
+        dy = torch.randn_like(y)
+        (dx,) = torch.autograd.grad(y, xi, dy)
+        x64 = xi.detach().double().requires_grad_()
+        y64 = F.normalize(x64, dim=-1, eps=1e-12) * 24**-0.5
+        (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+        assert y.dtype == torch.float32 and dx.dtype == dtype
+        assert torch.equal(y[1, 4, 2], torch.zeros_like(y[1, 4, 2]))
+        assert_close("y", y, y64.float(), 1e-6)
+        rows = torch.ones(x.shape[:-1], dtype=torch.bool, device=DEVICE)
+        rows[1, 4, 2] = False
+        assert_close("dx", dx[rows].float(), dx64[rows].to(dtype).float(), 1e-6 if dtype == torch.float32 else 1e-2)
+        assert_close("dx at the floor", dx[1, 4, 2].float(), dx64[1, 4, 2].float(), 1e-2)
+    x = torch.randn(1, 7, 2, 24, device=DEVICE)  # no row at the floor: its float16 gradient would overflow
+    torch.library.opcheck(vla_unit_keys_op, (x, 1e-12, 0.5))
+    y, norm = vla_unit_keys_op(x, 1e-12, 0.5)
+    torch.library.opcheck(vla_unit_keys_bwd_op, (y, norm, torch.randn_like(y), torch.float16, 1e-12, 0.5))
+
+
 def test_gate_ops_opcheck():
     k_hat, u = (x.float().to(DEVICE).transpose(1, 2).contiguous() for x in gate_inputs(1, 2, 2, 16, 0.1))
     X = torch.randn(1, 2, 2, 48, 16, device=DEVICE) / 16

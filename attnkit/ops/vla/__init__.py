@@ -17,7 +17,15 @@ from attnkit.ops.common.validation import (
 from attnkit.ops.vla.decoding import VLAState, vla_decode_step
 from attnkit.ops.vla.torch_impl import vla_chunk
 
-__all__ = ["vla_attention", "vla_decode_step", "VLAState"]
+__all__ = ["vla_attention", "vla_backend", "vla_decode_step", "VLAState"]
+
+
+def vla_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"``: the backend :func:`vla_attention` runs for queries ``q [B, T, H, K]`` and values
+    ``v [B, T, H, V]`` when asked for ``backend`` (its errors, for a ``"triton"`` it cannot honour, too). Layers ask it
+    whether to fuse their own glue around the attention."""
+    dims = dict(head_dims=(q.shape[-1], v.shape[-1]), max_head_dim=TRITON_MAX_HEAD_DIM)
+    return resolve_backend(backend, "vla_attention", q.device, has_triton=True, dtype=q.dtype, **dims)
 
 
 def vla_attention(
@@ -73,9 +81,7 @@ def vla_attention(
         initial_state = check_state("initial_state", initial_state, ((N, H, V, K), (N, H, K, K), (N, H, K)), q.device)
         if torch.linalg.cholesky_ex(initial_state[1] + initial_state[1].mT).info.any():
             raise ValueError("initial_state[1]: A must be symmetric positive definite")
-    dims = dict(head_dims=(K, V), max_head_dim=TRITON_MAX_HEAD_DIM)
-    use_triton = resolve_backend(backend, "vla_attention", q.device, has_triton=True, dtype=q.dtype, **dims) == "triton"
-    if use_triton and T > 0:
+    if vla_backend(backend, q, v) == "triton" and T > 0:
         # Imported here: Triton is a Linux-only dependency, and the PyTorch backend must import without it.
         from attnkit.ops.vla.parallel import vla_triton
 

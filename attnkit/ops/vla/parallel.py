@@ -95,32 +95,35 @@ vla_gates_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("attnkit::vla_unit_keys", mutates_args=(), device_types=("cuda", "cpu"))
-def vla_unit_keys_op(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def vla_unit_keys_op(k: torch.Tensor, eps: float = 0.0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``k [B, T, H, K]`` (any strides with adjacent channels) -> ``(k / ‖k‖, ‖k‖)`` in float32, contiguous, row by
-    row in one kernel."""
-    return unit_rows_fwd_fn(k if k.stride(-1) == 1 else k.contiguous())
+    row in one kernel; with ``eps`` and ``scale``, ``scale · k / max(‖k‖, eps)`` (``F.normalize(k, eps=eps) ·
+    scale``: the VLA layer's directions ``u``) in place of ``k / ‖k‖``."""
+    return unit_rows_fwd_fn(k if k.stride(-1) == 1 else k.contiguous(), eps, scale)
 
 
 @vla_unit_keys_op.register_fake
-def _(k):
+def _(k, eps=0.0, scale=1.0):
     return k.new_empty(k.shape, dtype=torch.float32), k.new_empty(k.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("attnkit::vla_unit_keys_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def vla_unit_keys_bwd_op(
-    k_hat: torch.Tensor, norm: torch.Tensor, dk_hat: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """``dk = (dk̂ − k̂ (k̂·dk̂)) / ‖k‖`` in ``dtype`` (``k``'s)."""
-    return unit_rows_bwd_fn(k_hat, norm, dk_hat.contiguous(), dtype)
+    k_hat: torch.Tensor, norm: torch.Tensor, dk_hat: torch.Tensor, dtype: torch.dtype, eps: float = 0.0,
+    scale: float = 1.0,
+) -> torch.Tensor:  # fmt: skip
+    """``dk = (dk̂ − k̂ (k̂·dk̂)) / ‖k‖`` in ``dtype`` (``k``'s); with ``eps`` and ``scale`` the forward's gradient
+    (:func:`attnkit.ops.vla.triton.keys.unit_rows_bwd_fn`)."""
+    return unit_rows_bwd_fn(k_hat, norm, dk_hat.contiguous(), dtype, eps, scale)
 
 
 @vla_unit_keys_bwd_op.register_fake
-def _(k_hat, norm, dk_hat, dtype):
+def _(k_hat, norm, dk_hat, dtype, eps=0.0, scale=1.0):
     return k_hat.new_empty(k_hat.shape, dtype=dtype)
 
 
 def _setup_keys(ctx, inputs, output):
-    (k,) = inputs
+    k, ctx.eps, ctx.scale = inputs
     k_hat, norm = output
     ctx.mark_non_differentiable(norm)
     ctx.set_materialize_grads(False)
@@ -130,9 +133,9 @@ def _setup_keys(ctx, inputs, output):
 
 def _keys_backward(ctx, dk_hat, _):
     if dk_hat is None:
-        return None
+        return None, None, None
     k_hat, norm = ctx.saved_tensors
-    return vla_unit_keys_bwd_op(k_hat, norm, dk_hat, ctx.dtype)
+    return vla_unit_keys_bwd_op(k_hat, norm, dk_hat, ctx.dtype, ctx.eps, ctx.scale), None, None
 
 
 vla_unit_keys_op.register_autograd(_keys_backward, setup_context=_setup_keys)
