@@ -16,9 +16,8 @@ the first sum over ``t + i`` in ``t``'s sequence: a program recomputes ``dconv``
 slot of a ``[programs, C, W]`` buffer that one sum reduces (deterministic, no atomics). Storing ``dconv`` once a
 position instead (a float32 ``[B, T, C]`` buffer, then ``du`` and ``dweight`` from its shifted tiles) was slower on an
 H100: 251 against 236 µs at ``[4, 4096, 1024]``, bf16 ``u`` (thirty-sixth session,
-``direction_ab_session36_h100.json``).
-Packed sequences
-(``cu_seqlens``, ``B == 1``) run in the same launches (:func:`~attnkit.ops.common.triton_seq.launch_grid`).
+``direction_ab_session36_h100.json``). Packed sequences (``cu_seqlens``, ``B == 1``) run in the same launches
+(:func:`~attnkit.ops.common.triton_seq.launch_grid`).
 """
 
 from __future__ import annotations
