@@ -160,3 +160,13 @@ def test_real_size_bf16_on_gpu():
         results[fused] = (w, *torch.autograd.grad(w, (u, weight), dw))
     for name, actual, expected in zip(("w", "du", "dweight"), results[True], results[False], strict=True):
         assert_close(name, actual, expected, 1e-5 if name != "du" else 5e-3)
+
+
+def test_backward_tiles_on_a_gpu(monkeypatch):
+    """The backward's tiles off the interpreter: about 512 floats a warp and 8 positions at least (8 on one warp at
+    D = 64, the H100's fastest in ``benchmarks/results/direction_tune_session36_h100.json``), so its row reductions stay
+    inside a warp up to D = 64."""
+    monkeypatch.setattr(direction, "interpreting", lambda: False)
+    assert [direction.backward_tiles(D) for D in (16, 32, 48, 64, 128, 256)] == [
+        (32, 1), (16, 1), (8, 1), (8, 1), (8, 2), (8, 4),
+    ]  # fmt: skip
