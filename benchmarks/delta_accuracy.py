@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import delta_rule  # noqa: E402

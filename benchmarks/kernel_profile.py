@@ -25,8 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from benchmarks.ops import REGISTRY, WIDTH, _layout, _leaves, environment  # noqa: E402

@@ -44,9 +44,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    # Run as a script on a machine where attnkit is not installed (the GPU machine's bare copy of the tree).
-    sys.path.insert(0, str(ROOT))
+# Run as a script on a machine where attnkit is not installed (the GPU machine's bare copy of the tree).
+sys.path.insert(0, str(ROOT))
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402

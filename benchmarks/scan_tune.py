@@ -19,8 +19,7 @@ import torch
 from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops.common.triton import scan  # noqa: E402

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops import tapa_attention  # noqa: E402

@@ -35,8 +35,7 @@ import triton
 import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.ops.common.triton_utils import interpreting  # noqa: E402

@@ -37,9 +37,8 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    # Run as a script on a machine where attnkit is not installed (the GPU machine's bare copy of the tree).
-    sys.path.insert(0, str(ROOT))
+# Run as a script on a machine where attnkit is not installed (the GPU machine's bare copy of the tree).
+sys.path.insert(0, str(ROOT))
 
 from attnkit.experiments.output import write_json  # noqa: E402
 from attnkit.models import MIXERS, AttnKitConfig, AttnKitForCausalLM  # noqa: E402

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 import attnkit.ops.vla.triton.gates as gates  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402

@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))
 
 from attnkit.cpu_bench import make_inputs  # noqa: E402
 from attnkit.experiments.output import write_json  # noqa: E402
