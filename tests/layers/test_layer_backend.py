@@ -96,3 +96,14 @@ def test_vla_layer_fuses_its_directions_where_the_op_runs_kernels(monkeypatch):
         assert calls == ([(1e-12, 16**-0.5), ()] if module is layer else [])  # u's, then k's inside the op
     for actual, expected in zip(*outs):
         assert rel_rms(actual, expected) < 1e-5
+
+
+def test_vla_layer_fused_directions_on_an_empty_batch():
+    """``backend="triton"`` with no tokens: the fused ``u`` launches nothing (no empty grid), the output is empty on
+    the input's graph and its backward gives an empty gradient."""
+    from attnkit.layers import VLAAttention
+
+    x = torch.randn(2, 0, 32, requires_grad=True)
+    out, _ = VLAAttention(32, 2, backend="triton")(x)
+    out.sum().backward()
+    assert out.shape == (2, 0, 32) and x.grad is not None and x.grad.shape == x.shape

@@ -66,9 +66,10 @@ def unit_rows_fwd_fn(x: torch.Tensor, eps: float = 0.0, scale: float = 1.0) -> t
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     norm = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     R = B * T * H
-    unit_rows_fwd_kernel[(triton.cdiv(R, ROWS),)](
-        x, y, norm, R, T, H, *x.stride(), eps, scale, K=K, BK=block_dim(K), BR=ROWS
-    )  # fmt: skip
+    if R > 0:  # no empty launch (the layer's u of an empty batch comes here)
+        unit_rows_fwd_kernel[(triton.cdiv(R, ROWS),)](
+            x, y, norm, R, T, H, *x.stride(), eps, scale, K=K, BK=block_dim(K), BR=ROWS
+        )  # fmt: skip
     return y, norm
 
 
@@ -80,5 +81,6 @@ def unit_rows_bwd_fn(
     K = y.shape[-1]
     R = y.numel() // max(K, 1)
     dx = torch.empty(y.shape, dtype=dtype, device=y.device)
-    unit_rows_bwd_kernel[(triton.cdiv(R, ROWS),)](y, norm, dy, dx, R, eps, scale, K=K, BK=block_dim(K), BR=ROWS)
+    if R > 0:
+        unit_rows_bwd_kernel[(triton.cdiv(R, ROWS),)](y, norm, dy, dx, R, eps, scale, K=K, BK=block_dim(K), BR=ROWS)
     return dx
