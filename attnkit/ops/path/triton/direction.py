@@ -136,7 +136,8 @@ def backward_tiles(head_dim: int) -> tuple[int, int]:
     the interpreter). Its reductions along the rows then stay inside a warp: at ``[4, 4096, 1024]``, ``D = 64`` on an
     H100 the backward took 130 µs with 8 positions on one warp, 146 with 16 on two, 215 with 16 on four, 236–251 with
     32–128 positions on four or eight warps, the earlier 32 on eight (``direction_tune_session36_h100.json``; the
-    forward 40–44 µs in every one). ``D = 128`` (two warps) is the same rule, untimed."""
+    forward 40–44 µs in every one). ``D = 128`` (two warps) is the same rule, untimed. The ``dweight`` shares, one
+    slot a program, are then ``T / 8`` slots of ``H·D·W`` floats a sequence: 50 MB at 32k tokens of ``H·D = 1024``."""
     if interpreting():
         return 16, 1
     positions = max(8, 512 // block_dim(head_dim))
