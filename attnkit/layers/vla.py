@@ -20,7 +20,10 @@ class VLAAttention(TokenMixer):
     ``q`` and ``k`` go through ``elu + 1``; the penalty directions ``u`` come from their own projection,
     unit-normalised per head and divided by ``sqrt(K)`` (so ``Σ u uᵀ`` grows like ``t / K`` in trace);
     the heads' outputs are concatenated and LayerNorm-ed before the output projection, because the
-    normalised read ``S q / nᵀq`` has no fixed scale. ``normalize_write=False`` is the paper's ablation that
+    normalised read ``S q / nᵀq`` has no fixed scale. Where the attention runs its Triton kernels (``vla_backend``) the
+    prefill fuses its glue around them: ``u``'s normalisation (``attnkit::vla_unit_keys``) and the LayerNorm
+    (``attnkit::layer_norm``, written in ``o_proj``'s compute dtype), each one kernel forward and one backward; the
+    parameters are the same either way. ``normalize_write=False`` is the paper's ablation that
     writes along the unnormalised ``A_t k̂_t`` (``mixer_kwargs={"vla": {"normalize_write": False}}`` in a model).
 
     Cache: ``S [N, H, V, K]``, ``A [N, H, K, K]``, ``n [N, H, K]`` in float32 (the ops' state).
@@ -54,20 +57,22 @@ class VLAAttention(TokenMixer):
         self.o_norm = nn.LayerNorm(width)
         self.o_proj = nn.Linear(width, self.hidden_size, bias=False)
 
-    def _qkvu(
-        self, x: torch.Tensor, fuse: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q, k, v, u [B, T, H, D]``. ``fuse`` (the prefill's), where the attention runs its Triton kernels: ``u``'s
-        normalisation and scale in one kernel forward and one backward (``attnkit::vla_unit_keys`` with a floor and a
-        scale) rather than a cast, a norm, a division and a product, each with its backward, on ``[B, T, H·D]``
-        float32. The decoding step keeps the PyTorch formula (one token)."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of ``q, k, v, u``, each ``[B, T, H, D]``."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q = F.elu(self.q_proj(x).view(B, T, H, D)) + 1
-        k = F.elu(self.k_proj(x).view(B, T, H, D)) + 1
-        v = self.v_proj(x).view(B, T, H, D)
-        u = self.u_proj(x).view(B, T, H, D)
-        if fuse and vla_backend(self.backend, q, v) == "triton":
+        return tuple(p(x).view(B, T, H, D) for p in (self.q_proj, self.k_proj, self.v_proj, self.u_proj))
+
+    def _features(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v, u [B, T, H, D]`` from the projections. ``fused`` (the prefill's, where the attention runs its
+        Triton kernels): ``u``'s normalisation and scale in one kernel forward and one backward
+        (``attnkit::vla_unit_keys`` with a floor and a scale) rather than a cast, a norm, a division and a product, each
+        with its backward, on ``[B, T, H·D]`` float32. The decoding step keeps the PyTorch formula (one token)."""
+        D = self.head_dim
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        if fused:
             # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
             from attnkit.ops.vla.parallel import vla_unit_keys_op
 
@@ -75,11 +80,28 @@ class VLAAttention(TokenMixer):
         acc = torch.promote_types(v.dtype, torch.float32)  # float32 at least, float64 for the reference tests
         return q, k, v, F.normalize(u.to(acc), dim=-1) * D**-0.5
 
-    def _out(self, o: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.o_norm(o.flatten(2)))
+    def _qkvu(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v, u [B, T, H, D]`` of ``x [B, T, hidden]`` by the PyTorch formulas (the decoding step's)."""
+        return self._features(*self._project(x), fused=False)
+
+    def _out(self, o: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``o [B, T, H, D]`` -> the output ``[B, T, hidden]``. ``fused`` (as :meth:`_features`): ``o_norm`` in one
+        kernel forward and one backward (``attnkit::layer_norm``, its own weight, bias and eps) that read ``o`` in its
+        dtype and write the dtype ``o_proj`` computes in, the autocast dtype under autocast (PyTorch's LayerNorm would
+        run in float32 there, between casts each way), else ``o``'s (``o_norm``'s own result dtype)."""
+        o = o.flatten(2)
+        if not fused:
+            return self.o_proj(self.o_norm(o))
+        from attnkit.ops.common.layer_norm import layer_norm  # Triton's, imported where it runs (as u's op)
+
+        device = o.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else o.dtype
+        return self.o_proj(layer_norm(o, self.o_norm.weight, self.o_norm.bias, self.o_norm.eps, dtype))
 
     def prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, use_cache: bool) -> tuple[torch.Tensor, State, State]:
-        q, k, v, u = self._qkvu(x, fuse=True)
+        q, k, v, u = self._project(x)
+        fused = vla_backend(self.backend, q, v) == "triton"
+        q, k, v, u = self._features(q, k, v, u, fused)
         o, state = vla_attention(
             q,
             k,
@@ -93,9 +115,9 @@ class VLAAttention(TokenMixer):
             backend=self.backend,
         )
         if not use_cache:
-            return self._out(o), {}, {}
+            return self._out(o, fused), {}, {}
         S, A, n = state
-        return self._out(o), {}, {"S": S, "A": A, "n": n}
+        return self._out(o, fused), {}, {"S": S, "A": A, "n": n}
 
     def step(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
         o, (S, A, n) = vla_decode_step(

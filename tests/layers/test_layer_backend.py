@@ -107,3 +107,90 @@ def test_vla_layer_fused_directions_on_an_empty_batch():
     out, _ = VLAAttention(32, 2, backend="triton")(x)
     out.sum().backward()
     assert out.shape == (2, 0, 32) and x.grad is not None and x.grad.shape == x.shape
+
+
+def spy_layer_norm(monkeypatch) -> list:
+    """Records ``(weight, bias, eps, out_dtype)`` of each call of the fused LayerNorm the VLA layer makes."""
+    import attnkit.ops.common.layer_norm as ln
+
+    calls, op = [], ln.layer_norm
+
+    def spy(x, weight, bias, eps, out_dtype):
+        calls.append((weight, bias, eps, out_dtype))
+        return op(x, weight, bias, eps, out_dtype)
+
+    monkeypatch.setattr(ln, "layer_norm", spy)
+    return calls
+
+
+def vla_pair():
+    """A VLA layer on ``backend="triton"`` and one on ``"torch"`` with the same weights, ``o_norm``'s away from
+    their initial ones and 1e-3 as its eps (so that a wrong weight, bias or eps shows)."""
+    from attnkit.layers import VLAAttention
+
+    torch.manual_seed(0)
+    layer = VLAAttention(32, 2, backend="triton")
+    layer.o_norm.eps = 1e-3
+    with torch.no_grad():
+        layer.o_norm.weight.normal_(1.0, 0.5)
+        layer.o_norm.bias.normal_()
+    reference = VLAAttention(32, 2, backend="torch")
+    reference.o_norm.eps = 1e-3
+    reference.load_state_dict(layer.state_dict())
+    return layer, reference
+
+
+def test_vla_layer_fuses_its_output_norm_where_the_op_runs_kernels(monkeypatch):
+    """``backend="triton"``: the VLA layer's prefill runs ``o_norm`` as ``attnkit::layer_norm`` with its own
+    weight, bias and eps, writing ``o``'s dtype outside autocast, and gives the PyTorch backend's output and the
+    gradients of ``o_norm``, ``o_proj`` and the projections with the same weights; the decoding step and
+    ``backend="torch"`` keep ``o_norm``."""
+    calls = spy_layer_norm(monkeypatch)
+    x = torch.randn(2, 9, 32)
+    outs = []
+    for module in vla_pair():
+        calls.clear()
+        out, state = module(x, use_cache=True)
+        out.square().sum().backward()
+        norm = module.o_norm
+        seen = [(w is norm.weight, b is norm.bias, eps, dtype) for w, b, eps, dtype in calls]
+        assert seen == ([(True, True, 1e-3, torch.float32)] if module.backend == "triton" else [])
+        calls.clear()
+        step = module(x[:, :1], past_state=state)[0]
+        assert calls == []
+        grads = [p.grad for p in (norm.weight, norm.bias, module.o_proj.weight, module.q_proj.weight)]
+        outs.append((out, step, *grads, module.k_proj.weight.grad, module.v_proj.weight.grad))
+    for actual, expected in zip(*outs):
+        assert rel_rms(actual, expected) < 1e-5
+
+
+def test_vla_layer_output_norm_under_autocast(monkeypatch):
+    """Under CPU bf16 autocast the fused LayerNorm writes bf16, the dtype ``o_proj`` computes in, and the output and
+    the gradients of ``o``, ``o_norm`` and ``o_proj`` are PyTorch's within bf16's rounding (CPU autocast runs
+    PyTorch's LayerNorm in bf16; CUDA's in float32, then ``o_proj`` casts to bf16: one rounding of the same float32
+    values either way, which the fused kernel makes once). The whole layer, attention kernels included, stays within
+    bf16's error of the PyTorch backend."""
+    calls = spy_layer_norm(monkeypatch)
+    layer, reference = vla_pair()
+    o = (1 + torch.randn(2, 40, 2, 16)).bfloat16()
+    g = torch.randn(2, 40, 32).bfloat16()
+    results = []
+    for fused in (True, False):
+        o_in = o.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer._out(o_in, fused)
+        params = (layer.o_norm.weight, layer.o_norm.bias, layer.o_proj.weight)
+        results.append((out, *torch.autograd.grad(out, (o_in, *params), g)))
+    assert [dtype for *_, dtype in calls] == [torch.bfloat16]
+    for actual, expected in zip(*results):
+        assert actual.dtype == expected.dtype and rel_rms(actual, expected) < 2e-2
+    x = torch.randn(2, 24, 32)
+    outs = []
+    for module in (layer, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)[0]
+        out.backward(g[:, :24])
+        outs.append((out, module.o_norm.weight.grad, module.o_norm.bias.grad, module.q_proj.weight.grad))
+    assert outs[0][0].dtype == torch.bfloat16
+    for actual, expected in zip(*outs):
+        assert rel_rms(actual, expected) < 5e-2

@@ -123,6 +123,12 @@ def path_forward(K, dtype):
     w = torch.nn.functional.normalize(torch.randn(1, 64, 2, K), dim=-1)
     path_fwd_fn(q, k, v, w, torch.rand(1, 64, 2) * 2, -torch.rand(1, 64, 2), K**-0.5, None)
 
+def layer_norm(N, dtype):
+    from attnkit.ops.common.triton.layer_norm import layer_norm_bwd_fn, layer_norm_fwd_fn
+    x, w, b = torch.randn(4096, N, dtype=dtype), torch.randn(N), torch.randn(N)
+    y, mean, rstd = layer_norm_fwd_fn(x, w, b, 1e-5, dtype)
+    layer_norm_bwd_fn(torch.randn_like(y), x, mean, rstd, w)
+
 steps = {
     "linear": [functools.partial(linear, K, d, p) for K, d, p in
                ((64, torch.bfloat16, False), (128, torch.float16, True), (128, torch.float32, False))],
@@ -149,6 +155,8 @@ steps = {
                    [functools.partial(delta_state, K, K, bv, 1, low, pre, True) for K, bv, low, pre in
                     ((64, 16, False, False), (64, 16, False, True), (64, 64, True, True), (128, 64, False, True))],
     "vla": [functools.partial(vla, K, torch.bfloat16) for K in (64, 128)],
+    "layer_norm": [functools.partial(layer_norm, N, d) for N, d in
+                   ((1024, torch.bfloat16), (8192, torch.bfloat16), (1000, torch.float32))],
 }[sys.argv[1]]
 WANTED = {
     "linear": ("linear_fwd_state_kernel", "linear_fwd_output_kernel", "linear_bwd_state_kernel", "linear_bwd_dq_kernel",
@@ -170,6 +178,7 @@ WANTED = {
     "vla": ("unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
             "vla_gates_fwd_kernel", "vla_gates_bwd_g_kernel", "vla_gates_bwd_u_kernel", "normalize_prefix_kernel",
             "normalize_fwd_kernel", "normalize_dden_kernel", "normalize_bwd_kernel"),
+    "layer_norm": ("layer_norm_fwd_kernel", "layer_norm_bwd_kernel"),
 }
 seen = set()
 for step in steps:
@@ -227,6 +236,8 @@ for step in steps:
         ("vla", {"unit_rows_fwd_kernel", "unit_rows_bwd_kernel", "gram_prefix_kernel", "gram_suffix_kernel",
                  "vla_gates_fwd_kernel", "vla_gates_bwd_g_kernel", "vla_gates_bwd_u_kernel",
                  "normalize_prefix_kernel", "normalize_fwd_kernel", "normalize_dden_kernel", "normalize_bwd_kernel"}),
+        # the VLA layer's LayerNorm (attnkit::layer_norm) at its width, the widest a test holds, and an odd one
+        ("layer_norm", {"layer_norm_fwd_kernel", "layer_norm_bwd_kernel"}),
     ],
 )  # fmt: skip
 def test_untested_kernels_compile_for_the_gpu(group, kernels):
