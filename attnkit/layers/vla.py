@@ -21,10 +21,11 @@ class VLAAttention(TokenMixer):
     unit-normalised per head and divided by ``sqrt(K)`` (so ``Σ u uᵀ`` grows like ``t / K`` in trace);
     the heads' outputs are concatenated and LayerNorm-ed before the output projection, because the
     normalised read ``S q / nᵀq`` has no fixed scale. Where the attention runs its Triton kernels (``vla_backend``) the
-    prefill fuses its glue around them: ``u``'s normalisation (``attnkit::vla_unit_keys``) and the LayerNorm
-    (``attnkit::layer_norm``, written in ``o_proj``'s compute dtype), each one kernel forward and one backward; the
-    parameters are the same either way. ``normalize_write=False`` is the paper's ablation that
-    writes along the unnormalised ``A_t k̂_t`` (``mixer_kwargs={"vla": {"normalize_write": False}}`` in a model).
+    prefill fuses its glue around them: ``elu + 1`` of ``q`` and ``k`` (``attnkit::elu_plus_one``), ``u``'s
+    normalisation (``attnkit::vla_unit_keys``) and the LayerNorm (``attnkit::layer_norm``, written in ``o_proj``'s
+    compute dtype), each one launch forward and one backward; the parameters are the same either way.
+    ``normalize_write=False`` is the paper's ablation that writes along the unnormalised ``A_t k̂_t``
+    (``mixer_kwargs={"vla": {"normalize_write": False}}`` in a model).
 
     Cache: ``S [N, H, V, K]``, ``A [N, H, K, K]``, ``n [N, H, K]`` in float32 (the ops' state).
     """
@@ -69,14 +70,17 @@ class VLAAttention(TokenMixer):
         """``q, k, v, u [B, T, H, D]`` from the projections. ``fused`` (the prefill's, where the attention runs its
         Triton kernels): ``u``'s normalisation and scale in one kernel forward and one backward
         (``attnkit::vla_unit_keys`` with a floor and a scale) rather than a cast, a norm, a division and a product, each
-        with its backward, on ``[B, T, H·D]`` float32. The decoding step keeps the PyTorch formula (one token)."""
+        with its backward, on ``[B, T, H·D]`` float32; ``elu + 1`` of ``q`` and ``k`` in one launch forward and one
+        backward (``attnkit::elu_plus_one``) rather than an elu and an add each, and an elu backward each. The decoding
+        step keeps the PyTorch formulas (one token)."""
         D = self.head_dim
-        q, k = F.elu(q) + 1, F.elu(k) + 1
         if fused:
             # Imported here: Triton is a Linux-only dependency, and the PyTorch path must import without it.
+            from attnkit.ops.common.feature_map import elu_plus_one
             from attnkit.ops.vla.parallel import vla_unit_keys_op
 
-            return q, k, v, vla_unit_keys_op(u, 1e-12, D**-0.5)[0]  # F.normalize's floor
+            return *elu_plus_one(q, k), v, vla_unit_keys_op(u, 1e-12, D**-0.5)[0]  # F.normalize's floor
+        q, k = F.elu(q) + 1, F.elu(k) + 1
         acc = torch.promote_types(v.dtype, torch.float32)  # float32 at least, float64 for the reference tests
         return q, k, v, F.normalize(u.to(acc), dim=-1) * D**-0.5
 

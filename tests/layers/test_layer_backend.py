@@ -109,17 +109,15 @@ def test_vla_layer_fused_directions_on_an_empty_batch():
     assert out.shape == (2, 0, 32) and x.grad is not None and x.grad.shape == x.shape
 
 
-def spy_layer_norm(monkeypatch) -> list:
-    """Records ``(weight, bias, eps, out_dtype)`` of each call of the fused LayerNorm the VLA layer makes."""
-    import attnkit.ops.common.layer_norm as ln
+def spy_on(monkeypatch, module, name: str) -> list:
+    """Records the arguments of each call of ``module.name`` (which the VLA layer looks up at call time)."""
+    calls, fn = [], getattr(module, name)
 
-    calls, op = [], ln.layer_norm
+    def spy(*args):
+        calls.append(args)
+        return fn(*args)
 
-    def spy(x, weight, bias, eps, out_dtype):
-        calls.append((weight, bias, eps, out_dtype))
-        return op(x, weight, bias, eps, out_dtype)
-
-    monkeypatch.setattr(ln, "layer_norm", spy)
+    monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -140,24 +138,30 @@ def vla_pair():
     return layer, reference
 
 
-def test_vla_layer_fuses_its_output_norm_where_the_op_runs_kernels(monkeypatch):
+def test_vla_layer_fuses_its_norm_and_feature_map_where_the_op_runs_kernels(monkeypatch):
     """``backend="triton"``: the VLA layer's prefill runs ``o_norm`` as ``attnkit::layer_norm`` with its own
-    weight, bias and eps, writing ``o``'s dtype outside autocast, and gives the PyTorch backend's output and the
-    gradients of ``o_norm``, ``o_proj`` and the projections with the same weights; the decoding step and
-    ``backend="torch"`` keep ``o_norm``."""
-    calls = spy_layer_norm(monkeypatch)
+    weight, bias and eps, writing ``o``'s dtype outside autocast, and ``elu + 1`` as ``attnkit::elu_plus_one`` on
+    ``q`` and ``k`` at once, and gives the PyTorch backend's output and the gradients of ``o_norm``, ``o_proj`` and
+    the projections with the same weights; the decoding step and ``backend="torch"`` keep PyTorch's."""
+    from attnkit.ops.common import feature_map, layer_norm
+
+    norms = spy_on(monkeypatch, layer_norm, "layer_norm")
+    maps = spy_on(monkeypatch, feature_map, "elu_plus_one")
     x = torch.randn(2, 9, 32)
     outs = []
     for module in vla_pair():
-        calls.clear()
+        norms.clear()
+        maps.clear()
         out, state = module(x, use_cache=True)
         out.square().sum().backward()
-        norm = module.o_norm
-        seen = [(w is norm.weight, b is norm.bias, eps, dtype) for w, b, eps, dtype in calls]
-        assert seen == ([(True, True, 1e-3, torch.float32)] if module.backend == "triton" else [])
-        calls.clear()
+        norm, fused = module.o_norm, module.backend == "triton"
+        seen = [(w is norm.weight, b is norm.bias, eps, dtype) for _, w, b, eps, dtype in norms]
+        assert seen == ([(True, True, 1e-3, torch.float32)] if fused else [])
+        assert [tuple(q.shape) + tuple(k.shape) for q, k in maps] == ([(2, 9, 2, 16) * 2] if fused else [])
+        norms.clear()
+        maps.clear()
         step = module(x[:, :1], past_state=state)[0]
-        assert calls == []
+        assert norms == maps == []
         grads = [p.grad for p in (norm.weight, norm.bias, module.o_proj.weight, module.q_proj.weight)]
         outs.append((out, step, *grads, module.k_proj.weight.grad, module.v_proj.weight.grad))
     for actual, expected in zip(*outs):
@@ -170,7 +174,9 @@ def test_vla_layer_output_norm_under_autocast(monkeypatch):
     PyTorch's LayerNorm in bf16; CUDA's in float32, then ``o_proj`` casts to bf16: one rounding of the same float32
     values either way, which the fused kernel makes once). The whole layer, attention kernels included, stays within
     bf16's error of the PyTorch backend."""
-    calls = spy_layer_norm(monkeypatch)
+    from attnkit.ops.common import layer_norm
+
+    calls = spy_on(monkeypatch, layer_norm, "layer_norm")
     layer, reference = vla_pair()
     o = (1 + torch.randn(2, 40, 2, 16)).bfloat16()
     g = torch.randn(2, 40, 32).bfloat16()

@@ -129,6 +129,11 @@ def layer_norm(N, dtype):
     y, mean, rstd = layer_norm_fwd_fn(x, w, b, 1e-5, dtype)
     layer_norm_bwd_fn(torch.randn_like(y), x, mean, rstd, w)
 
+def feature_map(dtype):
+    from attnkit.ops.common.triton.feature_map import elu_plus_one_bwd_fn, elu_plus_one_fwd_fn
+    q, k = (torch.randn(4, 256, 16, 64, dtype=dtype) for _ in range(2))
+    elu_plus_one_bwd_fn(q, k, *elu_plus_one_fwd_fn(q, k))
+
 steps = {
     "linear": [functools.partial(linear, K, d, p) for K, d, p in
                ((64, torch.bfloat16, False), (128, torch.float16, True), (128, torch.float32, False))],
@@ -157,6 +162,7 @@ steps = {
     "vla": [functools.partial(vla, K, torch.bfloat16) for K in (64, 128)],
     "layer_norm": [functools.partial(layer_norm, N, d) for N, d in
                    ((1024, torch.bfloat16), (8192, torch.bfloat16), (1000, torch.float32))],
+    "feature_map": [functools.partial(feature_map, d) for d in (torch.bfloat16, torch.float32)],
 }[sys.argv[1]]
 WANTED = {
     "linear": ("linear_fwd_state_kernel", "linear_fwd_output_kernel", "linear_bwd_state_kernel", "linear_bwd_dq_kernel",
@@ -179,6 +185,7 @@ WANTED = {
             "vla_gates_fwd_kernel", "vla_gates_bwd_g_kernel", "vla_gates_bwd_u_kernel", "normalize_prefix_kernel",
             "normalize_fwd_kernel", "normalize_dden_kernel", "normalize_bwd_kernel"),
     "layer_norm": ("layer_norm_fwd_kernel", "layer_norm_bwd_kernel"),
+    "feature_map": ("elu_plus_one_fwd_kernel", "elu_plus_one_bwd_kernel"),
 }
 seen = set()
 for step in steps:
@@ -238,6 +245,8 @@ for step in steps:
                  "normalize_prefix_kernel", "normalize_fwd_kernel", "normalize_dden_kernel", "normalize_bwd_kernel"}),
         # the VLA layer's LayerNorm (attnkit::layer_norm) at its width, the widest a test holds, and an odd one
         ("layer_norm", {"layer_norm_fwd_kernel", "layer_norm_bwd_kernel"}),
+        # and its feature map elu + 1 (attnkit::elu_plus_one), q and k in one launch
+        ("feature_map", {"elu_plus_one_fwd_kernel", "elu_plus_one_bwd_kernel"}),
     ],
 )  # fmt: skip
 def test_untested_kernels_compile_for_the_gpu(group, kernels):
