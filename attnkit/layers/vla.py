@@ -96,8 +96,10 @@ class VLAAttention(TokenMixer):
         o = o.flatten(2)
         if not fused:
             return self.o_proj(self.o_norm(o))
-        from attnkit.ops.common.layer_norm import layer_norm  # Triton's, imported where it runs (as u's op)
+        from attnkit.ops.common.layer_norm import MAX_N, layer_norm  # Triton's, imported where it runs (as u's op)
 
+        if o.shape[-1] > MAX_N:  # rows wider than the kernels hold in registers: PyTorch's
+            return self.o_proj(self.o_norm(o))
         device = o.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else o.dtype
         return self.o_proj(layer_norm(o, self.o_norm.weight, self.o_norm.bias, self.o_norm.eps, dtype))

@@ -200,3 +200,20 @@ def test_vla_layer_output_norm_under_autocast(monkeypatch):
     assert outs[0][0].dtype == torch.bfloat16
     for actual, expected in zip(*outs):
         assert rel_rms(actual, expected) < 5e-2
+
+
+def test_vla_layer_wider_than_the_fused_layer_norm_takes_pytorchs(monkeypatch):
+    """Rows wider than ``attnkit::layer_norm`` holds (``MAX_N``, narrowed here to 16) take ``o_norm`` itself: the
+    fused op is not called and the output is the PyTorch backend's with the same weights."""
+    import attnkit.ops.common.layer_norm as ln
+    from attnkit.layers import VLAAttention
+
+    calls = []
+    monkeypatch.setattr(ln, "MAX_N", 16)
+    monkeypatch.setattr(ln, "layer_norm", lambda *a: calls.append(a))
+    torch.manual_seed(0)
+    layer = VLAAttention(32, 2, backend="triton")
+    reference = VLAAttention(32, 2, backend="torch")
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 9, 32)
+    assert rel_rms(layer(x)[0], reference(x)[0]) < 1e-5 and not calls
