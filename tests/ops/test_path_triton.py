@@ -544,8 +544,11 @@ def test_working_buffers_in_16bit(monkeypatch, span):
     cu = torch.tensor([0, 3, 3, T], device=DEVICE)
     assert_16bit_option(monkeypatch, prepare, "BUFFERS_16BIT", inputs, do, cu)
     q, k, v, w, beta, g = inputs
-    kept = path_fwd_op(q, k, v, w, beta, g, cu, 0.25, keep=True)[2:]
-    assert [t.dtype for t in kept] == [torch.float32, torch.float16, torch.float32]  # m, K̃, M W
+    m, kt, mw, kh, sig, x, xh = path_fwd_op(q, k, v, w, beta, g, cu, 0.25, keep=True)[2:]
+    assert [t.dtype for t in (m, kt, mw)] == [torch.float32, torch.float16, torch.float32]  # m, K̃, M W
+    # the keys carried to their superblock's end in float16 too, the superblocks' transitions in float32
+    assert (kh.dtype, sig.dtype, kh.shape) == (torch.float16, torch.float32, k.shape)
+    assert (x.dtype, xh.dtype, x.shape, xh.shape) == (torch.float16, q.dtype, q.shape, q.shape)  # carried queries
     assert prepare.buffer_dtype(torch.bfloat16, 16) == torch.float16
     assert prepare.buffer_dtype(torch.float32, 16) == torch.float32
 
@@ -584,7 +587,10 @@ def test_superblock_terms_first_in_place(monkeypatch, offsets):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     """``parallel.KEEP_PREPARED`` (the default): the forward keeps its prepare kernel's ``M``, ``K̃`` (in float32) and
-    ``M W`` for the backward, which then launches no prepare kernel of its own; the forward and every gradient equal
+    ``M W`` for the backward, which then launches no prepare kernel of its own, and its keys carried to their
+    superblock's end and the superblocks' transitions (``forward.keeps_carried``; the keys in the backward's buffer
+    dtype), which the backward then does not carry again, and its queries carried to their chunk's and superblock's
+    start, for which the backward launches no query terms kernel; the forward and every gradient equal
     those of the backward that prepares again (float32: to reordering-free equality; float16: the forward's carried
     keys now start from float32 ``K̃``), against the PyTorch backend too (superblocks, GQA, packed with an empty
     sequence, beta near 2; float16 through the kernels' own 16-bit path, unpadded), and a second backward through the
@@ -592,7 +598,7 @@ def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     nothing."""
     from attnkit.ops.path import parallel
     from attnkit.ops.path.parallel import keeps_prepared, path_fwd_op
-    from attnkit.ops.path.triton import prepare
+    from attnkit.ops.path.triton import local, prepare
 
     assert not keeps_prepared(torch.float16, 16) and keeps_prepared(torch.float32, 16)  # padded to PAD_BELOW
     monkeypatch.setattr(parallel, "PAD_BELOW", 0)
@@ -601,12 +607,22 @@ def test_backward_takes_the_forward_prepare(monkeypatch, dtype):
     inputs[:3] = [x.to(dtype) for x in inputs[:3]]
     cu = torch.tensor([0, 40, 40, 150], device=DEVICE)
     do = torch.randn(1, 150, 4, 24, device=DEVICE, dtype=dtype)
+    carries, carry = [], parallel.carry_keys_fn  # the backward's own carries (forward.py imports its own by name)
+    monkeypatch.setattr(parallel, "carry_keys_fn", lambda *a, **kw: carries.append(a[4]) or carry(*a, **kw))
+    terms = launch_counter(monkeypatch, local, "path_query_terms_kernel")
     monkeypatch.setattr(parallel, "KEEP_PREPARED", False)
     again = backend_grads(inputs, do, "triton", cu)
+    assert len(carries) == len(terms) == 1  # the backward carries the keys and the queries again
     monkeypatch.setattr(parallel, "KEEP_PREPARED", True)
     launches = launch_counter(monkeypatch, prepare, "path_prepare_kernel")
     kept = backend_grads(inputs, do, "triton", cu)
     assert not launches  # the backward's own prepare kernel (the forward's is imported by name in forward.py)
+    assert len(carries) == len(terms) == 1  # and it read the forward's carried keys and queries
+    m, kt, mw, kh, sig, x, xh = path_fwd_op(*inputs, cu, 0.25, True)[2:]
+    work = prepare.buffer_dtype(dtype, 16)
+    dtypes = [torch.float32, work, torch.float32, work, torch.float32, work, dtype]
+    assert [t.dtype for t in (m, kt, mw, kh, sig, x, xh)] == dtypes
+    assert kh.shape == inputs[1].shape and sig.shape[1:] == (2, 16, 16) and x.shape == xh.shape == inputs[0].shape
     expected = backend_grads([x.float() for x in inputs], do.float(), "torch", cu)
     tol = 0.0 if dtype == torch.float32 else TOL[dtype]
     for name, a, b, e in zip(GRAD_NAMES, kept, again, expected):

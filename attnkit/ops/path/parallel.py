@@ -19,7 +19,7 @@ from attnkit.ops.path.triton import backward, local, prepare
 from attnkit.ops.path.triton.backward_super import path_bwd_super_fn
 from attnkit.ops.path.triton.carry import carry_keys_fn
 from attnkit.ops.path.triton.decode import path_decode_fn
-from attnkit.ops.path.triton.forward import path_fwd_fn
+from attnkit.ops.path.triton.forward import keeps_carried, path_fwd_fn
 
 # 16-bit inputs whose padded key dim is below this take the backward with q, k and w zero-padded to this key dim
 # (exact: a zero coordinate of w leaves the transitions the identity there, and zero coordinates of q and k add
@@ -80,17 +80,30 @@ def path_fwd_op(
     cu_seqlens: torch.Tensor | None,
     scale: float,
     keep: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o [B,T,HQ,V] in v.dtype, lse [B,T,HQ] float32, m, kt, mw)`` through the fused forward (validated inputs; CPU
-    tensors run through Triton's interpreter). With ``keep`` (the caller will differentiate) and where
-    :func:`keeps_prepared`, ``m, kt, mw`` are the prepare kernel's outputs for the backward (``kt`` in
-    ``prepare.buffer_dtype``, ``m`` and ``mw`` float32); else empty."""
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """``(o [B,T,HQ,V] in v.dtype, lse [B,T,HQ] float32, m, kt, mw, kh, sig, x, xh)`` through the fused forward
+    (validated inputs; CPU tensors run through Triton's interpreter). With ``keep`` (the caller will differentiate) and
+    where :func:`keeps_prepared`, ``m, kt, mw`` are the prepare kernel's outputs for the backward (``kt`` in
+    ``prepare.buffer_dtype``, ``m`` and ``mw`` float32), ``x`` the queries carried to their chunk's start (in
+    ``prepare.buffer_dtype``), and ``kh, sig, xh`` the keys carried to their superblock's end, the superblocks'
+    transitions and the queries carried to their superblock's start, where the forward carried them as the backward
+    would (``forward.keeps_carried``); else empty."""
     q, k, v, w, beta = (x.contiguous() for x in (q, k, v, w, beta))
     g = None if g is None else g.contiguous()
     if keep and keeps_prepared(q.dtype, q.shape[-1]):
         return path_fwd_fn(q, k, v, w, beta, g, scale, cu_seqlens, keep=True)
     o, lse = path_fwd_fn(q, k, v, w, beta, g, scale, cu_seqlens)
-    return o, lse, *(lse.new_empty(0) for _ in range(3))
+    return o, lse, *(lse.new_empty(0) for _ in range(7))
 
 
 @path_fwd_op.register_fake
@@ -98,19 +111,29 @@ def _(q, k, v, w, beta, g, cu_seqlens, scale, keep=False):
     B, T, HQ, K = q.shape
     o, lse = q.new_empty(B, T, HQ, v.shape[-1], dtype=v.dtype), q.new_empty(B, T, HQ, dtype=torch.float32)
     if not (keep and keeps_prepared(q.dtype, K)):
-        return o, lse, *(lse.new_empty(0) for _ in range(3))
-    BT, NC = prepare.chunk_size(K), triton.cdiv(T, prepare.chunk_size(K))
-    rows = B * NC if cu_seqlens is None else NC + cu_seqlens.shape[0] - 1
+        return o, lse, *(lse.new_empty(0) for _ in range(7))
+    BT, NC, H = prepare.chunk_size(K), triton.cdiv(T, prepare.chunk_size(K)), k.shape[2]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    rows = B * NC if cu_seqlens is None else NC + N
     kt, mw = q.new_empty(k.shape, dtype=prepare.buffer_dtype(q.dtype, K)), q.new_empty(k.shape, dtype=torch.float32)
-    return o, lse, q.new_empty(rows, k.shape[2], BT, BT, dtype=torch.float32), kt, mw
+    m = q.new_empty(rows, H, BT, BT, dtype=torch.float32)
+    x = q.new_empty(q.shape, dtype=prepare.buffer_dtype(q.dtype, K))
+    R = prepare.superblock_chunks(K, BT)
+    if T == 0 or N == 0 or R >= NC or not keeps_carried(q.dtype, K, v.shape[-1]):
+        return o, lse, m, kt, mw, lse.new_empty(0), lse.new_empty(0), x, lse.new_empty(0)
+    NSB = triton.cdiv(T, BT * R)
+    spans = B * NSB if cu_seqlens is None else NSB + N
+    kh = q.new_empty(k.shape, dtype=prepare.buffer_dtype(q.dtype, K))
+    sig = q.new_empty(spans, H, block_dim(K), block_dim(K), dtype=torch.float32)
+    return o, lse, m, kt, mw, kh, sig, x, q.new_empty(q.shape)
 
 
 def _setup_fwd(ctx, inputs, output):
     q, k, v, w, beta, g, cu_seqlens, scale, _ = inputs
-    o, lse, m, kt, mw = output
-    ctx.mark_non_differentiable(lse, m, kt, mw)
+    o, lse, *kept = output  # m, kt, mw, kh, sig, x, xh
+    ctx.mark_non_differentiable(lse, *kept)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens, o, lse, m, kt, mw)
+    ctx.save_for_backward(q, k, v, w, beta, g, cu_seqlens, o, lse, *kept)
     ctx.scale = scale
 
 
@@ -148,7 +171,8 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
     1. the prepare kernel (``M``, ``K̃``, ``M W`` per chunk; or ``prepared``, the forward's, :func:`keeps_prepared`,
        when it holds them), the queries carried to their chunk's and superblock's
        start (:func:`local.query_terms_fn`), the keys carried to their superblock's end and each superblock's ``Σ``
-       (:func:`carry.carry_keys_fn`);
+       (:func:`carry.carry_keys_fn`); or those the forward kept (``prepared``: ``x`` always, ``kh``, ``Σ`` and ``x̂``
+       where ``forward.keeps_carried``);
     2. the gradients between superblocks (``backward_super.py``: one key-major sweep, ``E``'s rows in waves) and
        between chunks inside each superblock (``backward.py``, on the flattened batch cut at superblock boundaries);
     3. the superblock-local terms' adjoint and the chunk-local terms' adjoint with the diagonal blocks
@@ -175,8 +199,11 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
     carry = prepare.precisions(q.dtype, K)[1]
     config = prepare.launch_config()  # the prepare and carry kernels as the forward launches them
     work = prepare.buffer_dtype(q.dtype, K)  # K̃, x and k̂: float32, or float16 for 16-bit inputs
+    carried, queries = None, None  # the forward's carried keys and transitions, and its carried queries, if kept
     if prepared is not None and prepared[0].numel() > 0:
-        m, kt, mw = prepared
+        m, kt, mw, kh, sig, x, xh = prepared
+        carried = (kh, sig) if kh.numel() > 0 else None
+        queries = (x, xh if xh.numel() > 0 else None) if x.numel() > 0 else None
     else:
         m = torch.empty(rows, H, chunk, chunk, **f32)
         kt, mw = torch.empty(k.shape, dtype=work, device=q.device), torch.empty(k.shape, **f32)
@@ -188,16 +215,24 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
     del prepared
     inner = prepare.inner_carry(q.dtype, K) if supers else None  # the carries inside superblocks
     low_grad = prepare.measured_16bit(q.dtype, K) if backward.INNER_LOW_GRAD is None else backward.INNER_LOW_GRAD
-    x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner, work)
+    if queries is None or (supers and queries[1] is None):
+        x, xh = local.query_terms_fn(q, w, mw, cu_seqlens, chunk, span if supers else None, inner, work)
+    else:
+        x, xh = queries
+    del queries
     delta = output_delta(o, do)
     gcum = None if g is None else segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32)  # as the forward's
     dv, dgcum = torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, **f32)
     if supers:
         sb_offsets = prepare.chunk_offsets(cu_seqlens, chunk * span)
-        kh, sig, _ = carry_keys_fn(
-            w, kt, m, cu_seqlens, span, work, True, carry, config, longest=T, offsets=offsets,
-            sb_offsets=sb_offsets,
-        )  # fmt: skip
+        if carried is not None:
+            kh, sig = carried
+        else:
+            kh, sig, _ = carry_keys_fn(
+                w, kt, m, cu_seqlens, span, work, True, carry, config, longest=T, offsets=offsets,
+                sb_offsets=sb_offsets,
+            )  # fmt: skip
+        del carried
         dxh, dkh, _, dsig, _ = path_bwd_super_fn(
             xh, kh, v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, T, sb_offsets, dv,
             dgcum,
@@ -268,18 +303,24 @@ def path_bwd_op(
     m: torch.Tensor | None = None,
     kt: torch.Tensor | None = None,
     mw: torch.Tensor | None = None,
+    kh: torch.Tensor | None = None,
+    sig: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
+    xh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused backward (:func:`path_bwd_fn`) as one operator: ``(dq, dk, dw, dbeta)`` in the inputs' dtypes,
-    ``dv`` float32 and ``dg`` (empty without gates). ``m, kt, mw``: the forward's prepared tensors
-    (``path_fwd_op(keep=True)``), or None / empty to prepare here."""
+    ``dv`` float32 and ``dg`` (empty without gates). ``m, kt, mw``: the forward's prepared tensors, ``kh, sig, x, xh``
+    its carried keys, superblock transitions and carried queries (``path_fwd_op(keep=True)``), or None / empty to
+    compute them here."""
     q, k, v, w, beta, o, do = (t.contiguous() for t in (q, k, v, w, beta, o, do))
-    prepared = None if m is None else (m, kt, mw)
+    empty = q.new_empty(0)
+    prepared = None if m is None else tuple(empty if t is None else t for t in (m, kt, mw, kh, sig, x, xh))
     g = None if g is None else g.contiguous()
     return path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared)
 
 
 @path_bwd_op.register_fake
-def _(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, m=None, kt=None, mw=None):
+def _(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, m=None, kt=None, mw=None, kh=None, sig=None, x=None, xh=None):
     dg = q.new_empty(0) if g is None else g.new_empty(g.shape)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape, dtype=torch.float32),
             w.new_empty(w.shape), beta.new_empty(beta.shape), dg)  # fmt: skip
@@ -287,11 +328,11 @@ def _(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, m=None, kt=None, mw=No
 
 def _fwd_backward(ctx, do, *_):
     """The backward formula of ``attnkit::path_fwd``: one call of ``attnkit::path_bwd`` (with the forward's prepared
-    tensors where it kept them)."""
+    tensors, carried keys and queries where it kept them)."""
     if do is None:
         return (None,) * 9
-    q, k, v, w, beta, g, cu_seqlens, o, lse, m, kt, mw = ctx.saved_tensors
-    dq, dk, dv, dw, dbeta, dg = path_bwd_op(q, k, v, w, beta, g, cu_seqlens, o, lse, do, ctx.scale, m, kt, mw)
+    q, k, v, w, beta, g, cu_seqlens, o, lse, *kept = ctx.saved_tensors  # m, kt, mw, kh, sig, x, xh
+    dq, dk, dv, dw, dbeta, dg = path_bwd_op(q, k, v, w, beta, g, cu_seqlens, o, lse, do, ctx.scale, *kept)
     # dq, dk, dw, dbeta and dg come in their inputs' dtypes; dv was summed in float32 across the kernels.
     return dq, dk, dv.to(v.dtype), dw, dbeta, None if g is None else dg, None, None, None
 

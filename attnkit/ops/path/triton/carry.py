@@ -88,6 +88,7 @@ def carry_keys_fn(
     longest: int | None = None,
     offsets: torch.Tensor | None = None,
     sb_offsets: torch.Tensor | None = None,
+    returned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The prepare kernel's ``K̃`` (``kt [B,T,H,K]``) and ``M`` carried to the end of spans of ``span`` chunks:
     ``(keys [B,T,H,K] in out_dtype, sig [spans,H,BK,BK] float32 or None, span offsets [N+1] int32 or None)``
@@ -95,7 +96,8 @@ def carry_keys_fn(
     the carries' ``input_precision``; ``launch``: warps and stages. ``longest``: a bound on the sequences' lengths
     (``T`` will do), which spares the host syncs of measuring them; ``sig`` then has rows for every span the bound
     allows. ``offsets``, ``sb_offsets``: ``chunk_offsets`` of ``cu_seqlens`` by chunks and by spans, where the caller
-    has them."""
+    has them. ``returned``: ``sig`` leaves the op (the forward keeps it for the backward), so the rows the packed
+    sequences leave unused are zeros rather than uninitialised."""
     B, T, H, K = kt.shape
     BT = m.shape[-1]
     BK = block_dim(K)
@@ -113,7 +115,8 @@ def carry_keys_fn(
     if cu_seqlens is None:
         spans = B * NSB
     out = torch.empty(kt.shape, dtype=out_dtype, device=kt.device)
-    sig = torch.empty(spans, H, BK, BK, dtype=torch.float32, device=kt.device) if write_sig else None
+    alloc = torch.zeros if returned and cu_seqlens is not None else torch.empty
+    sig = alloc(spans, H, BK, BK, dtype=torch.float32, device=kt.device) if write_sig else None
     if longest == 0:
         return out, sig, sb_offsets
     path_carry_kernel[(triton.cdiv(longest, BT * span), triton.cdiv(K, BC), N * H)](

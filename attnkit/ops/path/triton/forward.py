@@ -80,11 +80,12 @@ def softmax_step(
 
 @triton.jit
 def path_fwd_kernel(
-    q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, chunk_offsets, sb_offsets, T, NT, NC, NSB, R, scale,
+    q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, x_out, xh_out, cu_seqlens, chunk_offsets, sb_offsets, T, NT, NC, NSB,
+    R, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr,
-    INNER_LOW: tl.constexpr = False,
+    INNER_LOW: tl.constexpr = False, WRITE_X: tl.constexpr = False, WRITE_XH: tl.constexpr = False,
 ):  # fmt: skip
     """``q [*, HQ, K]``, ``k, w, kt [*, H, K]``, ``v [*, H, V]``, ``m [chunks, H, BT, BT]`` float32, ``mw [*, H, K]``
     float32 (``M W`` per chunk), ``kh [*, H, K]`` (keys carried to their superblock's end) and ``sig [superblocks,
@@ -93,7 +94,9 @@ def path_fwd_kernel(
     V]`` and ``lse [*, HQ]`` float32 (the natural log-sum-exp of each query's logits, for the backward). Grid
     ``(chunks of the longest sequence, N * HQ)``. The carried query stays float32 (``CARRY_PRECISION`` dots): it
     accumulates one rank-``BT`` update per chunk of history; with ``INNER_LOW`` (:data:`INNER_CARRY_LOW`) its carries
-    inside its superblock take operands rounded to ``k``'s dtype."""
+    inside its superblock take operands rounded to ``k``'s dtype. With ``WRITE_X`` it stores the carried query at its
+    chunk's start into ``x_out [*, HQ, K]``, with ``WRITE_XH`` at its superblock's start into ``xh_out`` (each in its
+    own dtype), which the backward then reads instead of carrying the queries again."""
     LT: tl.constexpr = k.dtype.element_ty
     i_c = tl.num_programs(0) - 1 - tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -121,15 +124,18 @@ def path_fwd_kernel(
     b_v = tl.load(v + p_i[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_i[:, None] & m_v, other=0.0)
     b_m = tl.load(m + ((chunk0 + i_c) * H + i_h) * (BT * BT) + rows * BT + cols)
     b_qf = b_q.to(tl.float32)
-    b_qwm = tl.dot(
-        tl.where(rows >= cols, tl.dot(b_qf, tl.trans(b_w), input_precision=CARRY_PRECISION), 0.0),
-        b_m,
-        input_precision=CARRY_PRECISION,
-    )
+    b_u = tl.where(rows >= cols, tl.dot(b_qf, tl.trans(b_w), input_precision=CARRY_PRECISION), 0.0)  # tril(Q Wᵀ)
+    b_qwm = tl.dot(b_u, b_m, input_precision=CARRY_PRECISION)
     b_wk = tl.where(rows > cols, tl.dot(b_w, tl.trans(b_k.to(tl.float32)), input_precision=CARRY_PRECISION), 0.0)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
     b_s = (b_s - tl.dot(b_qwm, b_wk, input_precision=CARRY_PRECISION)) * (scale * JIT_LOG2E)
-    b_x = b_qf - tl.dot(b_qwm, b_w, input_precision=CARRY_PRECISION)
+    # x = Q − tril(Q Wᵀ) (M W), with the prepare kernel's M W: the backward's query terms' own formula, so that the
+    # queries the forward keeps for it are the numbers it would carry itself.
+    b_mw = tl.load(mw + p_kv, mask=m_i[:, None] & m_k, other=0.0).to(tl.float32)
+    b_x = b_qf - tl.dot(b_u, b_mw, input_precision=CARRY_PRECISION)
+    p_x = p_i[:, None] * (HQ * K) + i_hq * K + o_k[None, :]
+    if WRITE_X:
+        tl.store(x_out + p_x, b_x.to(x_out.dtype.element_ty), mask=m_i[:, None] & m_k)
     o_g = i_hq.to(tl.int64) * NT  # this query head's gates
     b_gq = tl.zeros([BT], dtype=tl.float32)
     if USE_G:
@@ -160,6 +166,8 @@ def path_fwd_kernel(
         else:
             b_xw = tl.dot(b_x, tl.trans(b_wj), input_precision=CARRY_PRECISION)
             b_x = b_x - tl.dot(b_xw, b_mwj, input_precision=CARRY_PRECISION)
+    if WRITE_XH:
+        tl.store(xh_out + p_x, b_x.to(xh_out.dtype.element_ty), mask=m_i[:, None] & m_k)
 
     # The earlier superblocks (all their chunks complete), right to left: their keys carried to the superblock's
     # end, then one dense carry across the superblock.
@@ -168,7 +176,8 @@ def path_fwd_kernel(
         sb = i_c // R - 1 - i_sb
         for jj in range(0, R):
             p_j = bos + ((sb * R + jj) * BT + o_t).to(tl.int64)
-            b_kh = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0)
+            # in k's dtype for the logits (a float16 buffer where the forward keeps it for the backward)
+            b_kh = tl.load(kh + p_j[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_k, other=0.0).to(LT)
             b_vj = tl.load(v + p_j[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_v, other=0.0)
             b_gk = key_gates(gcum, o_g, p_j, BT, USE_G)
             b_max, b_sum, b_acc = softmax_step(b_x, b_kh, b_vj, b_gk, b_max, b_sum, b_acc, scale, USE_G, PRECISION)
@@ -201,7 +210,12 @@ def path_fwd_fn(
     the UT solve's ``input_precision``; ``benchmarks/path_tune.py``'s sweep). ``keep``: also return the prepare
     kernel's ``m [chunks, H, BT, BT]``, ``kt [B,T,H,K]`` and ``mw [B,T,H,K]``, ``kt`` in ``prepare.buffer_dtype``
     (float32 by default; rounded to ``k``'s dtype where the forward's logits read it) and the others float32, for a
-    backward that chunks as the forward does (``parallel.keeps_prepared``): it skips its own UT solve."""
+    backward that chunks as the forward does (``parallel.keeps_prepared``): it skips its own UT solve; and, where some
+    chunk has an earlier superblock and :func:`keeps_carried`, ``kh [B,T,H,K]`` (the keys carried to their
+    superblock's end, in ``prepare.buffer_dtype``) and ``sig`` (each superblock's transitions, float32), which the
+    backward then reads instead of carrying again (else both empty); and ``x [B,T,HQ,K]``, the queries carried to
+    their chunk's start (in ``prepare.buffer_dtype``), and where ``kh`` is kept ``xh``, to their superblock's start
+    (in ``q``'s dtype, else empty), which the backward reads instead of its query terms kernel."""
     B, T, HQ, K = q.shape
     H, V = k.shape[2], v.shape[-1]
     BT = chunk_size(K)
@@ -221,8 +235,16 @@ def path_fwd_fn(
         chunks, H, BT, BT, dtype=torch.float32, device=q.device
     )
     kt = torch.empty(k.shape, dtype=prepare.buffer_dtype(q.dtype, K) if keep else k.dtype, device=q.device)
+    # The queries carried to their chunk's start (x, in the backward's buffer dtype) and to their superblock's (xh, in
+    # q's dtype, where kh is kept), kept for the backward as its query_terms_fn would give them.
+    x = torch.empty(q.shape, dtype=prepare.buffer_dtype(q.dtype, K), device=q.device) if keep else None
+
+    def empty() -> torch.Tensor:  # a new one each time: an op's outputs may not alias one another
+        return kt.new_empty(0, dtype=torch.float32)
+
     if longest == 0:
-        return (o, lse, m, kt, kt.new_empty(k.shape, dtype=torch.float32)) if keep else (o, lse)
+        mw = kt.new_empty(k.shape, dtype=torch.float32)
+        return (o, lse, m, kt, mw, empty(), empty(), x, empty()) if keep else (o, lse)
     mw = torch.empty(k.shape, dtype=torch.float32, device=q.device)
     is_varlen = cu_seqlens is not None
     grid_chunks = triton.cdiv(longest, BT)
@@ -234,10 +256,17 @@ def path_fwd_fn(
         PRECISION=carry, WRITE_MW=True, SB=solve_rows(BT), BATCHED=solve_batched(), **launch,
     )  # fmt: skip
     R = prepare.superblock_chunks(K, BT)
-    if R < grid_chunks:  # some query chunk has an earlier superblock
-        kh, sig, sb_offsets = carry_keys_fn(w, kt, m, cu_seqlens, R, k.dtype, True, carry, launch, T, offsets)
+    carried = R < grid_chunks  # some query chunk has an earlier superblock
+    # Kept for the backward where it would carry alike (keeps_carried), in its buffer dtype (the logits round to k's).
+    kept = keep and carried and keeps_carried(q.dtype, K, V, carry)
+    if carried:
+        dtype = prepare.buffer_dtype(q.dtype, K) if kept else k.dtype
+        kh, sig, sb_offsets = carry_keys_fn(
+            w, kt, m, cu_seqlens, R, dtype, True, carry, launch, T, offsets, returned=kept
+        )  # fmt: skip
     else:
         kh, sig, sb_offsets = kt, m, offsets  # never read
+    xh = torch.empty_like(q) if kept else None
     # Gates enter as differences within a sequence (and lse as G_i plus them): each sequence's own cumulative sum, one
     # scan kernel (torch's cumsum along T took 0.7 ms at [4, 4096, 16] on the H200), as the backward takes it.
     # Head-major ([HQ, B·T]), so that a chunk's gates are one contiguous load.
@@ -245,12 +274,24 @@ def path_fwd_fn(
     if g is not None:
         gcum = segment_cumsum(g, cu_seqlens, LOG2E, False, torch.float32).permute(2, 0, 1).contiguous()
     path_fwd_kernel[(grid_chunks, N * HQ)](
-        q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
+        q, k, v, w, kt, m, mw, kh, sig, gcum, o, lse, x, xh, cu_seqlens, offsets, sb_offsets, T, B * T, NC,
         triton.cdiv(T, BT * R), R, scale,
         HQ=HQ, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, USE_G=g is not None, IS_VARLEN=is_varlen,
-        PRECISION=precision, CARRY_PRECISION=wide_carry(carry, BK), INNER_LOW=inner_low(q.dtype, K), **launch,
+        PRECISION=precision, CARRY_PRECISION=wide_carry(carry, BK), INNER_LOW=inner_low(q.dtype, K),
+        WRITE_X=keep, WRITE_XH=kept, **launch,
     )  # fmt: skip
-    return (o, lse, m, kt, mw) if keep else (o, lse)
+    if not keep:
+        return o, lse
+    return (o, lse, m, kt, mw, kh, sig, x, xh) if kept else (o, lse, m, kt, mw, empty(), empty(), x, empty())
+
+
+def keeps_carried(dtype: torch.dtype, key_dim: int, value_dim: int, carry: str | None = None) -> bool:
+    """Whether a forward that keeps its prepared tensors (``keep``) keeps its carried keys and superblock transitions
+    too: where its carries' precision (``carry``, by default :func:`prepare.precisions`' with ``value_dim``) is the
+    backward's, which asks without the value dim. Float32 at a value dim above 128 carries exactly in the forward and
+    may not in the backward: there the backward carries again."""
+    carry = precisions(dtype, key_dim, value_dim)[1] if carry is None else carry
+    return carry == precisions(dtype, key_dim)[1]
 
 
 def inner_low(dtype: torch.dtype, key_dim: int) -> bool:
