@@ -688,6 +688,7 @@ def test_forward_opcheck_and_compile():
     """``attnkit::path_fwd`` passes ``opcheck`` (forward: fake tensor, schema, AOT dispatch) and compiles with
     ``fullgraph=True``, forward and backward; so does the fused backward's operator ``attnkit::path_bwd``."""
     from attnkit.ops.path.parallel import path_bwd_op, path_fwd_op
+    from attnkit.ops.path.triton import prepare
 
     q, k, v, w, beta, g = (x.to(DEVICE) for x in make_inputs(1, 40, 2, 1, 16, 16, gate=True, dtype=torch.float32))
     cu = torch.tensor([0, 6, 40], device=DEVICE, dtype=torch.int32)
@@ -699,7 +700,13 @@ def test_forward_opcheck_and_compile():
     do = torch.randn_like(o)
     torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, g, cu, o, lse, do, 0.25))
     o, lse, *prepared = path_fwd_op(q, k, v, w, beta, g, cu, 0.25, True)
-    assert all(t.numel() > 0 for t in prepared)
+    m, kt, mw, kh, sig, x, xh = prepared
+    assert all(t.numel() > 0 for t in (m, kt, mw, x))
+    # the carried keys, transitions and queries where some chunk has an earlier superblock: under the interpreter's
+    # chunks and superblocks, not the GPU's (40 positions in one chunk)
+    chunk = prepare.chunk_size(16)
+    supers = prepare.superblock_chunks(16, chunk) < -(-40 // chunk)
+    assert [t.numel() > 0 for t in (kh, sig, xh)] == [supers] * 3
     torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, g, cu, o, lse, do, 0.25, *prepared))
     o, lse, *_ = path_fwd_op(q, k, v, w, beta, None, None, 0.25)
     torch.library.opcheck(path_bwd_op, (q, k, v, w, beta, None, None, o, lse, do, 0.25))
