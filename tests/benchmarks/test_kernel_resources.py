@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = [
-    "path_prepare_kernel", "path_carry_kernel", "path_fwd_kernel", "path_query_terms_kernel",
+    "path_prepare_kernel", "path_carry_kernel", "path_fwd_kernel",
     "path_bwd_super_kv_kernel", "path_bwd_super_row_kernel", "path_bwd_super_sig_kernel", "path_bwd_q_kernel",
     "path_super_terms_bwd_kernel", "path_local_bwd_kernel", "segment_cumsum_kernel",
 ]  # fmt: skip
@@ -32,6 +32,12 @@ def test_launches_of_a_path_fox_step_with_the_gpu_choices():
         names = {line.split()[1] for line in lines if line.startswith(f"D={D} ")}
         assert names >= set(KERNELS), sorted(set(KERNELS) - names)
         assert "path_bwd_kv_tile_kernel" not in names  # up to K = 128 the query kernel adds the key side
+        # At K = 64 the backward takes the forward's prepared tensors, carried keys and carried queries (the same
+        # chunks): no prepare, carry or query terms kernel of its own; at K = 128 it chunks by 32 and makes its own.
+        kinds = [line.split()[1] for line in lines if line.startswith(f"D={D} ")]
+        own = 0 if D == 64 else 1
+        assert (kinds.count("path_query_terms_kernel"), kinds.count("path_carry_kernel")) == (own, 1 + own), kinds
+        assert kinds.count("path_prepare_kernel") == 1 + own, kinds
     # The GPU's launches, not the interpreter's: 64-position chunks at K = 64, and at K = 128 the sweep's 64-row tiles
     # on eight warps and one stage over 32-position chunks.
     sweep = [line for line in lines if line.startswith("D=128 path_bwd_super_kv_kernel")]
