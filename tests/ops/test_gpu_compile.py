@@ -221,8 +221,9 @@ for step in steps:
         # prepare.BUFFERS_16BIT, local.SUPER_TERMS_IN_PLACE, local.TERMS_CARRY_LOW off (on by default)
         ("path_options", {"path_query_terms_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel"}),
         # float32 inputs at K = 64 in 3xTF32 (prepare.FLOAT32_PRECISIONS): every kernel with products on the tensor
-        # cores and within Hopper's shared memory (exact FMA dots took the local adjoint 442 s to compile)
-        ("path_float32", {"path_prepare_kernel", "path_fwd_kernel", "path_query_terms_kernel",
+        # cores and within Hopper's shared memory (exact FMA dots took the local adjoint 442 s to compile); the
+        # backward takes the forward's carried queries there (forward.keeps_carried), so no query terms kernel
+        ("path_float32", {"path_prepare_kernel", "path_fwd_kernel",
                           "path_bwd_super_kv_kernel", "path_super_terms_bwd_kernel", "path_bwd_q_kernel",
                           "path_local_bwd_kernel"}),
         # and at V = 128 and K = V = 128, 3xTF32 too, the sweep on 32-row tiles (on 64-row tiles it wanted 256 and
