@@ -4,7 +4,7 @@ compiling, its first call after a kernel changed included.
 
     env -u TRITON_INTERPRET PYTHONPATH=<Triton 3.6>:. python benchmarks/precompile.py --cache DIR
         [--ops path path_fox ...] [--seq-lens 1024 ... 32768] [--head-dims 64 128] [--settings LABEL ...]
-        [--train path ...] [--probes]
+        [--train path ...] [--probes] [--reproduce PAPER [--reproduce-cells PATTERN]]
         [--pytest PYTEST ARGS ...] [--pack .tcache]
 
 How. The launchers run on CPU tensors without the interpreter, so they pick the GPU's chunks, warps, precisions and
@@ -25,24 +25,38 @@ Workloads: ``--ops``, ``benchmarks/ops.py``'s attnkit kernels (``*_triton``) for
 ``32768 // T`` sequences, ``H·D = 1024``), and again under each of ``--settings`` (``path_tune.py``'s LOCAL labels, as
 ``run_gpu.sh pathlocal``'s ``LOCAL_PICK`` times them); ``--train``, ``benchmarks/train_throughput.py``'s step of these
 mixers (under the CPU's bf16 autocast, whose casts at the kernels' inputs are CUDA's); ``--probes``,
-``benchmarks/path_probe.py``'s list (``run_gpu.sh pathsmall``); ``--pytest``, a pytest run whose kernels compile
-instead of running (its tests fail their checks, which is expected; tests that need CUDA skip). ``--pack`` writes the
-cache as xz-compressed 15 MiB parts.
+``benchmarks/path_probe.py``'s list (``run_gpu.sh pathsmall``); ``--reproduce``, the training cells of ``attnkit
+reproduce PAPER --scale full`` that are declared before any has finished (no chained cell; a ladder's first rung) and
+match ``--reproduce-cells``, once for each model configuration (mixer, shape, the training batch's ``[B, T]`` and the
+evaluation batches'; learning rates, seeds and task options that change none of these share one) as the trainer runs a
+cell on CUDA: a training step and one no-grad forward of each distinct ``[b, T]`` of the validation and test sets (the
+test lengths beyond training included), under bf16 autocast, with ``backend="auto"`` choosing as for CUDA tensors
+(``--cuda-graph`` replays the same kernels; the variants' float32 evaluations are not run); ``--pytest``, a pytest run
+whose kernels compile instead of running (its tests fail their checks, which is expected; tests that need CUDA skip).
+``--pack`` writes the cache as xz-compressed 15 MiB parts.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import hashlib
 import importlib
 import io
+import json
 import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnkit.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -179,6 +193,109 @@ def probes() -> None:
         print(f"  probe {probe or '(default)'}", flush=True)
 
 
+@contextlib.contextmanager
+def cuda_backends():
+    """``backend="auto"`` chooses for CPU tensors what it chooses for CUDA tensors (the ops' Triton kernels, SDPA for
+    softmax attention without a gate, PyTorch where an op has no kernels), as a GPU run of the default backend does."""
+    import torch
+
+    import attnkit.models  # noqa: F401  (every op that resolves a backend, imported)
+    from attnkit.ops.common import validation
+
+    resolve = validation.resolve_backend
+
+    def as_cuda(backend, op, device, **kwargs):
+        return resolve(backend, op, torch.device("cuda") if device.type == "cpu" else device, **kwargs)
+
+    holders = [
+        m for name, m in sys.modules.items() if name.startswith("attnkit") and vars(m).get("resolve_backend") is resolve
+    ]
+    for module in holders:
+        module.resolve_backend = as_cuda
+    try:
+        yield
+    finally:
+        for module in holders:
+            module.resolve_backend = resolve
+
+
+@dataclass
+class CellModel:
+    """A model configuration of reproduction cells: ``config`` (the first cell's), its task's ``vocab_size``, a
+    training step's ``[B, T]``, the evaluations' distinct ``[b, T]`` and the ``cells`` that run it."""
+
+    config: TrainConfig
+    vocab_size: int
+    train: tuple[int, int]
+    evals: tuple[tuple[int, int], ...]
+    cells: list[str]
+
+
+def cell_model(config: TrainConfig) -> CellModel:
+    """``config``'s model configuration, with the shapes of the batches its task gives (and no cells yet)."""
+    from attnkit.tasks import get_task
+    from attnkit.train.trainer import batch_generator
+
+    task = get_task(config.task, seed=config.seed, **config.task_options)
+    ids, _ = task.sample(config.batch_size // config.grad_accum, batch_generator(config.seed, 0))
+    evals = set()
+    for split in ("validation", "test"):
+        for sequences, _ in task.split_sets(split).values():
+            n, b = sequences.shape[0], config.eval_batch_size
+            evals |= {(min(b, n - start), sequences.shape[1]) for start in range(0, n, b)}
+    return CellModel(config, task.vocab_size, tuple(ids.shape), tuple(sorted(evals)), [])
+
+
+def reproduce_models(paper: str, pattern: str) -> list[CellModel]:
+    """The model configurations of ``attnkit reproduce PAPER --scale full``'s training cells whose names match
+    ``pattern`` (fnmatch), of those declared before any cell has finished."""
+    from attnkit.experiments.reproduce.command import declared, declared_cells
+    from attnkit.train import TrainConfig
+
+    with tempfile.TemporaryDirectory() as empty:
+        cells, _ = declared_cells(declared(paper, "full"), empty)
+    drawn: dict[str, CellModel] = {}  # by the config less the learning rate and seed, which change no shape
+    models: dict[str, CellModel] = {}
+    for cell in cells:
+        if cell.kind != "train" or not fnmatch.fnmatch(cell.name, pattern):
+            continue
+        fields = cell.params["config"]
+        same = json.dumps({k: v for k, v in fields.items() if k not in ("lr", "seed")}, sort_keys=True)
+        if same not in drawn:
+            drawn[same] = cell_model(TrainConfig(**fields))
+        model = drawn[same]
+        c = model.config
+        shape = [c.mixer, c.model_options, c.hidden_size, c.num_layers, c.num_heads, c.bf16, model.train, model.evals]
+        models.setdefault(json.dumps(shape, sort_keys=True), model).cells.append(cell.name)
+    return list(models.values())
+
+
+def reproduce_steps(models: list[CellModel]) -> None:
+    """Each model's training step and evaluation forwards as the trainer runs a cell on CUDA (bf16 autocast where
+    the cell asks for it, the default backend), on random tokens."""
+    import torch
+
+    from attnkit.train.graphed import token_loss_sum
+    from attnkit.train.trainer import build_model
+
+    with cuda_backends():
+        for m in models:
+            c = m.config
+            model = build_model(c, m.vocab_size, m.train[1])
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16)
+            ids = torch.randint(0, m.vocab_size, m.train)
+            with autocast:
+                loss = token_loss_sum(model, ids, ids)
+            loss.backward()
+            model.eval()
+            with torch.no_grad(), autocast:
+                for shape in m.evals:
+                    model(input_ids=torch.randint(0, m.vocab_size, shape), use_cache=False)
+            evals = ", ".join(str(list(shape)) for shape in m.evals)
+            cells = f"{m.cells[0]} and {len(m.cells) - 1} more"
+            print(f"  reproduce {c.mixer} train {list(m.train)}, eval {evals}: {cells}", flush=True)
+
+
 def pack(cache: Path, out: Path) -> list[Path]:
     """``cache`` as xz-compressed tar parts ``out/precompiled.tar.NN`` (earlier parts replaced)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -206,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", nargs="*", default=[], help="train_throughput.py's step of these mixers")
     parser.add_argument("--train-seq-lens", nargs="+", type=int, default=[4096, 16384])
     parser.add_argument("--train-tokens", type=int, default=16384, help="tokens a step (B·T)")
+    parser.add_argument("--reproduce", metavar="PAPER", help="attnkit reproduce PAPER --scale full's training cells")
+    parser.add_argument("--reproduce-cells", default="*", metavar="PATTERN", help="only cells matching (fnmatch)")
     parser.add_argument("--pytest", nargs=argparse.REMAINDER, default=None, help="pytest's arguments (last)")
     parser.add_argument("--pack", type=Path, help="write the cache as DIR/precompiled.tar.NN")
     parser.add_argument("--libtriton-sha256", default=LIBTRITON_CP312, help="the GPU machine's libtriton.so hash")
@@ -221,6 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [label for label in args.settings if label not in local]
     if unknown:
         parser.error(f"--settings: {unknown} not among path_tune.py's LOCAL labels {list(local)}")
+    models = []
+    if args.reproduce:
+        from attnkit.experiments.reproduce.command import PAPERS
+
+        if args.reproduce not in PAPERS:
+            parser.error(f"--reproduce: expected one of {list(PAPERS)}, got {args.reproduce!r}")
+        models = reproduce_models(args.reproduce, args.reproduce_cells)
+        if not models:
+            parser.error(f"--reproduce-cells: no training cell of {args.reproduce} matches {args.reproduce_cells!r}")
     import triton
 
     if triton.__version__ != "3.6.0" and not args.any_triton:
@@ -235,12 +363,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.probes:
             probes()
         train_steps(args.train, args.train_seq_lens, args.train_tokens)
+        reproduce_steps(models)
         if args.pytest is not None:
             import pytest
 
             pytest.main(["-q", "-p", "no:cacheprovider", "--tb=no", *args.pytest])
     entries = len(list(Path(args.cache).iterdir())) if Path(args.cache).exists() else 0
     print(f"{len(names)} launches of {len(set(names))} kernels, {entries} cache entries, {time.time() - start:.0f} s")
+    print("  " + ", ".join(f"{name} {names.count(name)}" for name in sorted(set(names))))
     if args.pack:
         parts = pack(Path(args.cache), args.pack)
         key = hashlib.sha256(gpu_triton_key(args.libtriton_sha256).encode()).hexdigest()

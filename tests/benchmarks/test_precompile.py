@@ -72,3 +72,28 @@ def test_a_path_tune_setting_compiles_its_own_specialisation(tmp_path):
     script[script.index(str(cache))] = str(other)
     refused = subprocess.run([*script, "--settings", "no such"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert refused.returncode != 0 and "--settings" in refused.stderr and not other.exists()
+
+
+def test_reproduce_runs_each_model_configuration_once():
+    """``--reproduce``: the flip-flop cells (four mixers × three learning rates × two seeds) are four configurations,
+    MQRAR's four N of one length share PaTH's, and an LM's evaluations are its lengths 1× to 16× at the batches the
+    trainer cuts its test sets into; nothing compiles."""
+    flipflop = precompile.reproduce_models("path", "flipflop*")
+    assert [m.config.mixer for m in flipflop] == ["path", "rope", "fox", "path_fox"]
+    assert all(len(m.cells) == 6 and m.train == (64, 512) and m.evals == ((64, 512),) for m in flipflop)
+    (mqrar,) = precompile.reproduce_models("path", "mqrar-path_*")
+    assert len(mqrar.cells) == 24 and {name.split("_")[1] for name in mqrar.cells} == {"N1", "N2", "N3", "N4"}
+    (lm,) = precompile.reproduce_models("path", "lm_default-path_L*")
+    assert lm.train == (64, 512) and lm.evals == ((8, 8192), (16, 4096), (32, 2048), (64, 512), (64, 1024))
+    assert precompile.reproduce_models("path", "no such*") == []
+
+
+def test_cuda_backends_choose_for_cpu_tensors_as_for_cuda():
+    import torch
+
+    from attnkit.ops.path import path_backend
+
+    q = torch.zeros(1, 16, 2, 64)
+    with precompile.cuda_backends():
+        assert path_backend("auto", q, q) == "triton"
+    assert path_backend("auto", q, q) == "torch"
