@@ -82,7 +82,8 @@ def test_the_local_adjoint_holds_no_buffer_it_does_not_read(tmp_path):
     ``x̂``, all four kept by autograd for the backward (``forward.keeps_carried``; held to its end): the backward makes
     no copy of its own, and its working copies of the queries are dropped with the tuple of the kernels between
     chunks. The float32 ones are ``M W`` (the forward's), ``dv``, ``dx`` and ``dK̃``, whose storage ``dw`` takes: no
-    fifth for ``dw``. The local adjoint's launch is not the peak."""
+    fifth for ``dw``; ``dv``'s sum comes out in bf16 from this launch, beside ``dq`` and ``dk``. The local adjoint's
+    launch is not the peak."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU's chunks, no kernel run
     out = tmp_path / "memory.json"
     script = [sys.executable, str(ROOT / "benchmarks" / "path_memory.py"), "--gate", "--batch", "1", "--seq-len"]
@@ -94,6 +95,6 @@ def test_the_local_adjoint_holds_no_buffer_it_does_not_read(tmp_path):
     (local,) = [p for p in row["phases"] if p["kernel"] == "path_local_bwd_kernel"]
     shapes = [(b["dtype"], tuple(b["shape"])) for b in local["alive"]]
     assert shapes.count(("float16", (1, 4096, 16, 64))) == 3, shapes
-    assert shapes.count(("bfloat16", (1, 4096, 16, 64))) == 4, shapes  # o, x̂, and dq, dk (the launch's outputs)
+    assert shapes.count(("bfloat16", (1, 4096, 16, 64))) == 5, shapes  # o, x̂, and dq, dk, dv (the launch's outputs)
     assert shapes.count(("float32", (1, 4096, 16, 64))) == 4, shapes
     assert local["units"] < max(p["units"] for p in row["phases"])

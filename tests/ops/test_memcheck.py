@@ -113,7 +113,7 @@ def test_path_kernels_stay_inside_their_arguments_as_a_gpu_launches_them(gpu_con
     seen, local_bwd = [], local.local_bwd_fn
 
     def spy(*args):
-        seen.append((args[0].shape[-1], args[-2]))  # the padded K and the chunk
+        seen.append((args[0].shape[-1], args[-3]))  # the padded K and the chunk (then offsets and dv_out)
         return local_bwd(*args)
 
     monkeypatch.setattr(local, "local_bwd_fn", spy)

@@ -81,9 +81,10 @@ def test_real_sizes_on_gpu(B, T, HQ, H, K, dtype):
         (1, 8192, 4, 2, 64, torch.bfloat16, None),
         (2, 2048, 2, 2, 128, torch.float32, None),
         (1, 4096, 2, 1, 128, torch.bfloat16, [0, 1000, 1000, 4096]),
+        (1, 5000, 4, 2, 64, torch.bfloat16, [0, 700, 700, 2900, 5000]),
         (1, 2048, 2, 2, 256, torch.bfloat16, None),
     ],
-    ids=["bf16-K64", "fp32-K128", "bf16-K128-varlen", "bf16-K256"],
+    ids=["bf16-K64", "fp32-K128", "bf16-K128-varlen", "bf16-K64-varlen", "bf16-K256"],
 )
 def test_real_size_gradients_on_gpu(B, T, HQ, H, K, dtype, offsets):
     """The fused backward at real sizes, ``beta`` in (1.5, 2): every gradient against the PyTorch backend on the

@@ -163,10 +163,10 @@ def _superblock_cuts(
 
 
 def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=None):
-    """The fused backward of ``attnkit::path_fwd`` (contiguous inputs): ``(dq, dk, dw, dbeta)`` in the inputs'
-    dtypes, ``dv`` float32 and ``dg`` in ``g``'s dtype (empty without gates). Kernels only, a fixed number of
-    launches besides the waves of the kernels between chunks and superblocks (each a function of the shapes and a
-    memory budget), and no host sync:
+    """The fused backward of ``attnkit::path_fwd`` (contiguous inputs): ``(dq, dk, dv, dw, dbeta)`` in the inputs'
+    dtypes (``dv`` summed in float32 across the kernels, rounded once by the last) and ``dg`` in ``g``'s dtype (empty
+    without gates). Kernels only, a fixed number of launches besides the waves of the kernels between chunks and
+    superblocks (each a function of the shapes and a memory budget), and no host sync:
 
     1. the prepare kernel (``M``, ``K̃``, ``M W`` per chunk; or ``prepared``, the forward's, :func:`keeps_prepared`,
        when it holds them), the queries carried to their chunk's and superblock's
@@ -222,7 +222,7 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
     del queries
     delta = output_delta(o, do)
     gcum = None if g is None else segment_cumsum(g, cu_seqlens, 1.0, False, torch.float32)  # as the forward's
-    dv, dgcum = torch.zeros(B, T, H, V, **f32), torch.zeros(B, T, HQ, **f32)
+    dgcum = None if g is None else torch.zeros(B, T, HQ, **f32)  # atomic adds: zeroed
     if supers:
         sb_offsets = prepare.chunk_offsets(cu_seqlens, chunk * span)
         if carried is not None:
@@ -233,9 +233,9 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
                 sb_offsets=sb_offsets,
             )  # fmt: skip
         del carried
-        dxh, dkh, _, dsig, _ = path_bwd_super_fn(
-            xh, kh, v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, T, sb_offsets, dv,
-            dgcum,
+        # The sweep stores dk̂, dV and dΣ first (no zeros before it), and zeroes dx̂ for its atomic adds.
+        dxh, dkh, dv, dsig, _ = path_bwd_super_fn(
+            xh, kh, v, sig, gcum, do, lse, delta, scale, cu_seqlens, chunk, span, T, sb_offsets, None, dgcum
         )  # fmt: skip
         del xh, kh, sig
         # Within superblocks: the chunk-by-chunk kernels on the flattened batch cut at superblock boundaries.
@@ -243,11 +243,11 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
         inputs = (x, kt, v, w, m, mw, gcum, do, lse, delta)
         flat = [t if t is None or i == 4 else t.reshape(1, B * T, *t.shape[2:]) for i, t in enumerate(inputs)]
         between = (*flat, scale, cuts, chunk, span * chunk, cut_offsets, dv.view(1, B * T, H, V),
-                   dgcum.view(1, B * T, HQ), inner, low_grad, backward.INNER_EVERY)  # fmt: skip
+                   None if g is None else dgcum.view(1, B * T, HQ), inner, low_grad, backward.INNER_EVERY)  # fmt: skip
         if local.terms_in_place(K, chunk):
             # The superblock terms first: dx̂ and dk̂ become dx's and dK̃'s shares, which the kernels between chunks
-            # then add theirs to (local.SUPER_TERMS_IN_PLACE).
-            da = torch.zeros(rows, H, block_dim(K), block_dim(K), **f32)
+            # then add theirs to (local.SUPER_TERMS_IN_PLACE); the terms store every chunk's dA first.
+            da = torch.empty(rows, H, block_dim(K), block_dim(K), **f32)
             local.super_terms_bwd_fn(
                 x, kt, w, mw, dxh, dkh, dsig, dxh, dkh, da, cu_seqlens, chunk, span, q.dtype, offsets, sb_offsets,
                 inner, in_place=True,
@@ -273,18 +273,19 @@ def path_bwd_fn(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, prepared=Non
             del dxh, dkh, dsig
         del inputs, flat, between  # they hold x, K̃ and M W, which the local adjoint does not read
     else:
-        dkt, _, dx, dw_in, dm, da, _ = backward.path_bwd_between_fn(
-            x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk, T, offsets, dv, dgcum
+        dkt, dv, dx, dw_in, dm, da, dgcum = backward.path_bwd_between_fn(
+            x, kt, v, w, m, mw, gcum, do, lse, delta, scale, cu_seqlens, chunk, T, offsets, None, dgcum
         )
     del x, kt, mw
     has_da, has_dm = da.numel() > 0, dm.numel() > 0
+    dv_out = torch.empty_like(v)  # the local adjoint, dV's last writer, rounds the float32 sum into v's dtype
     dq, dk, dw, dbeta = local.local_bwd_fn(
         q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da if has_da else None, dm if has_dm else None,
-        dw_in if has_dm else None, dv, dgcum if g is not None else None, scale, cu_seqlens, chunk, offsets,
+        dw_in if has_dm else None, dv, dgcum if g is not None else None, scale, cu_seqlens, chunk, offsets, dv_out,
     )  # fmt: skip
     # gcum is a cumulative sum: its gradient sums from each token to the end of its sequence.
     dg = q.new_empty(0) if g is None else segment_cumsum(dgcum, cu_seqlens, 1.0, True, g.dtype)
-    return dq, dk, dv, dw, dbeta, dg
+    return dq, dk, dv_out, dw, dbeta, dg
 
 
 @torch.library.custom_op("attnkit::path_bwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -308,8 +309,8 @@ def path_bwd_op(
     x: torch.Tensor | None = None,
     xh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused backward (:func:`path_bwd_fn`) as one operator: ``(dq, dk, dw, dbeta)`` in the inputs' dtypes,
-    ``dv`` float32 and ``dg`` (empty without gates). ``m, kt, mw``: the forward's prepared tensors, ``kh, sig, x, xh``
+    """The fused backward (:func:`path_bwd_fn`) as one operator: ``(dq, dk, dv, dw, dbeta)`` in the inputs' dtypes
+    and ``dg`` (empty without gates). ``m, kt, mw``: the forward's prepared tensors, ``kh, sig, x, xh``
     its carried keys, superblock transitions and carried queries (``path_fwd_op(keep=True)``), or None / empty to
     compute them here."""
     q, k, v, w, beta, o, do = (t.contiguous() for t in (q, k, v, w, beta, o, do))
@@ -322,8 +323,8 @@ def path_bwd_op(
 @path_bwd_op.register_fake
 def _(q, k, v, w, beta, g, cu_seqlens, o, lse, do, scale, m=None, kt=None, mw=None, kh=None, sig=None, x=None, xh=None):
     dg = q.new_empty(0) if g is None else g.new_empty(g.shape)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape, dtype=torch.float32),
-            w.new_empty(w.shape), beta.new_empty(beta.shape), dg)  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), w.new_empty(w.shape), beta.new_empty(
+        beta.shape), dg  # fmt: skip
 
 
 def _fwd_backward(ctx, do, *_):
@@ -333,8 +334,7 @@ def _fwd_backward(ctx, do, *_):
         return (None,) * 9
     q, k, v, w, beta, g, cu_seqlens, o, lse, *kept = ctx.saved_tensors  # m, kt, mw, kh, sig, x, xh
     dq, dk, dv, dw, dbeta, dg = path_bwd_op(q, k, v, w, beta, g, cu_seqlens, o, lse, do, ctx.scale, *kept)
-    # dq, dk, dw, dbeta and dg come in their inputs' dtypes; dv was summed in float32 across the kernels.
-    return dq, dk, dv.to(v.dtype), dw, dbeta, None if g is None else dg, None, None, None
+    return dq, dk, dv, dw, dbeta, None if g is None else dg, None, None, None
 
 
 path_fwd_op.register_autograd(_fwd_backward, setup_context=_setup_fwd)

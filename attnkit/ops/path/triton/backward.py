@@ -206,16 +206,21 @@ def load_key_chunk(
 def store_key_chunk_grads(
     dk, dv, dgcum, b_dk, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_G: tl.constexpr,
+    FRESH: tl.constexpr = False,
 ):  # fmt: skip
     """A key-major program's results for its key chunk (rows ``p_m``, key/value head ``i_h``): the keys' and values'
-    gradients, added to what earlier launches left there (the program owns these rows in its own launch), and, per
-    query head of the group (rows of ``b_dg``), the gates' key side (added: other programs add the same rows' query
-    side)."""
+    gradients, added to what earlier launches left there (the program owns these rows in its own launch), or stored
+    where the launch is their first writer (``FRESH``), and, per query head of the group (rows of ``b_dg``), the
+    gates' key side (added: other programs add the same rows' query side)."""
     G: tl.constexpr = HQ // H
     p_dk = dk + p_m[:, None] * (H * K) + i_h * K + o_k[None, :]
-    tl.store(p_dk, tl.load(p_dk, mask=m_k, other=0.0) + b_dk, mask=m_k)
     p_dv = dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :]
-    tl.store(p_dv, tl.load(p_dv, mask=m_v, other=0.0) + b_dv, mask=m_v)
+    if FRESH:
+        tl.store(p_dk, b_dk, mask=m_k)
+        tl.store(p_dv, b_dv, mask=m_v)
+    else:
+        tl.store(p_dk, tl.load(p_dk, mask=m_k, other=0.0) + b_dk, mask=m_k)
+        tl.store(p_dv, tl.load(p_dv, mask=m_v, other=0.0) + b_dv, mask=m_v)
     if USE_G:
         tl.atomic_add(dgcum + p_m[None, :] * HQ + i_h * G + o_g[:, None], b_dg, mask=(o_g < G)[:, None], sem="relaxed")
 
@@ -509,11 +514,12 @@ def path_bwd_between_fn(
 ) -> tuple[torch.Tensor, ...]:
     """The gradients of the logits between chunks (``longest``: the longest sequence's length, known to the caller,
     so that the launch reads nothing back from the device; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)`` where
-    the caller has it; ``dv``, ``dgcum``: float32 buffers to add into, else new zeros; ``carry_precision``: the
-    carries' ``input_precision``, default ``precisions(v.dtype, K)[1]``; ``low_grad``: the logits' and gradients'
-    products on operands rounded to ``do``'s dtype, as the sweep between superblocks takes them; ``every``: the
-    query kernel's key chunks per checkpoint segment, default :func:`checkpoint_every`'s; ``dkt``, ``dx``, ``da``:
-    float32 buffers to add into, ``da`` only where :func:`sums_carry_gradient`). ``x [B,T,HQ,K]``,
+    the caller has it; ``dv``, ``dgcum``: float32 buffers to add into, else new zeros (``dgcum`` empty without
+    gates); ``carry_precision``: the carries' ``input_precision``, default ``precisions(v.dtype, K)[1]``;
+    ``low_grad``: the logits' and gradients' products on operands rounded to ``do``'s dtype, as the sweep between
+    superblocks takes them; ``every``: the query kernel's key chunks per checkpoint segment, default
+    :func:`checkpoint_every`'s; ``dkt``, ``dx``, ``da``: float32 buffers to add into, ``da`` only where
+    :func:`sums_carry_gradient`). ``x [B,T,HQ,K]``,
     ``kt [B,T,H,K]`` (both in ``prepare.buffer_dtype``), ``v [B,T,H,V]``,
     ``w [B,T,H,K]``, ``m [chunks,H,BT,BT]``, ``mw [B,T,H,K]`` (``M W`` per chunk) float32, ``gcum``, ``lse``,
     ``delta [B,T,HQ]`` float32 (or ``gcum`` None), ``do [B,T,HQ,V]``, all contiguous. Returns float32
@@ -533,7 +539,8 @@ def path_bwd_between_fn(
     dkt = torch.zeros(B, T, H, K, **f32) if dkt is None else dkt
     dx = torch.zeros(B, T, HQ, K, **f32) if dx is None else dx
     dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
-    dgcum = torch.zeros(B, T, HQ, **f32) if dgcum is None else dgcum
+    if dgcum is None:  # the gates' atomic adds; nothing without gates
+        dgcum = torch.empty(0, **f32) if gcum is None else torch.zeros(B, T, HQ, **f32)
     sums_da = sums_carry_gradient(K, BT)
     if da is not None and not sums_da:
         raise ValueError("da: the kernels between chunks take dA's projections at this key dim, not dA")

@@ -131,13 +131,32 @@ def sweep_pair(
 
 
 @triton.jit
+def zero_last_tiles(
+    dkh, dv, bos, L, i_m0, i_h,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    TPP: tl.constexpr,
+):  # fmt: skip
+    """Zeros into rows ``i_m0 · BT …`` (``TPP`` tiles, those before ``L``) of key/value head ``i_h`` of ``dkh`` and
+    ``dv``: the share of a superblock that meets no later one, where :func:`path_bwd_super_kv_kernel` stores first."""
+    o_t, o_k, o_v = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
+    for t in range(0, TPP):
+        o_r = (i_m0 + t) * BT + o_t
+        p_m = bos + o_r.to(tl.int64)
+        m_r = (o_r < L)[:, None]
+        tl.store(dkh + p_m[:, None] * (H * K) + i_h * K + o_k[None, :], tl.zeros([BT, BK], dtype=tl.float32),
+                 mask=m_r & (o_k < K)[None, :])  # fmt: skip
+        tl.store(dv + p_m[:, None] * (H * V) + i_h * V + o_v[None, :], tl.zeros([BT, BV], dtype=tl.float32),
+                 mask=m_r & (o_v < V)[None, :])  # fmt: skip
+
+
+@triton.jit
 def path_bwd_super_kv_kernel(
     xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, cu_seqlens, sb_offsets, T, NSB, NL, R,
-    GROUPS, n0, WE, scale,
+    GROUPS, n0, WR, WE, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, BG: tl.constexpr, TPP: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, CARRY_PRECISION: tl.constexpr, PAIR_PRECISION: tl.constexpr = "tf32x3",
-    SUPERBLOCKS_OUTER: tl.constexpr = False,
+    SUPERBLOCKS_OUTER: tl.constexpr = False, FRESH: tl.constexpr = False,
 ):  # fmt: skip
     """``xh [*, HQ, K]`` (queries carried to their superblock's start, in ``do``'s dtype or float32), ``kh [*, H, K]``
     float32 (keys carried to their superblock's end), ``v [*, H, V]``, ``sig [superblocks, H, BK, BK]`` float32,
@@ -149,15 +168,22 @@ def path_bwd_super_kv_kernel(
     superblock, ``NL`` superblocks in the longest sequence, ``NSB`` rows of ``sig`` a dense sequence).
     ``SUPERBLOCKS_OUTER``: the later superblocks in the outer loop and the tiles inside (:data:`SWEEP_ORDER`),
     ``Π_{n,s}`` carried in one slot a program (``rows_pi [N * H, programs of the wave, BK, BK]``) and the tiles'
-    gradients added to ``dkh``, ``dv`` a pair at a time."""
+    gradients added to ``dkh``, ``dv`` a pair at a time.
+
+    ``FRESH`` (the tiles' order): ``dkh`` and ``dv`` come uninitialised and every row of them is stored once, not
+    added to: a program stores its tiles' gradients, and the programs of each sequence's last superblock, which meets
+    no later one, store zeros (the rows past the wave's ``WR`` rows, launched with the first wave only, take the
+    longest sequences' last superblock, ``NL − 1``, which no wave's rows reach)."""
     i_ru, i_nh = tl.program_id(0), tl.program_id(1)
     i_r, i_u = i_ru // GROUPS, i_ru % GROUPS
-    n = n0 + i_r
+    n = tl.where(i_r < WR, n0 + i_r, NL - 1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     n_tiles = tl.cdiv(L, BT)
     n_sb = tl.cdiv(n_tiles, R)
     if n + 1 >= n_sb:
+        if FRESH and n + 1 == n_sb:
+            zero_last_tiles(dkh, dv, bos, L, n * R + i_u * TPP, i_h, H, K, V, BK, BV, BT, TPP)
         return
     sb0 = first_chunk(sb_offsets, i_n, NSB, IS_VARLEN)
     o_t = tl.arange(0, BT)
@@ -219,7 +245,7 @@ def path_bwd_super_kv_kernel(
                     i_h, scale, o_t, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, BK, BT, USE_G, PRECISION, PAIR_PRECISION,
                 )  # fmt: skip
             store_key_chunk_grads(
-                dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G
+                dkh, dv, dgcum, b_dkh, b_dv, b_dg, p_m, i_h, o_k, o_v, o_g, m_k, m_v, HQ, H, K, V, USE_G, FRESH
             )
             tl.debug_barrier()  # the next tile reads the E slots this one wrote
 
@@ -289,13 +315,17 @@ def path_bwd_super_sig_kernel(
     H: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):  # fmt: skip
     """``dsig [superblocks, H, BK, BK]`` float32 ``+= Σ_n Z_{n,p}`` over the wave's rows ``n0 ≤ n < n1``, ``n < p``
-    (as :func:`path_bwd_super_row_kernel` left them). Grid ``(superblocks of the longest sequence, N * H)``."""
+    (as :func:`path_bwd_super_row_kernel` left them); the first wave (``n0 = 0``) stores rather than adds, zeros
+    where nothing lands (the first and last superblocks), so that ``dsig`` needs no zeros before it. Grid
+    ``(superblocks of the longest sequence, N * H)``."""
     p, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     _, L = seq_bounds(cu_seqlens, i_n, T, IS_VARLEN)
     n_sb = tl.cdiv(tl.cdiv(L, BT), R)
-    top = tl.minimum(n1, p)
-    if p + 1 >= n_sb or n0 >= top:
+    if p >= n_sb:
+        return
+    top = tl.where(p + 1 < n_sb, tl.minimum(n1, p), n0)  # the last superblock's Σ carries no query: no gradient
+    if n0 > 0 and n0 >= top:
         return
     o_k = tl.arange(0, BK)
     p_kk = o_k[:, None] * BK + o_k[None, :]
@@ -304,7 +334,9 @@ def path_bwd_super_sig_kernel(
     for n in range(n0, top):
         b_acc += tl.load(p_base + (row_offset(n - n0, n0, NL) + p - n) * (BK * BK))
     p_dsig = dsig + ((first_chunk(sb_offsets, i_n, NSB, IS_VARLEN) + p) * H + i_h) * (BK * BK) + p_kk
-    tl.store(p_dsig, tl.load(p_dsig) + b_acc)
+    if n0 > 0:
+        b_acc += tl.load(p_dsig)
+    tl.store(p_dsig, b_acc)
 
 
 def program_groups(tiles: int, superblocks: int, pair_bytes: int) -> int:
@@ -361,9 +393,11 @@ def path_bwd_super_fn(
     ``lse``, ``delta [B,T,HQ]`` float32, ``do [B,T,HQ,V]``, all contiguous. Returns float32 ``(dxh [B,T,HQ,K], dkh
     [B,T,H,K], dv [B,T,H,V], dsig [superblocks,H,BK,BK], dg [B,T,HQ])`` (``dg`` the gradient of ``gcum``, both sides).
     ``longest``: the longest sequence's length (no host sync); ``sb_offsets``: ``chunk_offsets(cu_seqlens, chunk *
-    span)`` where the caller has it; ``dv``, ``dgcum``: float32 buffers to add into (returned), else new zeros. Three
-    launches a wave of key superblocks (:func:`waves`: one wave unless the pairs' ``K × K`` slots outgrow
-    ``SCRATCH_BYTES``)."""
+    span)`` where the caller has it; ``dv``, ``dgcum``: float32 buffers to add into (returned), else new ones (``dg``
+    empty without gates). Three launches a wave of key superblocks (:func:`waves`: one wave unless the pairs'
+    ``K × K`` slots outgrow ``SCRATCH_BYTES``). Without a ``dv`` to add into, the kernels store ``dkh``, ``dv`` and
+    ``dsig`` first (``FRESH``, in the tiles' order), so that only the atomic adds' buffers (``dxh``, ``dg``) are
+    zeroed before them."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
     config = launch_config(K, chunk, v.dtype, V)
@@ -388,12 +422,17 @@ def path_bwd_super_fn(
         sb_offsets = chunk_offsets(cu_seqlens, length)
     NSB = triton.cdiv(T, length)
     f32 = dict(dtype=torch.float32, device=xh.device)
-    dxh, dkh = torch.zeros(B, T, HQ, K, **f32), torch.zeros(B, T, H, K, **f32)
-    dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
-    dsig = torch.zeros_like(sig)
-    dgcum = torch.zeros(B, T, HQ, **f32) if dgcum is None else dgcum
+    if dgcum is None:
+        dgcum = torch.empty(0, **f32) if gcum is None else torch.zeros(B, T, HQ, **f32)
+    dxh = torch.zeros(B, T, HQ, K, **f32)
     if NL < 2:
-        return dxh, dkh, dv, dsig, dgcum
+        dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
+        return dxh, torch.zeros(B, T, H, K, **f32), dv, torch.zeros_like(sig), dgcum
+    fresh = dv is None and not outer  # every row of dkh and dv stored once, the first wave's dsig stored
+    alloc = torch.empty if fresh else torch.zeros
+    dkh = alloc(B, T, H, K, **f32)
+    dv = alloc(B, T, H, V, **f32) if dv is None else dv
+    dsig = torch.empty_like(sig) if fresh and NL >= 3 else torch.zeros_like(sig)
     precision, carry = precisions(v.dtype, K, V)
     if PAIR_16BIT == "16bit" and v.dtype != torch.float32:  # 16-bit operands: under the interpreter too (fp16)
         pair = PAIR_16BIT
@@ -407,12 +446,13 @@ def path_bwd_super_fn(
     rows_pi = torch.empty(max(n1 - n0 for n0, n1, _ in plan) * slot // 4, **f32) if outer else torch.empty_like(rows_e)
     shape = (cu_seqlens, sb_offsets, T, NSB, NL, tiles, groups)
     for n0, n1, entries in plan:
-        path_bwd_super_kv_kernel[((n1 - n0) * groups, N * H)](
-            xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, *shape, n0, entries, scale,
-            HQ=HQ, H=H,
+        extra = int(fresh and n0 == 0)  # the first wave also zeros the longest sequences' last superblock
+        path_bwd_super_kv_kernel[((n1 - n0 + extra) * groups, N * H)](
+            xh, kh, v, sig, gcum, do, lse, delta, dxh, dkh, dv, dgcum, rows_e, rows_pi, *shape, n0, n1 - n0, entries,
+            scale, HQ=HQ, H=H,
             K=K, V=V, BK=BK, BV=BV, BT=BT, BG=triton.next_power_of_2(HQ // H), TPP=tpp, USE_G=gcum is not None,
             IS_VARLEN=varlen, PRECISION=precision, CARRY_PRECISION=carry, PAIR_PRECISION=pair,
-            SUPERBLOCKS_OUTER=outer, **launch,
+            SUPERBLOCKS_OUTER=outer, FRESH=fresh, **launch,
         )  # fmt: skip
         if NL < 3:  # no superblock lies between two others: Σ has no gradient here
             continue

@@ -212,8 +212,8 @@ def path_super_terms_bwd_kernel(
     over the columns): ``2R − 1`` carries a superblock. The ``Σ`` term ``S_j dΣᵀ P_jᵀ`` is folded into ``V`` by
     starting it at ``V_0 = dΣ``. With ``IN_PLACE`` (one program a head, ``BC = BK``: it alone reads and writes its
     rows' columns, each row last read at its own step) ``dx̂ Pᵀ`` and ``dk̂ Sᵀ`` overwrite ``dxh`` and ``dkh`` instead
-    of adding into ``dx`` and ``dkt``. With ``LOW`` the carries of ``S``, ``U``, ``P`` and ``V`` take operands rounded
-    to ``DT`` (:data:`TERMS_CARRY_LOW`)."""
+    of adding into ``dx`` and ``dkt``, and ``dA`` is stored, not added (``da`` may come uninitialised). With ``LOW``
+    the carries of ``S``, ``U``, ``P`` and ``V`` take operands rounded to ``DT`` (:data:`TERMS_CARRY_LOW`)."""
     i_w, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = r0 + i_w  # the superblock's row in the per-superblock arrays
     if IS_VARLEN:
@@ -285,7 +285,10 @@ def path_super_terms_bwd_kernel(
             b_da = tl.dot(b_u, tl.trans(b_p), input_precision=PRECISION)
             b_da += tl.dot(b_s, tl.trans(b_v), input_precision=PRECISION)
             p_da = da + (i_chunk * H + i_h) * (BK * BK) + o_k[:, None] * BK + o_k[None, :]
-            tl.atomic_add(p_da, b_da, sem="relaxed")
+            if IN_PLACE:  # the chunk's one program, and dA's first writer: stored, no zeros before
+                tl.store(p_da, b_da)
+            else:
+                tl.atomic_add(p_da, b_da, sem="relaxed")
         for i_g in range(G):
             p_q = p_j[:, None] * (HQ * K) + (i_h * G + i_g) * K
             b_dxh = tl.load(dxh + p_q + o_c[None, :], mask=m_j[:, None] & m_c, other=0.0)
@@ -343,7 +346,7 @@ def load_rows(t, p_t, i_h, o_d, m_t, HD: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def path_local_bwd_kernel(
-    q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
+    q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dv_out, dgcum,
     cu_seqlens, chunk_offsets, T, NC, scale,
     HQ: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BT: tl.constexpr, USE_G: tl.constexpr, IS_VARLEN: tl.constexpr, DA: tl.constexpr, DM: tl.constexpr,
@@ -354,7 +357,8 @@ def path_local_bwd_kernel(
     [*, HQ]`` float32, the gradients of the local terms (float32): ``dx [*, HQ, K]``, ``dkt [*, H, K]``, with ``DA``
     ``da [chunks, H, BK, BK]`` (the carries') and with ``DM`` ``dm [chunks, H, BT, BT]`` and ``dw_in [*, H, K]`` (the
     carries' gradient as its projections). Writes ``dq [*, HQ, K]``, ``dk, dw [*, H, K]``, ``dbeta [*, H]`` (float32)
-    and adds the diagonal blocks' ``dV`` into ``dv [*, H, V]`` and, with ``USE_G``, their row and column sums of
+    and adds the diagonal blocks' ``dV`` to ``dv [*, H, V]`` (float32) into ``dv_out`` (``dv`` itself, or a tensor
+    in its own dtype) and, with ``USE_G``, their row and column sums of
     ``dS`` into ``dgcum [*, HQ]``. ``SOLVE``: ``L⁻ᵀ dM`` by back substitution, or by two products in that precision
     (``LOCAL_SOLVE``). Grid ``(chunks, N * H)``."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
@@ -468,8 +472,9 @@ def path_local_bwd_kernel(
     tl.store(dk + p_kv, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dw + p_kv, b_dw.to(dw.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + p_t * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
-    p_dv = dv + p_t[:, None] * (H * V) + i_h * V + o_v[None, :]
-    tl.store(p_dv, tl.load(p_dv, mask=m_tv, other=0.0) + b_dv, mask=m_tv)
+    p_dv = p_t[:, None] * (H * V) + i_h * V + o_v[None, :]
+    b_dv += tl.load(dv + p_dv, mask=m_tv, other=0.0)
+    tl.store(dv_out + p_dv, b_dv.to(dv_out.dtype.element_ty), mask=m_tv)
 
 
 def query_terms_fn(
@@ -538,7 +543,8 @@ def super_terms_bwd_fn(
     in waves whose scratch (``S_j`` and ``U_j``, two ``K × K`` float32 matrices a chunk) fits ``SCRATCH_BYTES``, of
     at least ``SCRATCH_MIN_PROGRAMS`` programs: one wave at T = 32k, K = 64, 16 heads; four at K = 128, 8 heads,
     however many sequences a packed batch holds. With ``in_place`` (where :func:`terms_in_place`) ``dx`` and ``dkt``
-    are ``dxh`` and ``dkh``, which their shares overwrite."""
+    are ``dxh`` and ``dkh``, which their shares overwrite, and every chunk's ``dA`` is stored into ``da`` (which
+    needs no zeros before)."""
     B, T, HQ, K = x.shape
     H = kt.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -612,12 +618,14 @@ def local_bwd_fn(
     cu_seqlens: torch.Tensor | None,
     chunk: int,
     offsets: torch.Tensor | None,
+    dv_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dw, dbeta)`` in the dtypes of ``q, k, w, beta`` from the local terms' gradients
     (:func:`path_local_bwd_kernel`; ``m``: the prepare kernel's UT matrices; ``da`` or ``dm`` with ``dw_in`` may be
-    None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks into ``dv`` and ``dgcum`` in
-    place. ``dw`` is ``dkt`` itself, overwritten, where their dtypes, shapes and strides agree: the caller reads
-    ``dkt`` no more.
+    None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks into ``dgcum`` in place, and
+    into ``dv``, in place or, given ``dv_out`` (of ``dv``'s shape, in any dtype: the last writer of ``dV`` rounds
+    it once), into ``dv_out``. ``dw`` is ``dkt`` itself, overwritten, where their dtypes, shapes and strides agree:
+    the caller reads ``dkt`` no more.
 
     The kernel's products take :func:`local_precisions`: the attention products' precision (one TF32 pass for
     16-bit inputs, ``prepare.FLOAT32_PRECISIONS`` for float32 ones), and for bfloat16 inputs at ``K <= 64`` bf16
@@ -636,8 +644,8 @@ def local_bwd_fn(
     precision, grads = local_precisions(q.dtype, K, V)
     solve = "substitution" if LOCAL_SOLVE is None else local_solve(q.dtype, precision)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
-        q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dgcum,
-        cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
+        q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv,
+        dv if dv_out is None else dv_out, dgcum, cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=value_block(V, v.dtype), BT=chunk, USE_G=gcum is not None,
         IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precision,
         GRAD_PRECISION=grads, SOLVE=solve, **launch_config(K),
