@@ -749,66 +749,6 @@ def test_gate_groups_carry_the_inverse(group):
         assert_close(name, x, y, 1e-5)
 
 
-BLOCKED_CASES = [  # K, lengths (one sequence, or packed), lam0, with_state, u's scale
-    (16, [37], 0.1, False, "layer"),
-    (32, [64], 0.01, True, "layer"),
-    (64, [45], 10.0, False, "layer"),
-    (64, [50], 0.01, True, "unit"),
-    (16, [13, 40, 1], 0.1, True, "layer"),
-    (32, [33, 7, 29], 0.01, False, "unit"),
-    (64, [20, 45], 0.1, True, "layer"),
-]
-
-
-@pytest.mark.parametrize(
-    "case", BLOCKED_CASES, ids=lambda c: "K{}-T{}-lam{}-state{}-u{}".format(c[0], "+".join(map(str, c[1])), *c[2:])
-)
-def test_blocked_downdate_matches_sequential(monkeypatch, case):
-    """The forward's downdates by elimination of the Gram ``M = I + Y U_bᵀ`` (``gates.BLOCKED_DOWNDATE``) give what
-    the token-by-token downdates give (``α̂``, ``A_end``, ``A0``, ``R``, ``‖a‖`` and the backward's gradients from
-    them), and both give the PyTorch backend's gates (float64) on each sequence: odd lengths, packed sequences, a
-    state, ``lam0`` from 0.01 to 10, and unit ``u`` (``M``'s entries up to ``1/lam0``)."""
-    import attnkit.ops.vla.triton.gates as gates
-    from attnkit.ops.common.triton_utils import float32_dots
-
-    K, lengths, lam0, with_state, scale = case
-    H, C, T, N = 2, gates_chunk_size(), sum(lengths), len(lengths)
-    gen = torch.Generator().manual_seed(K + T)
-    k_hat = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    u = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    u = u / K**0.5 if scale == "layer" else u
-    A_init = make_state(N, H, K, 4, lam0)[1] if with_state else None
-    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(DEVICE) if N > 1 else None
-    lam_init = None if A_init is None else torch.linalg.inv(A_init).float().to(DEVICE)
-    k32, u32 = (x.float().to(DEVICE) for x in (k_hat, u))
-    dalpha = torch.randn(1, T, H, K, generator=gen).to(DEVICE)
-    da_end = torch.randn(N, H, K, K, generator=gen).to(DEVICE)
-    precision = float32_dots(torch.float32)
-
-    def stage(blocked):
-        monkeypatch.setattr(gates, "BLOCKED_DOWNDATE", blocked)
-        alpha, a_end, a0, r, anorm = gates.vla_write_fwd_fn(k32, u32, lam_init, cu_seqlens, lam0, C, precision)
-        grads = gates.vla_write_bwd_fn(u32, alpha, a0, r, anorm, a_end, dalpha, da_end, cu_seqlens, C, precision)
-        # packed, A0 has chunk slots no chunk fills (their contents unset)
-        return dict(alpha=alpha, A_end=a_end, R=r, anorm=anorm, **({} if N > 1 else {"A0": a0}),
-                    **dict(zip(("dk_hat", "du", "dlam_init"), grads)))  # fmt: skip
-
-    sequential, blocked = stage(False), stage(True)
-    for name, x in blocked.items():
-        assert_close(name, x, sequential[name], 1e-5)
-    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    for i, (bos, eos) in enumerate(zip(starts[:-1], starts[1:])):
-        pad = -(eos - bos) % C
-        kh = torch.cat([k_hat[:, bos:eos], k_hat.new_full((1, pad, H, K), K**-0.5)], 1).transpose(1, 2)
-        uu = F.pad(u[:, bos:eos], (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-        alpha, A_end = vla_chunk_gates(kh, uu, lam0, None if A_init is None else A_init[i : i + 1], C)
-        for run in (sequential, blocked):
-            assert_close(
-                "alpha", run["alpha"][:, bos:eos].double().cpu(), alpha[:, :, : eos - bos].transpose(1, 2), 1e-5
-            )
-            assert_close("A_end", run["A_end"][i : i + 1].double().cpu(), A_end, 1e-5)
-
-
 def test_normalize_kernels_match_torch():
     """The normaliser kernels against its PyTorch form, with denominators on both sides of ``eps`` (signed
     features, so the clamp's zero gradient is exercised), a partial last chunk, ``n0`` and ``dn_T``."""

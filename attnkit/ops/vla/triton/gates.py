@@ -11,11 +11,7 @@ Packed sequences (``cu_seqlens``) run in the same launches: chunk slots as ``chu
   or, for the later chunks of a program's group, carried from the chunk before: ``A0 ← A0 − RᵀR``;
 - the Sherman–Morrison vectors ``z_t = A_{t−1} u_t``, ``d_t = 1 + u_tᵀ z_t`` by rank-one downdates of
   ``Y = U A`` (row ``t`` is final once the rows before it have been applied), ``R = D^{−1/2} Z``, in blocks of
-  ``SB`` rows with ``A ← A − R_bᵀ R_b`` between blocks; or, with ``BLOCKED_DOWNDATE``, from the block's Gram
-  ``M = I + U_b A U_bᵀ = I + Y U_bᵀ = L D Lᵀ`` (``L`` unit lower triangular): ``Z = L⁻¹ Y``, ``d_t = D_tt``. That is
-  Cholesky, ``M = C Cᵀ`` with ``C = L D^{1/2}``: ``R_b = C⁻¹ Y``, ``d_t = C_tt²``, ``R_bᵀ R_b = Yᵀ M⁻¹ Y = A U_bᵀ
-  M⁻¹ U_b A`` (Woodbury's downdate), and as the leading blocks of ``C`` factor those of ``M``, row ``t`` is token
-  ``t``'s vector. The elimination steps act on ``SB × SB`` tiles instead of ``SB × K`` ones;
+  ``SB`` rows with ``A ← A − R_bᵀ R_b`` between blocks;
 - ``a = K̂ A − tril(K̂ Rᵀ) R`` per block (``a_t = A_t k̂_t``), ``α̂ = a / ‖a‖``.
 
 Backward, from ``A_t = (Λ_c + Σ_{s≤t, s in c} u_s u_sᵀ)⁻¹`` directly (no differentiation through the
@@ -160,7 +156,6 @@ def vla_gates_fwd_kernel(
     k_hat, u, lam, alpha, a0_out, r_out, anorm_out, cu_seqlens, offsets, T, NC, N, sub, sut, suh, sud,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr, GROUP: tl.constexpr,
     PRECISION: tl.constexpr, NORMALIZE: tl.constexpr, IS_VARLEN: tl.constexpr, LOG_N: tl.constexpr,
-    BLOCKED: tl.constexpr,
 ):  # fmt: skip
     """``k_hat [B, T, H, K]`` float32, ``u [B, T, H, K]`` (strided), ``lam [BH, NC, K, K]`` float32 ->
     ``alpha [B, T, H, K]`` and, for the backward, ``a0_out [BH, NC, K, K]`` (``A0``), ``r_out [B, T, H, K]``
@@ -169,18 +164,15 @@ def vla_gates_fwd_kernel(
 
     A program takes ``GROUP`` consecutive chunks and sweeps only the first one's penalty. It then walks its
     tokens in blocks of ``SB`` rows carrying the current inverse ``A`` (``A ← A − R_bᵀ R_b`` after each block, one
-    product): inside a block the ``SB`` rank-one downdates act on ``[SB, K]`` tiles, or with ``BLOCKED`` the ``SB``
-    elimination steps of ``M = I + Y U_bᵀ = L D Lᵀ`` act on ``[SB, SB]`` tiles (``M``'s trailing block, symmetric,
-    read by columns; the same row operations on ``I`` give ``L⁻¹``) and ``R_b = D^{−1/2} L⁻¹ Y`` is one product;
-    then ``a = K̂_b A − tril(K̂_b R_bᵀ) R_b``. ``A`` at each chunk's start is stored for the backward; ``lam`` of the
-    other chunks of the group is not read (their ``A0`` is the same matrix), except where a packed sequence starts
-    inside the group (chunk slots as :func:`chunk_program`): its first chunk's penalty is swept afresh."""
+    product): inside a block the ``SB`` rank-one downdates act on ``[SB, K]`` tiles, and ``a = K̂_b A −
+    tril(K̂_b R_bᵀ) R_b``. ``A`` at each chunk's start is stored for the backward; ``lam`` of the other chunks
+    of the group is not read (their ``A0`` is the same matrix), except where a packed sequence starts inside
+    the group (chunk slots as :func:`chunk_program`): its first chunk's penalty is swept afresh."""
     i_g, i_bh = tl.program_id(0), tl.program_id(1)
     NB: tl.constexpr = BT // SB
     o_k = tl.arange(0, BK)
     o_s = tl.arange(0, SB)
     rows = o_s[:, None]
-    cols = o_s[None, :]
     b_a0 = chunk_inverse(lam, i_g * GROUP, i_bh, NC, K, BK)[0]
     for j in range(0, GROUP):
         i_p = i_g * GROUP + j
@@ -198,30 +190,16 @@ def vla_gates_fwd_kernel(
             b_u = row_tile(u, i_b, i_h, bos, i_sb, L, sub, sut, suh, sud, o_k, K, SB)[0].to(tl.float32)
             b_y = tl.dot(b_u, b_a0, input_precision=PRECISION)  # rows A u_t
             b_d = tl.zeros([SB], dtype=tl.float32)
-            if BLOCKED:
-                # M = I + Y Uᵀ = L D Lᵀ by elimination on [SB, SB] tiles; the same row operations on I give L⁻¹
-                b_m = tl.where(rows == cols, 1.0, 0.0) + tl.dot(b_y, tl.trans(b_u), input_precision=PRECISION)
-                b_e = tl.where(rows == cols, 1.0, 0.0)
-                for t in range(0, SB):
-                    b_c = tl.sum(tl.where(cols == t, b_m, 0.0), 1)  # column t of the (symmetric) Schur complement
-                    b_et = tl.sum(tl.where(rows == t, b_e, 0.0), 0)  # row t of L⁻¹, final once rows < t applied
-                    b_dt = tl.sum(tl.where(o_s == t, b_c, 0.0), 0)  # d_t = 1 + u_tᵀ A_{t-1} u_t
-                    b_d = tl.where(o_s == t, b_dt, b_d)
-                    b_l = tl.where(o_s > t, b_c / b_dt, 0.0)  # column t of L below the diagonal
-                    b_m -= b_l[:, None] * b_c[None, :]
-                    b_e -= b_l[:, None] * b_et[None, :]
-                b_y = tl.dot(b_e, b_y, input_precision=PRECISION)  # rows z_t = A_{t-1} u_t
-            else:
-                for t in range(0, SB):
-                    b_z = tl.sum(tl.where(rows == t, b_y, 0.0), 0)  # z_t = A_{t-1} u_t, final once rows < t applied
-                    b_uz = tl.sum(b_u * b_z[None, :], 1)  # u_i · z_t for every row i
-                    b_dt = 1.0 + tl.sum(tl.where(o_s == t, b_uz, 0.0), 0)
-                    b_d = tl.where(o_s == t, b_dt, b_d)
-                    b_y -= tl.where(o_s > t, b_uz / b_dt, 0.0)[:, None] * b_z[None, :]
+            for t in range(0, SB):
+                b_z = tl.sum(tl.where(rows == t, b_y, 0.0), 0)  # z_t = A_{t-1} u_t, final once rows < t applied
+                b_uz = tl.sum(b_u * b_z[None, :], 1)  # u_i · z_t for every row i
+                b_dt = 1.0 + tl.sum(tl.where(o_s == t, b_uz, 0.0), 0)
+                b_d = tl.where(o_s == t, b_dt, b_d)
+                b_y -= tl.where(o_s > t, b_uz / b_dt, 0.0)[:, None] * b_z[None, :]
             b_r = b_y / tl.sqrt(b_d)[:, None]
             tl.store(r_out + p_k, b_r, mask=m_k)
 
-            b_kr = tl.where(rows >= cols, tl.dot(b_kh, tl.trans(b_r), input_precision=PRECISION), 0.0)
+            b_kr = tl.where(rows >= o_s[None, :], tl.dot(b_kh, tl.trans(b_r), input_precision=PRECISION), 0.0)
             b_a = tl.dot(b_kh, b_a0, input_precision=PRECISION) - tl.dot(b_kr, b_r, input_precision=PRECISION)
             b_norm = tl.sqrt(tl.sum(b_a * b_a, 1))
             b_norm = tl.where(b_norm > 0, b_norm, 1.0)  # rows past T (zero k̂)
@@ -370,15 +348,6 @@ def vla_gates_bwd_u_kernel(
 # of ``g`` and ``a``.
 BWD_COLUMNS: int | None = 64
 
-# The forward's downdates inside a block of ``SB`` rows: True, by elimination of the ``SB × SB`` Gram ``M = I + Y
-# U_bᵀ`` (``R_b = D^{-1/2} L⁻¹ Y``, :func:`vla_gates_fwd_kernel`); False, one token at a time on ``[SB, K]`` tiles.
-# The GPU timing is pending (the token loop is the suspect in the kernel's 2.89 ms of a 50 ms training step, H100,
-# K = 64). Off until then, and less accurate on one block in float32 where ``M`` is ill-conditioned: ``R`` against
-# float64 1.6e-4 blocked, 3.3e-5 token by token at K = 64 (16 nearly parallel unit ``u``, ``A = I / 1e-3``), as the
-# PyTorch backend's Cholesky of ``M`` (1.5e-4); the same (~1e-7) on the layer's ``u`` (unit over √K). Through the
-# whole gate stage the two agree to 1.3x or better but at K = 16, ``lam0 = 1e-4``, unit ``u`` (α̂ 2.9e-4 against 2.2e-4).
-BLOCKED_DOWNDATE = False
-
 
 def launch_config(key_dim: int, chunks: int = 1) -> dict[str, int]:
     """Warps, stages, ``GROUP`` (chunks per program) and ``SB`` (rows per downdate block) of the gate kernels.
@@ -426,7 +395,7 @@ def vla_gates_fwd_fn(
     config = config or launch_config(K, NC * B * H)
     vla_gates_fwd_kernel[(triton.cdiv(NC, config["GROUP"]), B * H)](
         k_hat, u, lam, alpha, a0, r, anorm, T=T, NC=NC, H=H, K=K, BK=block_dim(K), BT=chunk_size,
-        PRECISION=precision, NORMALIZE=normalize, BLOCKED=BLOCKED_DOWNDATE, **u_strides(u), **varlen, **config,
+        PRECISION=precision, NORMALIZE=normalize, **u_strides(u), **varlen, **config,
     )  # fmt: skip
     return alpha, a0, r, anorm
 
