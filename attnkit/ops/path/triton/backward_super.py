@@ -395,9 +395,9 @@ def path_bwd_super_fn(
     ``longest``: the longest sequence's length (no host sync); ``sb_offsets``: ``chunk_offsets(cu_seqlens, chunk *
     span)`` where the caller has it; ``dv``, ``dgcum``: float32 buffers to add into (returned), else new ones (``dg``
     empty without gates). Three launches a wave of key superblocks (:func:`waves`: one wave unless the pairs'
-    ``K × K`` slots outgrow ``SCRATCH_BYTES``). Without a ``dv`` to add into, the kernels store ``dkh``, ``dv`` and
-    ``dsig`` first (``FRESH``, in the tiles' order), so that only the atomic adds' buffers (``dxh``, ``dg``) are
-    zeroed before them."""
+    ``K × K`` slots outgrow ``SCRATCH_BYTES``). ``dsig`` is stored first by the first wave; without a ``dv`` to add
+    into, ``dkh`` and ``dv`` are too (``FRESH``, in the tiles' order), so that only the atomic adds' buffers (``dxh``,
+    ``dg``) are zeroed before them."""
     B, T, HQ, K = xh.shape
     H, V = kh.shape[2], v.shape[-1]
     config = launch_config(K, chunk, v.dtype, V)
@@ -428,11 +428,11 @@ def path_bwd_super_fn(
     if NL < 2:
         dv = torch.zeros(B, T, H, V, **f32) if dv is None else dv
         return dxh, torch.zeros(B, T, H, K, **f32), dv, torch.zeros_like(sig), dgcum
-    fresh = dv is None and not outer  # every row of dkh and dv stored once, the first wave's dsig stored
+    fresh = dv is None and not outer  # every row of dkh and dv stored once
     alloc = torch.empty if fresh else torch.zeros
     dkh = alloc(B, T, H, K, **f32)
     dv = alloc(B, T, H, V, **f32) if dv is None else dv
-    dsig = torch.empty_like(sig) if fresh and NL >= 3 else torch.zeros_like(sig)
+    dsig = torch.empty_like(sig) if NL >= 3 else torch.zeros_like(sig)  # the sig kernel's first wave stores
     precision, carry = precisions(v.dtype, K, V)
     if PAIR_16BIT == "16bit" and v.dtype != torch.float32:  # 16-bit operands: under the interpreter too (fp16)
         pair = PAIR_16BIT

@@ -357,10 +357,9 @@ def path_local_bwd_kernel(
     [*, HQ]`` float32, the gradients of the local terms (float32): ``dx [*, HQ, K]``, ``dkt [*, H, K]``, with ``DA``
     ``da [chunks, H, BK, BK]`` (the carries') and with ``DM`` ``dm [chunks, H, BT, BT]`` and ``dw_in [*, H, K]`` (the
     carries' gradient as its projections). Writes ``dq [*, HQ, K]``, ``dk, dw [*, H, K]``, ``dbeta [*, H]`` (float32)
-    and adds the diagonal blocks' ``dV`` to ``dv [*, H, V]`` (float32) into ``dv_out`` (``dv`` itself, or a tensor
-    in its own dtype) and, with ``USE_G``, their row and column sums of
-    ``dS`` into ``dgcum [*, HQ]``. ``SOLVE``: ``L⁻ᵀ dM`` by back substitution, or by two products in that precision
-    (``LOCAL_SOLVE``). Grid ``(chunks, N * H)``."""
+    and adds the diagonal blocks' ``dV`` to ``dv [*, H, V]`` (float32) into ``dv_out`` (in its own dtype) and, with
+    ``USE_G``, their row and column sums of ``dS`` into ``dgcum [*, HQ]``. ``SOLVE``: ``L⁻ᵀ dM`` by back
+    substitution, or by two products in that precision (``LOCAL_SOLVE``). Grid ``(chunks, N * H)``."""
     i_c, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     G: tl.constexpr = HQ // H
@@ -618,14 +617,14 @@ def local_bwd_fn(
     cu_seqlens: torch.Tensor | None,
     chunk: int,
     offsets: torch.Tensor | None,
-    dv_out: torch.Tensor | None = None,
+    dv_out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dw, dbeta)`` in the dtypes of ``q, k, w, beta`` from the local terms' gradients
     (:func:`path_local_bwd_kernel`; ``m``: the prepare kernel's UT matrices; ``da`` or ``dm`` with ``dw_in`` may be
     None; ``offsets``: ``chunk_offsets(cu_seqlens, chunk)``); adds the diagonal blocks into ``dgcum`` in place, and
-    into ``dv``, in place or, given ``dv_out`` (of ``dv``'s shape, in any dtype: the last writer of ``dV`` rounds
-    it once), into ``dv_out``. ``dw`` is ``dkt`` itself, overwritten, where their dtypes, shapes and strides agree:
-    the caller reads ``dkt`` no more.
+    to the float32 ``dv`` into ``dv_out`` (``dv``'s shape, in any dtype: the last writer of ``dV`` rounds it once).
+    ``dw`` is ``dkt`` itself, overwritten, where their dtypes, shapes and strides agree: the caller reads ``dkt`` no
+    more.
 
     The kernel's products take :func:`local_precisions`: the attention products' precision (one TF32 pass for
     16-bit inputs, ``prepare.FLOAT32_PRECISIONS`` for float32 ones), and for bfloat16 inputs at ``K <= 64`` bf16
@@ -644,8 +643,8 @@ def local_bwd_fn(
     precision, grads = local_precisions(q.dtype, K, V)
     solve = "substitution" if LOCAL_SOLVE is None else local_solve(q.dtype, precision)
     path_local_bwd_kernel[(triton.cdiv(T, chunk), N * H)](
-        q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv,
-        dv if dv_out is None else dv_out, dgcum, cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
+        q, k, v, w, beta, m, gcum, do, lse, delta, dx, dkt, da, dm, dw_in, dq, dk, dw, dbeta, dv, dv_out, dgcum,
+        cu_seqlens, offsets, T, triton.cdiv(T, chunk), scale,
         HQ=HQ, H=H, K=K, V=V, BK=block_dim(K), BV=value_block(V, v.dtype), BT=chunk, USE_G=gcum is not None,
         IS_VARLEN=cu_seqlens is not None, DA=da is not None, DM=dm is not None, PRECISION=precision,
         GRAD_PRECISION=grads, SOLVE=solve, **launch_config(K),
