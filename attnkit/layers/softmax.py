@@ -119,7 +119,7 @@ class SoftmaxAttention(TokenMixer):
             q, k = self._rotate(q, k, positions, lengths)
         o = softmax_attention(q, k, v, g, cu_seqlens=cu_seqlens, backend=self.backend)
         token_state = {"k": k, "v": v}
-        if g is not None:
+        if g is not None and use_cache:  # the cache's cumulative gates; training needs no cache
             token_state["g"] = segment_cumsum(g, cu_seqlens)
         return self.o_proj(o.reshape(B, T, o.shape[2] * o.shape[3])), token_state, {}
 
