@@ -154,10 +154,15 @@ def segment_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Te
     a dense ``[B, T, ...]`` when ``cu_seqlens`` is None).
 
     One cumsum per sequence rather than one global cumsum minus offsets: the difference of two large
-    running sums would lose the small gates of a late sequence."""
+    running sums would lose the small gates of a late sequence. Each runs along the last dim: torch's CUDA scan
+    along an outer dim gives each column one thread (0.7 ms at ``[4, 4096, 16]`` on an H200)."""
+
+    def scan(x: torch.Tensor) -> torch.Tensor:
+        return x.movedim(1, -1).cumsum(-1).movedim(-1, 1)
+
     if cu_seqlens is None:
-        return g.cumsum(1)
-    parts = [g[:, bos:eos].cumsum(1) for bos, eos in segment_bounds(cu_seqlens, g.shape[1]) if eos > bos]
+        return scan(g)
+    parts = [scan(g[:, bos:eos]) for bos, eos in segment_bounds(cu_seqlens, g.shape[1]) if eos > bos]
     return torch.cat(parts, dim=1) if parts else g.clone()
 
 
