@@ -389,6 +389,10 @@ for step in $steps; do
             # times, 16 at once with graphs (an H100): MQAR n = 24 VLA and DeltaNet 215-229 s, linear and softmax
             # 90-96 s; copying 155-325 s; retention T49/T64 155-176 s; retention T128 VLA 188 s 8 at once. A limit
             # of 180 s finished none (the first wave's cells outlived it): give a call's cells two of their times.
+            # Forty-first session, 16 at once (an H100): retention T128 DeltaNet 389 s, T256 VLA 417 s (654k tokens/s
+            # a process, so a T = 512 cell, 524M tokens, would take some 800 s: run those with fewer jobs); capacity
+            # n = 32 linear 149 s, VLA 226 s, DeltaNet 247 s; n = 40 linear 157 s, VLA and DeltaNet 224-228 s. A cell
+            # with no finished sibling is estimated by its experiment's longest cell (run_cells' stop_at).
             papers=${REPRO_PAPERS:-vla} limit=${REPRO_LIMIT:-480} drain=${REPRO_DRAIN:-150}
             mps=0
             [ "${REPRO_MPS:-1}" = 1 ] && mps_start

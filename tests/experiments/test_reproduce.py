@@ -148,24 +148,55 @@ def test_run_cells_caches_and_never_reruns(tmp_path):
         cells_mod.run_cells(cells, str(tmp_path), jobs=0)
 
 
+def test_identical_cells_of_two_experiments_run_once_and_share_the_record(tmp_path):
+    """A cell whose definition (kind and params) is another experiment's reads that one's record: both pending, one
+    runs; a cell of another definition (another lr), or one that keeps its model, never takes it."""
+    one = tiny_sweep(seeds=(0,), lrs=(1e-3, 3e-3, 1e-2), models={"a": {"mixer": "linear"}}).cells()
+    two = tiny_sweep(name="twin", seeds=(0,), lrs=(1e-3, 3e-3, 1e-2), models={"a": {"mixer": "linear"}}).cells()
+    assert [c.key for c in one] == [c.key for c in two] and one[0].name != two[0].name
+    lines = []
+    summary = cells_mod.run_cells([one[0], two[0], two[1]], str(tmp_path), log=lines.append)
+    assert summary.ran == [one[0].name, two[1].name, two[0].name] and not summary.cached and not summary.failed
+    assert not os.path.exists(cells_mod.cell_path(str(tmp_path), two[0]))
+    shared = cells_mod.load_cell(str(tmp_path), two[0])
+    assert shared == cells_mod.load_cell(str(tmp_path), one[0]) and cells_mod.is_finished(str(tmp_path), two[0])
+    assert cells_mod.load_cell(str(tmp_path), one[1]) == cells_mod.load_cell(str(tmp_path), two[1])
+    assert cells_mod.load_cell(str(tmp_path), one[2]) is None  # another lr: another definition, not run
+    again = cells_mod.run_cells(two[:2], str(tmp_path), log=lines.append)
+    assert sorted(again.cached) == sorted(c.name for c in two[:2]) and not again.ran
+    kept = cells_mod.Cell(two[0].experiment, two[0].label, two[0].kind, two[0].params, keep=True)
+    assert kept.key == one[0].key and cells_mod.load_cell(str(tmp_path), kept) is None
+    # a file named with the key whose record is another definition is not taken
+    forged = cells_mod.load_cell(str(tmp_path), two[1])
+    forged = {**forged, "params": {**forged["params"], "seed": 99}}
+    os.remove(cells_mod.cell_path(str(tmp_path), two[1]))
+    with open(os.path.join(str(tmp_path), f"other-{two[1].key}.json"), "w") as f:
+        json.dump(forged, f)
+    assert cells_mod.load_cell(str(tmp_path), two[1]) is None
+
+
 def test_run_cells_starts_no_cell_its_siblings_say_will_not_finish(tmp_path):
     """``stop_at``: a cell whose finished siblings (same model and setting, another learning rate or seed) took longer
-    than what is left is skipped, with its children; a cell with no finished sibling still runs, and so do the
-    siblings when enough time is left."""
-    sweep = tiny_sweep(seeds=(0,), lrs=(1e-3, 3e-3, 1e-2))
-    cells = sweep.cells()
-    a = [c for c in cells if c.label.startswith("a ")]
-    b = [c for c in cells if c.label.startswith("b ")]
+    than what is left is skipped, with its children; a cell with no finished sibling takes its experiment's longest
+    time (another model's here) instead, and one whose experiment has no finished cell still runs; the siblings run
+    when enough time is left."""
+    models = {"a": {"mixer": "linear"}, "b": {"mixer": "deltanet"}, "c": {"mixer": "vla"}}
+    cells = tiny_sweep(seeds=(0,), lrs=(1e-3, 3e-3, 1e-2), models=models).cells()
+    a, b, c = ([x for x in cells if x.label.startswith(f"{m} ")] for m in "abc")
+    other = tiny_sweep(name="other", seeds=(0,), lrs=(1e-3, 3e-3, 1e-2), models={"d": {"mixer": "rope"}}).cells()
     assert cells_mod.sibling_key(a[0]) == cells_mod.sibling_key(a[1]) != cells_mod.sibling_key(b[0])
-    cells_mod.run_cells(a[:1], str(tmp_path))
+    cells_mod.run_cells([a[0], b[0]], str(tmp_path))
     path = cells_mod.cell_path(str(tmp_path), a[0])
     with open(path) as f:
         record = json.load(f)
     record["wall_s"] = 1000.0  # a sibling that took longer than the 100 s left
     with open(path, "w") as f:
         json.dump(record, f)
-    summary = cells_mod.run_cells(a[:2] + b[:1], str(tmp_path), stop_at=time.time() + 100, log=lambda line: None)
-    assert summary.cached == [a[0].name] and summary.skipped == [a[1].name] and summary.ran == [b[0].name]
+    todo = [a[0], b[0], a[1], b[1], c[0], other[0]]  # the finished ones' records give the times
+    summary = cells_mod.run_cells(todo, str(tmp_path), stop_at=time.time() + 100, log=lambda line: None)
+    assert summary.cached == [a[0].name, b[0].name]
+    assert sorted(summary.skipped) == sorted([a[1].name, c[0].name])  # its sibling's time; its experiment's
+    assert sorted(summary.ran) == sorted([b[1].name, other[0].name])  # b's own sibling was quick; none finished
     summary = cells_mod.run_cells(a[:2], str(tmp_path), stop_at=time.time() + 2000, log=lambda line: None)
     assert summary.ran == [a[1].name] and not summary.skipped
 

@@ -104,14 +104,46 @@ def _can_continue(cells_dir: str, parent: Cell) -> bool:
     return record is not None and (record["result"]["status"] != "ok" or has_model(cells_dir, parent))
 
 
+def shares_records(cell: Cell) -> bool:
+    """Whether ``cell`` may take the record of an identical cell of another experiment: one that neither starts from
+    nor keeps a model (its record is the whole of it), whose definition (``kind`` and ``params``, the key's blob) is
+    the same. Such a cell runs once: an experiment that repeats another's run (the capacity sweep's n = 16 and 24 are
+    the MQAR sweep's) reads that run's record."""
+    return cell.parent is None and not cell.keep
+
+
+def _shared_record(cells_dir: str, cell: Cell) -> dict | None:
+    """The record of a cell of another experiment with ``cell``'s definition, or None."""
+    if not shares_records(cell):
+        return None
+    suffix = f"-{cell.key}.json"
+    try:
+        names = sorted(n for n in os.listdir(cells_dir) if n.endswith(suffix) and not n.startswith("."))
+    except FileNotFoundError:
+        return None
+    definition = json.loads(json.dumps({"kind": cell.kind, "params": cell.params}, default=str))
+    for name in names:
+        with open(os.path.join(cells_dir, name)) as f:
+            record = json.load(f)
+        ident = record.get("cell", {})
+        if (
+            ident.get("key") == cell.key
+            and "parent" not in ident
+            and {"kind": ident.get("kind"), "params": record.get("params")} == definition
+        ):
+            return record
+    return None
+
+
 def load_cell(cells_dir: str, cell: Cell) -> dict | None:
-    """The cached record of ``cell`` (``{"cell", "result", ...}``), or None when it has not finished."""
+    """The cached record of ``cell`` (``{"cell", "result", ...}``), or None when it has not finished. A cell without
+    its own record takes that of an identical cell of another experiment (:func:`shares_records`)."""
     path = cell_path(cells_dir, cell)
     try:
         with open(path) as f:
             record = json.load(f)
     except FileNotFoundError:
-        return None
+        return _shared_record(cells_dir, cell)
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not a cell record ({err}); move it aside to rerun the cell") from None
     if record.get("cell", {}).get("key") != cell.key:
@@ -354,8 +386,10 @@ def run_cells(
     ``stop_at`` (a ``time.time()``): when the caller will stop the run, killing what still runs. A cell starts only if
     its siblings' longest wall time (:func:`sibling_key`: the same experiment, kind, model and setting at another
     learning rate or seed, finished before or during this run), with a tenth more, fits before it; else it is
-    ``skipped``, so that no call spends its end on cells it will kill. A cell with no finished sibling is left to
-    ``deadline``.
+    ``skipped``, so that no call spends its end on cells it will kill. A cell with no finished sibling takes the
+    longest wall time of its experiment's finished cells of its kind instead (another model or setting: the next
+    rung of a ladder, the next n of a sweep, whose cells a call would otherwise start in its last minutes, to be
+    killed while they slow the others down); one whose experiment has none finished is left to ``deadline``.
     A cell that raises is reported in ``failed`` and left unfinished; the others go on.
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -372,26 +406,33 @@ def run_cells(
         unfinished.add(cell.name)
         todo.append(cell)
 
-    longest: dict[tuple[str, str, str], float] = {}  # sibling_key -> the longest finished wall time
+    longest: dict[tuple[str, ...], float] = {}  # sibling_key (or its experiment and kind) -> the longest wall time
 
     def timed(cell: Cell, record: dict) -> None:
         if "wall_s" in record:
-            key = sibling_key(cell)
-            longest[key] = max(longest.get(key, 0.0), float(record["wall_s"]))
+            for key in (sibling_key(cell), sibling_key(cell)[:2]):  # its siblings', and its experiment's
+                longest[key] = max(longest.get(key, 0.0), float(record["wall_s"]))
 
     unfinished: set[str] = set()
+    runs: dict[str, str] = {}  # key -> the cell that runs it, for identical cells of several experiments
+    twins: dict[str, str] = {}  # a cell that reads the record of an identical one run here -> that one's name
     cells = list(cells)
     for cell in cells:
         record = load_cell(cells_dir, cell)  # is_finished's read, kept for the siblings' wall times
-        if record is None:
-            need(cell)
-        else:
+        if record is not None:
             timed(cell, record)
-    summary.cached = [cell.name for cell in cells if cell.name not in unfinished]
+        elif shares_records(cell) and runs.get(cell.key, cell.name) != cell.name:
+            twins[cell.name] = runs[cell.key]
+        else:
+            need(cell)
+            if shares_records(cell):
+                runs[cell.key] = cell.name
+    summary.cached = [cell.name for cell in cells if cell.name not in unfinished and cell.name not in twins]
     total, waiting = len(todo), list(todo)
 
     def fits(cell: Cell) -> bool:
-        estimate = longest.get(sibling_key(cell))
+        key = sibling_key(cell)
+        estimate = longest.get(key, longest.get(key[:2]))
         return stop_at is None or estimate is None or time.time() + 1.1 * estimate <= stop_at
 
     def done(cell: Cell, record: dict) -> None:
@@ -451,6 +492,11 @@ def run_cells(
                 finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in finished:
                     done(running.pop(future), future.result())
+    for twin, runner in twins.items():  # a twin shares its runner's fate
+        if runner in summary.failed:
+            summary.failed[twin] = summary.failed[runner]
+        else:
+            (summary.ran if runner in summary.ran else summary.skipped).append(twin)
     summary.wall_s = time.perf_counter() - t0
     return summary
 

@@ -117,7 +117,9 @@ def experiments(scale: str) -> list:
             {f"n{n}": {"num_kv_pairs": n} for n in capacity},
             {f"n{n}": n for n in capacity},
             "key-value pairs n",
-            f"VLA-form MQAR; d_h = {HEAD_DIM}, so n > {HEAD_DIM} is past the capacity of one head.",
+            f"VLA-form MQAR; d_h = {HEAD_DIM}, so n > {HEAD_DIM} is past the capacity of one head. The cells at "
+            "n = 16 and 24 are the MQAR sweep's (the same runs, read from its records).",
+            probes=TRAINED_PROP2,  # as the MQAR sweep's VLA, so that the runs it shares with it are the same cells
         ),
         Sweep(
             name="copying",
