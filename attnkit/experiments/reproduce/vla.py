@@ -87,6 +87,8 @@ def experiments(scale: str) -> list:
     lengths = (49, 64) if scale == "smoke" else (49, 64, 128, 256, 512)
     capacity = (16, 40) if scale == "smoke" else (16, 24, 32, 40, 48, 64)
     copy_len = 8 if scale == "smoke" else 64
+    both = ", ".join(str(n) for n in capacity if n in ns)  # the capacity cells that are the MQAR sweep's
+    shared = f" The cells at n = {both} are the MQAR sweep's (the same runs, read from its records)." if both else ""
     return [
         _mqar_sweep(
             "mqar",
@@ -117,8 +119,7 @@ def experiments(scale: str) -> list:
             {f"n{n}": {"num_kv_pairs": n} for n in capacity},
             {f"n{n}": n for n in capacity},
             "key-value pairs n",
-            f"VLA-form MQAR; d_h = {HEAD_DIM}, so n > {HEAD_DIM} is past the capacity of one head. The cells at "
-            "n = 16 and 24 are the MQAR sweep's (the same runs, read from its records).",
+            f"VLA-form MQAR; d_h = {HEAD_DIM}, so n > {HEAD_DIM} is past the capacity of one head." + shared,
             probes=TRAINED_PROP2,  # as the MQAR sweep's VLA, so that the runs it shares with it are the same cells
         ),
         Sweep(
